@@ -1,0 +1,721 @@
+"""The probe engine: return-routability handshake, windowed probing, timeouts.
+
+One thread owns every socket and every session (single-threaded like a
+sans-IO core; the HTTP threads talk to it under ``self.lock``). Database
+writes go through a separate writer thread so a slow or restarting database
+never stalls the probe clock, and nothing measured is lost while it is away.
+
+Handshake (DESIGN.md section 4): HELLO must carry the session's secret
+cookie; the answer is a CHALLENGE smaller than the HELLO; probes start only
+after the ECHO of that challenge arrives from the same address:port. A
+spoofed HELLO therefore costs its victim one small packet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import heapq
+import hmac
+import logging
+import queue
+import secrets
+import selectors
+import socket
+import struct
+import threading
+import time
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+
+from kickass_core import verdict as verdicts
+from kickass_core import wire
+from kickass_core.plan import ProbePlan
+
+from .packets import ProbeTemplate, open_raw_socket
+from .policy import Admission, Policy, TokenBucket, plan_bytes, prefix_of
+
+log = logging.getLogger("kickass.engine")
+
+IP_PKTINFO = 8  # Linux; not exported by Python's socket module
+_RECV_BUF = 4096
+FLUSH_INTERVAL_S = 0.5
+FINAL_STATES = ("complete", "ended", "expired", "incomplete")
+
+# Outcome codes per seq (bytearray, one byte per probe of the plan).
+_UNSENT, _OUT, _ACKED, _LOST, _LATE = 0, 1, 2, 3, 4
+
+
+@dataclass
+class Session:
+    session_id: str
+    tag: bytes
+    cookie_hash: bytes
+    plan: ProbePlan
+    source_address: str
+    created: float
+    expires: float
+    state: str = "created"
+    peer: tuple[str, int] | None = None
+    local_ip: str | None = None
+    challenges: dict[tuple[str, int], tuple[bytes, float, str]] = field(default_factory=dict)
+    challenges_sent: int = 0
+    rtt_ms: float | None = None
+    srtt: float = 0.0
+    rttvar: float = 0.0
+    rto: float = 1.0
+    next_seq: int = 0
+    outstanding: dict[int, float] = field(default_factory=dict)  # seq -> monotonic send time
+    codes: bytearray = field(default_factory=bytearray)
+    ack_counts: bytearray = field(default_factory=bytearray)
+    sent_mono: array = field(default_factory=lambda: array("d"))
+    wall0: datetime = field(default_factory=lambda: datetime.now(UTC))
+    mono0: float = 0.0
+    sent: int = 0
+    acked: int = 0
+    late: int = 0
+    dup_acks: int = 0
+    bytes_sent: int = 0
+    phase_sent: dict[str, int] = field(default_factory=lambda: {"whole": 0, "split": 0})
+    phase_acked: dict[str, int] = field(default_factory=lambda: {"whole": 0, "split": 0})
+    last_seen: float = 0.0  # last ACK, or last HTTP poll: the client is still there
+    ip_id: int = 0
+    templates: dict[int, ProbeTemplate] = field(default_factory=dict)
+    pending: list = field(default_factory=list)  # ProbeOutcome rows not yet handed to the writer
+    end_requested: str | None = None
+    finished: threading.Event = field(default_factory=threading.Event)
+
+    def ok_cookie(self, cookie: bytes) -> bool:
+        return hmac.compare_digest(hashlib.sha256(cookie).digest(), self.cookie_hash)
+
+
+@dataclass
+class NewSession:
+    session_id: str
+    cookie: str
+    plan: ProbePlan
+    expires_in_s: int
+
+
+class AdmissionDenied(Exception):
+    """The policy refuses a new session (HTTP 429)."""
+
+
+class DatabaseWriter:
+    """Serial writer thread. Keeps every pending write in order and retries
+    while the database is away, so a database restart loses nothing."""
+
+    def __init__(self, max_backlog: int = 100_000) -> None:
+        self.q: queue.Queue[Callable[[], None] | None] = queue.Queue(max_backlog)
+        self.thread = threading.Thread(target=self._run, name="kickass-db-writer", daemon=True)
+        self.failures = 0
+        self.thread.start()
+
+    def submit(self, op: Callable[[], None]) -> None:
+        self.q.put(op)
+
+    def _run(self) -> None:
+        while True:
+            op = self.q.get()
+            if op is None:
+                return
+            delay = 0.2
+            while True:
+                try:
+                    op()
+                    break
+                except Exception as exc:  # noqa: BLE001 - the database may be restarting
+                    self.failures += 1
+                    log.warning("database write failed (%s); retrying in %.1fs", exc, delay)
+                    time.sleep(delay)
+                    delay = min(delay * 2, 5.0)
+
+    def sync(self, timeout: float = 10.0) -> bool:
+        """Wait until everything submitted so far is written."""
+        done = threading.Event()
+        self.submit(done.set)
+        return done.wait(timeout)
+
+    def close(self, timeout: float = 30.0) -> None:
+        self.q.put(None)
+        self.thread.join(timeout)
+
+
+class ProbeEngine:
+    def __init__(
+        self,
+        store,  # noqa: ANN001 - kickass_server.store.Store (duck-typed for tests)
+        policy: Policy | None = None,
+        *,
+        bind_host: str = "0.0.0.0",
+        probe_port: int = 9000,
+        server_version: str = "0",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.policy = policy or Policy()
+        self.bind_host = bind_host
+        self.probe_port = probe_port
+        self.server_version = server_version
+        self.clock = clock
+        self.lock = threading.RLock()
+        self.sessions: dict[str, Session] = {}
+        self.by_tag: dict[bytes, Session] = {}
+        self.admission = Admission(self.policy, clock)
+        now = clock()
+        self.global_bucket = TokenBucket(self.policy.pps_global, now)
+        self.addr_buckets: dict[str, TokenBucket] = {}
+        self.prefix_buckets: dict[str, TokenBucket] = {}
+        self.timeouts: list[tuple[float, str, int]] = []
+        self.counters: dict[str, int] = {
+            k: 0
+            for k in (
+                "datagrams",
+                "malformed",
+                "unknown_session",
+                "bad_cookie",
+                "hello_ignored",
+                "challenges_sent",
+                "bad_echo",
+                "wrong_peer",
+                "acks",
+                "late_acks",
+                "dup_acks",
+                "stray_acks",
+                "probes_sent",
+                "packets_sent",
+                "bytes_sent",
+                "send_errors",
+                "paced",
+            )
+        }
+        self.writer = DatabaseWriter()
+        self.udp: socket.socket | None = None
+        self.raw: socket.socket | None = None
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._running = False
+        self._thread: threading.Thread | None = None
+        self._last_flush = now
+
+    # -- lifecycle -----------------------------------------------------------
+    def open_sockets(self) -> None:
+        udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        udp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        udp.setsockopt(socket.IPPROTO_IP, IP_PKTINFO, 1)
+        udp.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * 1024 * 1024)
+        udp.bind((self.bind_host, self.probe_port))
+        udp.setblocking(False)
+        self.udp = udp
+        self.probe_port = udp.getsockname()[1]
+        self.raw = open_raw_socket()
+
+    def start(self) -> None:
+        if self.udp is None:
+            self.open_sockets()
+        self._running = True
+        self._thread = threading.Thread(target=self.run, name="kickass-probe-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, reason: str = "server-shutdown") -> None:
+        """Finish every live session as incomplete, flush, close sockets."""
+        self._running = False
+        self._wake()
+        if self._thread:
+            self._thread.join(10)
+        with self.lock:
+            for s in list(self.sessions.values()):
+                if s.state not in FINAL_STATES:
+                    self._finish(s, "incomplete", reason)
+        self.writer.close()
+        for sock in (self.udp, self.raw, self._wake_r, self._wake_w):
+            if sock is not None:
+                sock.close()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"\0")
+
+    # -- API side (HTTP threads) ---------------------------------------------
+    def create_session(
+        self,
+        plan: ProbePlan,
+        source_address: str,
+        *,
+        client_version: str | None = None,
+        platform: str | None = None,
+        install_id: str | None = None,
+    ) -> NewSession:
+        nbytes = plan_bytes(plan)
+        with self.lock:
+            reason = self.admission.check(source_address, nbytes)
+            if reason:
+                raise AdmissionDenied(reason)
+            self.admission.admit(source_address, nbytes)
+            while True:
+                tag = secrets.token_bytes(wire.SESSION_TAG_LEN)
+                if tag not in self.by_tag:
+                    break
+        cookie = secrets.token_bytes(wire.COOKIE_LEN)
+        now = self.clock()
+        s = Session(
+            session_id=tag.hex(),
+            tag=tag,
+            cookie_hash=hashlib.sha256(cookie).digest(),
+            plan=plan,
+            source_address=source_address,
+            created=now,
+            expires=now + self.policy.handshake_timeout_s,
+            codes=bytearray(plan.total_probes),
+            sent_mono=array("d", bytes(8 * plan.total_probes)),
+            mono0=now,
+            ack_counts=bytearray(plan.total_probes),
+            ip_id=secrets.randbelow(0xFFFF) + 1,
+        )
+        try:
+            self.store.create_session(
+                session_id=s.session_id,
+                cookie_hash=s.cookie_hash,
+                plan=plan.to_json(),
+                source_address=source_address,
+                expires_at=datetime.now(UTC) + timedelta(seconds=self.policy.handshake_timeout_s),
+                server_version=self.server_version,
+                client_version=client_version,
+                platform=platform,
+                install_id=install_id,
+            )
+        except Exception:
+            with self.lock:
+                self.admission.release(source_address)
+            raise
+        with self.lock:
+            self.sessions[s.session_id] = s
+            self.by_tag[tag] = s
+        return NewSession(s.session_id, cookie.hex(), plan, int(self.policy.handshake_timeout_s))
+
+    def end_session(self, session_id: str, cookie_hex: str, wait_s: float = 5.0) -> str:
+        """Client asked to stop: no new probes; outstanding ones get their
+        timeout, then the session is recorded as ``ended``. Returns the
+        outcome: 'ended', 'not-found', 'forbidden' or 'already-final'."""
+        try:
+            cookie = bytes.fromhex(cookie_hex)
+        except ValueError:
+            return "forbidden"
+        with self.lock:
+            s = self.sessions.get(session_id)
+            if s is None:
+                return "not-found"
+            if not s.ok_cookie(cookie):
+                return "forbidden"
+            if s.state in FINAL_STATES:
+                return "already-final"
+            s.end_requested = "client-ended"
+        self._wake()
+        s.finished.wait(wait_s)
+        return "ended"
+
+    def writer_sync(self, timeout: float = 10.0) -> bool:
+        return self.writer.sync(timeout)
+
+    def touch(self, session_id: str) -> None:
+        """The client polled over HTTP: it is alive even if no probe gets
+        through (a fragment-dropping path acks nothing for a whole phase)."""
+        with self.lock:
+            s = self.sessions.get(session_id)
+            if s is not None:
+                s.last_seen = self.clock()
+
+    def live(self, session_id: str) -> Session | None:
+        with self.lock:
+            return self.sessions.get(session_id)
+
+    def stats(self) -> dict:
+        with self.lock:
+            live = [s for s in self.sessions.values() if s.state not in FINAL_STATES]
+            return {
+                "counters": dict(self.counters),
+                "sessions_live": len(live),
+                "sessions_probing": sum(1 for s in live if s.state == "probing"),
+                "db_write_backlog": self.writer.q.qsize(),
+                "db_write_failures": self.writer.failures,
+            }
+
+    # -- the loop --------------------------------------------------------------
+    def run(self) -> None:
+        assert self.udp is not None
+        sel = selectors.DefaultSelector()
+        sel.register(self.udp, selectors.EVENT_READ, "udp")
+        sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._wake_r.setblocking(False)
+        while self._running:
+            timeout = self._next_wakeup()
+            for key, _ in sel.select(timeout):
+                if key.data == "wake":
+                    with contextlib.suppress(BlockingIOError):
+                        self._wake_r.recv(4096)
+                else:
+                    self._drain_udp()
+            with self.lock:
+                self.tick(self.clock())
+        sel.close()
+
+    def _next_wakeup(self) -> float:
+        now = self.clock()
+        t = 0.05
+        with self.lock:
+            if self.timeouts:
+                t = min(t, max(0.0, self.timeouts[0][0] - now))
+            if any(
+                s.state == "probing"
+                and s.next_seq < s.plan.total_probes
+                and len(s.outstanding) < s.plan.window
+                for s in self.sessions.values()
+            ):
+                t = min(t, self._pacing_wait())
+        return t
+
+    def _drain_udp(self) -> None:
+        assert self.udp is not None
+        for _ in range(512):
+            try:
+                data, anc, _flags, addr = self.udp.recvmsg(_RECV_BUF, 64)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # e.g. ICMP port unreachable reported on the socket
+                log.debug("udp recv error: %s", exc)
+                continue
+            local_ip = None
+            for level, ctype, cdata in anc:
+                if level == socket.IPPROTO_IP and ctype == IP_PKTINFO and len(cdata) >= 12:
+                    local_ip = socket.inet_ntoa(cdata[8:12])
+            with self.lock:
+                self.handle_datagram(data, addr, local_ip, self.clock())
+
+    # -- datagram handling -------------------------------------------------------
+    def handle_datagram(
+        self, data: bytes, addr: tuple[str, int], local_ip: str | None, now: float
+    ) -> None:
+        self.counters["datagrams"] += 1
+        try:
+            msg = wire.decode(data)
+        except wire.WireError:
+            self.counters["malformed"] += 1
+            return
+        s = self.by_tag.get(msg.session_tag)
+        if s is None or s.state in FINAL_STATES:
+            self.counters["unknown_session"] += 1
+            return
+        if isinstance(msg, wire.Hello):
+            self._on_hello(s, msg, len(data), addr, local_ip, now)
+        elif isinstance(msg, wire.Echo):
+            self._on_echo(s, msg, addr, now)
+        elif isinstance(msg, wire.Ack):
+            self._on_ack(s, msg, addr, now)
+        else:
+            self.counters["malformed"] += 1  # server-to-client kinds never come in
+
+    def _on_hello(
+        self,
+        s: Session,
+        msg: wire.Hello,
+        size: int,
+        addr: tuple[str, int],
+        local_ip: str | None,
+        now: float,
+    ) -> None:
+        if not s.ok_cookie(msg.cookie):
+            self.counters["bad_cookie"] += 1
+            return
+        if s.peer == addr:
+            self.counters["hello_ignored"] += 1  # already proven; a late retransmission
+            return
+        if s.challenges_sent >= self.policy.max_challenges_per_session:
+            self.counters["hello_ignored"] += 1
+            return
+        token, _, _ = s.challenges.get(addr, (secrets.token_bytes(wire.CHALLENGE_LEN), 0.0, ""))
+        reply = wire.Challenge(s.tag, token).encode()
+        if len(reply) > size:  # never amplify (decode() already enforces HELLO_MIN_LEN)
+            self.counters["hello_ignored"] += 1
+            return
+        s.challenges[addr] = (token, now, local_ip or self.bind_host)
+        s.challenges_sent += 1
+        self.counters["challenges_sent"] += 1
+        self._send_udp(reply, addr)
+
+    def _on_echo(self, s: Session, msg: wire.Echo, addr: tuple[str, int], now: float) -> None:
+        pending = s.challenges.get(addr)
+        if pending is None or not hmac.compare_digest(pending[0], msg.token):
+            self.counters["bad_echo"] += 1
+            return
+        token, sent_at, local_ip = pending
+        del s.challenges[addr]
+        if s.peer == addr:
+            return
+        rtt = max(now - sent_at, 1e-4)
+        s.peer = addr
+        s.local_ip = local_ip if local_ip and local_ip != "0.0.0.0" else None
+        s.templates.clear()
+        if s.state == "created":
+            s.state = "probing"
+            s.rtt_ms = rtt * 1000.0
+            s.srtt, s.rttvar = rtt, rtt / 2
+            s.rto = self._clamp_rto(2 * s.srtt + 4 * s.rttvar)
+            s.last_seen = now
+            s.expires = now + self.policy.max_session_s
+            sid, peer_ip, peer_port, rtt_ms = s.session_id, addr[0], addr[1], s.rtt_ms
+            self.writer.submit(lambda: self.store.mark_probing(sid, peer_ip, peer_port, rtt_ms))
+
+    def _clamp_rto(self, rto: float) -> float:
+        p = self.policy
+        return min(max(rto, p.min_timeout_ms / 1000.0), p.max_timeout_ms / 1000.0)
+
+    def _on_ack(self, s: Session, msg: wire.Ack, addr: tuple[str, int], now: float) -> None:
+        if addr != s.peer:
+            self.counters["wrong_peer"] += 1
+            return
+        seq = msg.seq
+        if seq >= len(s.codes) or s.codes[seq] == _UNSENT:
+            self.counters["stray_acks"] += 1
+            return
+        self.counters["acks"] += 1
+        s.last_seen = now
+        code = s.codes[seq]
+        s.ack_counts[seq] = min(255, s.ack_counts[seq] + 1)
+        probe = s.plan.probe(seq)
+        if code == _OUT:
+            sent_at = s.outstanding.pop(seq)
+            rtt = max(now - sent_at, 0.0)
+            # Jacobson/Karels; no retransmissions, so every sample is clean.
+            s.rttvar = 0.75 * s.rttvar + 0.25 * abs(s.srtt - rtt)
+            s.srtt = 0.875 * s.srtt + 0.125 * rtt
+            s.rto = self._clamp_rto(2 * s.srtt + 4 * s.rttvar)
+            s.codes[seq] = _ACKED
+            s.acked += 1
+            s.phase_acked[probe.phase] += 1
+            self._record(s, seq, "acked", rtt * 1000.0, msg)
+        elif code == _LOST:
+            s.codes[seq] = _LATE
+            s.late += 1
+            self.counters["late_acks"] += 1
+            self._record(s, seq, "late", None, msg)
+        else:
+            s.dup_acks += 1
+            self.counters["dup_acks"] += 1
+            if code == _ACKED:
+                self._record(s, seq, "acked", None, msg, update_only=True)
+
+    def _record(
+        self,
+        s: Session,
+        seq: int,
+        outcome: str,
+        rtt_ms: float | None,
+        ack: wire.Ack | None,
+        update_only: bool = False,
+    ) -> None:
+        from .store import ProbeOutcome  # the store module needs SQLAlchemy; keep import late
+
+        probe = s.plan.probe(seq)
+        s.pending.append(
+            ProbeOutcome(
+                seq=seq,
+                phase=probe.phase,
+                ip_len=probe.ip_len,
+                sent_at=s.wall0 + timedelta(seconds=s.sent_mono[seq] - s.mono0),
+                outcome=outcome,
+                acked_at=datetime.now(UTC) if ack is not None and not update_only else None,
+                rtt_ms=rtt_ms,
+                ack_count=s.ack_counts[seq],
+                received_len=ack.received_len if ack else None,
+                observed_frag_size=ack.observed_frag_size if ack else None,
+            )
+        )
+
+    # -- time-driven work -----------------------------------------------------
+    def tick(self, now: float) -> None:
+        self._expire_timeouts(now)
+        self._send_probes(now)
+        for s in list(self.sessions.values()):
+            if s.state in FINAL_STATES:
+                continue
+            if s.end_requested and not s.outstanding:
+                self._finish(s, "ended", s.end_requested)
+            elif s.state == "created" and now > s.expires:
+                self._finish(s, "expired", "no return-routability proof in time")
+            elif s.state == "probing":
+                if s.next_seq >= s.plan.total_probes and not s.outstanding:
+                    self._finish(s, "complete", None)
+                elif now - s.last_seen > self.policy.silence_timeout_s:
+                    self._finish(s, "incomplete", "client-silent")
+                elif now > s.expires:
+                    self._finish(s, "incomplete", "max-session-time")
+        if now - self._last_flush >= FLUSH_INTERVAL_S:
+            self._last_flush = now
+            self._flush_all()
+            self._forget_finished(now)
+
+    def _expire_timeouts(self, now: float) -> None:
+        while self.timeouts and self.timeouts[0][0] <= now:
+            _, sid, seq = heapq.heappop(self.timeouts)
+            s = self.sessions.get(sid)
+            if s is None or s.codes[seq] != _OUT:
+                continue
+            sent_at = s.outstanding.get(seq)
+            if sent_at is None:
+                continue
+            # The RTO may have grown since scheduling; honour the current one.
+            if now < sent_at + s.rto:
+                heapq.heappush(self.timeouts, (sent_at + s.rto, sid, seq))
+                continue
+            del s.outstanding[seq]
+            s.codes[seq] = _LOST
+            self._record(s, seq, "lost", None, None)
+
+    def _bucket(self, table: dict[str, TokenBucket], key: str, rate: float, now: float):  # noqa: ANN202
+        b = table.get(key)
+        if b is None:
+            b = table[key] = TokenBucket(rate, now)
+        return b
+
+    def _pacing_wait(self) -> float:
+        return max(self.global_bucket.wait_time(), 0.0005)
+
+    def _send_probes(self, now: float) -> None:
+        assert self.raw is not None or not self.sessions
+        self.global_bucket.refill(now)
+        active = [
+            s
+            for s in self.sessions.values()
+            if s.state == "probing" and not s.end_requested and s.next_seq < s.plan.total_probes
+        ]
+        # Round-robin one probe per session per pass so no session starves another.
+        while active:
+            still = []
+            for s in active:
+                if len(s.outstanding) >= s.plan.window or s.next_seq >= s.plan.total_probes:
+                    continue
+                assert s.peer is not None
+                ab = self._bucket(self.addr_buckets, s.peer[0], self.policy.pps_per_address, now)
+                pb = self._bucket(
+                    self.prefix_buckets, prefix_of(s.peer[0]), self.policy.pps_per_prefix, now
+                )
+                ab.refill(now)
+                pb.refill(now)
+                if min(ab.tokens, pb.tokens, self.global_bucket.tokens) < 1.0:
+                    self.counters["paced"] += 1
+                    continue
+                if not self._send_one(s, now):
+                    continue
+                ab.tokens -= 1
+                pb.tokens -= 1
+                self.global_bucket.tokens -= 1
+                still.append(s)
+            active = still
+
+    def _send_one(self, s: Session, now: float) -> bool:
+        assert s.peer is not None and self.raw is not None
+        seq = s.next_seq
+        probe = s.plan.probe(seq)
+        key = probe.ip_len if probe.phase == "whole" else -probe.ip_len
+        t = s.templates.get(key)
+        if t is None:
+            t = s.templates[key] = ProbeTemplate(
+                s.local_ip or self._source_for(s.peer[0]),
+                s.peer[0],
+                self.probe_port,
+                s.peer[1],
+                s.tag,
+                probe.ip_len,
+                probe.phase == "split",
+            )
+        s.ip_id = s.ip_id % 0xFFFF + 1
+        try:
+            for pkt in t.render(seq, s.ip_id):
+                self.raw.sendto(pkt, (s.peer[0], 0))
+                self.counters["packets_sent"] += 1
+                self.counters["bytes_sent"] += len(pkt)
+                s.bytes_sent += len(pkt)
+        except (BlockingIOError, InterruptedError):
+            return False  # socket buffer full: try again next pass, nothing consumed
+        except OSError as exc:
+            self.counters["send_errors"] += 1
+            log.warning("session %s: probe send failed: %s", s.session_id, exc)
+            return False
+        s.next_seq += 1
+        s.codes[seq] = _OUT
+        s.outstanding[seq] = now
+        s.sent_mono[seq] = now
+        s.sent += 1
+        s.phase_sent[probe.phase] += 1
+        self.counters["probes_sent"] += 1
+        heapq.heappush(self.timeouts, (now + s.rto, s.session_id, seq))
+        return True
+
+    def _source_for(self, dst: str) -> str:
+        """Local address the kernel would use towards dst (for raw-socket headers)."""
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((dst, 9))  # no packet leaves: connect() on UDP only routes
+            return probe.getsockname()[0]
+
+    def _send_udp(self, data: bytes, addr: tuple[str, int]) -> None:
+        assert self.udp is not None
+        try:
+            self.udp.sendto(data, addr)
+        except OSError as exc:
+            self.counters["send_errors"] += 1
+            log.debug("udp send to %s failed: %s", addr, exc)
+
+    # -- finishing -------------------------------------------------------------
+    def _flush(self, s: Session) -> None:
+        sid = s.session_id
+        if s.pending:
+            batch, s.pending = s.pending, []
+            self.writer.submit(lambda: self.store.record_outcomes(sid, batch))
+        if s.state == "probing":
+            sent, acked = s.sent, s.acked
+            self.writer.submit(lambda: self.store.heartbeat(sid, sent, acked))
+
+    def _flush_all(self) -> None:
+        for s in self.sessions.values():
+            if s.state not in FINAL_STATES:
+                self._flush(s)
+
+    def _finish(self, s: Session, state: str, end_reason: str | None) -> None:
+        # Probes still in flight when a session ends early were sent but never
+        # resolved: record them lost so what was sent is what was stored.
+        for seq in list(s.outstanding):
+            s.codes[seq] = _LOST
+            self._record(s, seq, "lost", None, None)
+        s.outstanding.clear()
+        v = verdicts.decide(
+            s.phase_sent["whole"],
+            s.phase_acked["whole"],
+            s.phase_sent["split"],
+            s.phase_acked["split"],
+        )
+        if state == "expired":
+            v = verdicts.Verdict(verdicts.INCONCLUSIVE, "no probes were sent")
+        self._flush(s)
+        s.state = state
+        sid = s.session_id
+        self.writer.submit(
+            lambda: self.store.finish_session(sid, state, v.verdict, v.reason, end_reason)
+        )
+        self.admission.release(s.source_address)
+        s.finished_at = self.clock()  # type: ignore[attr-defined]
+        if s.peer is not None:
+            self._send_udp(wire.Done(s.tag).encode(), s.peer)
+        s.finished.set()
+
+    def _forget_finished(self, now: float) -> None:
+        """Drop finished sessions from memory after a grace period (late acks)."""
+        for sid, s in list(self.sessions.items()):
+            if s.state in FINAL_STATES and now - getattr(s, "finished_at", now) > 60.0:
+                del self.sessions[sid]
+                self.by_tag.pop(s.tag, None)
+
+
+def pack_pktinfo(local_ip: str) -> bytes:
+    """in_pktinfo for tests: ifindex 0, spec_dst, addr."""
+    return struct.pack("!I4s4s", 0, socket.inet_aton(local_ip), socket.inet_aton(local_ip))

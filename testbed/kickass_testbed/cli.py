@@ -1,0 +1,11 @@
+"""Subcommands contributed by kickass_testbed to the `kickass` command."""
+
+from __future__ import annotations
+
+import argparse
+
+from . import demo
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    demo.add_parser(sub)

@@ -1,0 +1,235 @@
+"""`kickass demo`: the fragment-viability study on a namespace internet.
+
+Builds the internet of internet.py, starts an embedded PostgreSQL (unless
+KICKASS_DATABASE_URL is set), the measurement server, and runs the probe
+client from every client namespace at once; prints one results row per
+client and cleans everything up, also on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from kickass_server.errors import KickassError
+
+from .internet import CLIENT_KINDS, probe_internet
+from .netns import cleanup_on_signals, require_root
+
+DEMO_PLAN = {"repetitions": 30, "step": 16, "window": 16}
+EXPECTED = {
+    "clean": "fragments-ok",
+    "fragdrop": "fragment-intolerant",
+    "lossy": "fragments-ok",
+    "natted": "fragments-ok",
+}
+
+
+def plan_args(args: argparse.Namespace) -> list[str]:
+    if args.quick:
+        return ["--quick"]
+    return [
+        "--repetitions",
+        str(args.repetitions),
+        "--step",
+        str(args.step),
+        "--window",
+        str(args.window),
+    ]
+
+
+@contextlib.contextmanager
+def database(keep_dir: Path | None):  # noqa: ANN201
+    url = os.environ.get("KICKASS_DATABASE_URL")
+    if url:
+        yield url, "KICKASS_DATABASE_URL"
+        return
+    from .pg import embedded_postgres
+
+    with embedded_postgres(keep_dir) as url:
+        yield url, "embedded PostgreSQL" + (f" in {keep_dir}" if keep_dir else "")
+
+
+def migrate(url: str) -> None:
+    from alembic import command
+    from kickass_server.db import alembic_config
+
+    command.upgrade(alembic_config(url), "head")
+
+
+def _progress_rows(store, ids: dict[str, str]) -> dict[str, tuple[int, int, str]]:  # noqa: ANN001
+    out = {}
+    for kind, sid in ids.items():
+        r = store.session_results(sid)
+        if r:
+            out[kind] = (r.get("sent") or 0, r.get("total_probes") or 0, r["state"])
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    require_root()
+    if not shutil.which("nft"):
+        raise KickassError("nftables (`nft`) is missing", hint="apt-get install nftables")
+    console = Console(stderr=True)
+    kinds = args.clients or list(CLIENT_KINDS)
+    out_dir = Path(tempfile.mkdtemp(prefix="kickass-demo-"))
+    results: dict[str, dict] = {}
+    codes: dict[str, int] = {}
+    with cleanup_on_signals(), database(args.keep_db) as (url, where):
+        console.print(f"[bold]database[/]: {where}")
+        migrate(url)
+        from kickass_server.store import Store
+
+        store = Store(url)
+        with probe_internet(url, kinds=kinds, loss_percent=args.loss, log_dir=out_dir) as net:
+            console.print(
+                f"[bold]internet[/]: server {net.server_url}, clients: "
+                + ", ".join(f"{k} ({c.address})" for k, c in net.clients.items())
+            )
+            console.print(f"[bold]plan[/]: {' '.join(plan_args(args))}")
+            procs = {}
+            outs = {}
+            for kind in kinds:
+                outs[kind] = open(out_dir / f"{kind}.json", "w+")  # noqa: SIM115
+                procs[kind] = net.popen_client(
+                    kind,
+                    ["--json", *plan_args(args)],
+                    stdout=outs[kind],
+                    stderr=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            t0 = time.monotonic()
+            try:
+                while any(p.poll() is None for p in procs.values()):
+                    time.sleep(1.0)
+                    ids = _session_ids(store, net)
+                    rows = _progress_rows(store, ids)
+                    line = "  ".join(f"{k}: {s}/{t} {st}" for k, (s, t, st) in sorted(rows.items()))
+                    console.print(f"[dim]{time.monotonic() - t0:5.0f}s[/] {line}", highlight=False)
+                    if time.monotonic() - t0 > args.timeout:
+                        raise KickassError(f"the demo took longer than {args.timeout}s")
+            finally:
+                for kind, p in procs.items():
+                    if p.poll() is None:
+                        p.terminate()
+                    codes[kind] = p.wait(10)
+                    outs[kind].seek(0)
+                    text = outs[kind].read()
+                    outs[kind].close()
+                    with contextlib.suppress(json.JSONDecodeError):
+                        results[kind] = json.loads(text)
+        table = Table(title="Fragment viability on the demo internet")
+        for col in (
+            "client",
+            "verdict",
+            "whole drop",
+            "split drop",
+            "split/whole",
+            "splits as sent",
+            "expected",
+        ):
+            table.add_column(col)
+        summary = []
+        for kind in kinds:
+            r = results.get(kind)
+            if not r:
+                table.add_row(
+                    kind,
+                    f"[red]client failed (exit {codes.get(kind)})[/]",
+                    "",
+                    "",
+                    "",
+                    "",
+                    EXPECTED.get(kind, ""),
+                )
+                continue
+            db = store.session_results(r["session_id"]) or {}
+            wd = _pooled(db.get("whole", []))
+            sd = _pooled(db.get("split", []))
+            ratio = f"{sd / wd:.2f}" if wd and sd is not None else "-"
+            as_sent = sum(x.get("arrived_as_sent") or 0 for x in db.get("split", []))
+            acked = sum(x.get("acked") or 0 for x in db.get("split", []))
+            ok = r["verdict"] == EXPECTED.get(kind)
+            table.add_row(
+                kind,
+                f"[{'green' if ok else 'red'}]{r['verdict']}[/]",
+                _pct(wd),
+                _pct(sd),
+                ratio,
+                f"{as_sent}/{acked}",
+                EXPECTED.get(kind, ""),
+            )
+            summary.append(
+                {
+                    "client": kind,
+                    "session_id": r["session_id"],
+                    "verdict": r["verdict"],
+                    "whole_drop_rate": wd,
+                    "split_drop_rate": sd,
+                    "expected": EXPECTED.get(kind),
+                }
+            )
+        console.print(table)
+        if args.json:
+            print(json.dumps({"version": 1, "clients": summary}))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    bad = [s for s in summary if s["verdict"] != s["expected"]]
+    return 1 if bad or len(summary) != len(kinds) else 0
+
+
+def _session_ids(store, net) -> dict[str, str]:  # noqa: ANN001
+    """Map client kind -> session id through the sessions table's source address."""
+    from sqlalchemy import text
+
+    by_addr = {c.public_address: k for k, c in net.clients.items()}
+    with store.engine.connect() as conn:
+        rows = conn.execute(
+            text("select session_id, host(source_address) from sessions order by id")
+        ).all()
+    return {by_addr[a]: sid for sid, a in rows if a in by_addr}
+
+
+def _pooled(rows: list[dict]) -> float | None:
+    sent = sum(r.get("sent") or 0 for r in rows)
+    acked = sum(r.get("acked") or 0 for r in rows)
+    return None if not sent else 1 - acked / sent
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="run the fragment-viability study on a namespace internet (needs root)",
+        description="Build a small internet of network namespaces — the server, a router, and "
+        "clients behind a clean path, a fragment-dropping middlebox, a lossy link and a NAT — "
+        "start an embedded PostgreSQL unless KICKASS_DATABASE_URL is set, run the study from "
+        "every client and print the results. Everything is removed afterwards, also on Ctrl-C.",
+    )
+    p.add_argument("--quick", action="store_true", help="use the server's quick plan")
+    p.add_argument("--repetitions", type=int, default=DEMO_PLAN["repetitions"])
+    p.add_argument("--step", type=int, default=DEMO_PLAN["step"])
+    p.add_argument("--window", type=int, default=DEMO_PLAN["window"])
+    p.add_argument("--loss", type=int, default=5, help="loss %% each way on the lossy path")
+    p.add_argument("--clients", nargs="+", choices=CLIENT_KINDS, help="subset of clients")
+    p.add_argument(
+        "--keep-db",
+        type=Path,
+        default=None,
+        help="keep the embedded database in this directory (default: temporary)",
+    )
+    p.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds")
+    p.add_argument("--json", action="store_true", help="also print a JSON summary on stdout")
+    p.set_defaults(func=run)
