@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _term)
     engine.start()
     log.info(
-        "kickass server %s: HTTP on %s:%d, probes on UDP %s:%d",
+        "kickass server %s: HTTP on %s:%s, probes on UDP %s:%s",
         __version__,
         host,
         http.effective_port,

@@ -75,8 +75,8 @@ class ProbeInternet:
         self.server = srv = self._ns("srv")
         self.router = rtr = self._ns("rtr")
         make_router(rtr)
-        veth(srv, "up", rtr, "srv")
-        addr(srv, "up", f"{SERVER_IP}/24")
+        veth(srv, "uplink", rtr, "srv")
+        addr(srv, "uplink", f"{SERVER_IP}/24")
         addr(rtr, "srv", f"{ROUTER_SERVER_SIDE}/24")
         route(srv, "default", via=ROUTER_SERVER_SIDE)
         rules: list[str] = []
@@ -91,9 +91,9 @@ class ProbeInternet:
                 addr(rtr, iface, f"{net}.1/24")
                 route(nat, "default", via=f"{net}.1")
                 cl = self._ns(f"c{i}")
-                veth(cl, "up", nat, "lan")
+                veth(cl, "uplink", nat, "lan")
                 addr(nat, "lan", f"100.64.{i}.1/24")
-                addr(cl, "up", f"100.64.{i}.2/24")
+                addr(cl, "uplink", f"100.64.{i}.2/24")
                 route(cl, "default", via=f"100.64.{i}.1")
                 nat.nft(
                     "table ip nat {\n"
@@ -103,8 +103,8 @@ class ProbeInternet:
                 self.clients[kind] = Client(kind, cl, f"100.64.{i}.2", f"{net}.2")
                 continue
             cl = self._ns(f"c{i}")
-            veth(cl, "up", rtr, iface)
-            addr(cl, "up", f"{net}.2/24")
+            veth(cl, "uplink", rtr, iface)
+            addr(cl, "uplink", f"{net}.2/24")
             addr(rtr, iface, f"{net}.1/24")
             route(cl, "default", via=f"{net}.1")
             self.clients[kind] = Client(kind, cl, f"{net}.2", f"{net}.2")

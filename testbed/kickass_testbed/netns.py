@@ -154,10 +154,10 @@ def veth(
     _run(["ip", "link", "add", tmp, "type", "veth", "peer", "name", f"{tmp}p"])
     _run(["ip", "link", "set", tmp, "netns", a.name])
     _run(["ip", "link", "set", f"{tmp}p", "netns", b.name])
-    a.run(["ip", "link", "set", tmp, "name", a_if])
+    a.run(["ip", "link", "set", "dev", tmp, "name", a_if])
     b.run(["ip", "link", "set", f"{tmp}p", "name", b_if])
     for ns, i in ((a, a_if), (b, b_if)):
-        ns.run(["ip", "link", "set", i, "mtu", str(mtu), "up"])
+        ns.run(["ip", "link", "set", "dev", i, "mtu", str(mtu), "up"])
         if not offloads:
             ns.ifaces_offloads_off(i)
 

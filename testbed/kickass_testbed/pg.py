@@ -1,0 +1,106 @@
+"""Embedded PostgreSQL for the demo and the tests (the pinned ``pgserver`` wheel).
+
+The server listens on a unix socket only, inside its data directory, so
+several can run side by side with no port to choose, and it is stopped on
+exit, also when the block raises. As root, pgserver runs postgres as its own
+``pgserver`` user (postgres refuses to run as root).
+"""
+
+from __future__ import annotations
+
+import atexit
+import shutil
+import subprocess
+import tempfile
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+with warnings.catch_warnings():
+    # platformdirs warns when XDG_RUNTIME_DIR is unset (root shells, CI):
+    # pgserver only uses that directory when the socket path is too long.
+    warnings.simplefilter("ignore")
+    import pgserver
+    from pgserver.utils import PostmasterInfo
+
+
+class EmbeddedPostgres:
+    """One embedded server on ``data_dir``; ``url`` stays valid across stop/start.
+
+    stop() and start() exist so tests can restart the database under a
+    running client, the way a real database restarts under the server.
+    """
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = Path(data_dir).resolve()
+        self._server: Any = None
+        self._system_user: str | None = None
+        self.url = ""
+
+    def start(self) -> str:
+        if self._server is None:
+            self.data_dir.parent.mkdir(parents=True, exist_ok=True)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self._server = pgserver.get_server(self.data_dir, cleanup_mode="stop")
+            # We stop it ourselves, deterministically; pgserver's own atexit
+            # hook would run again at interpreter exit.
+            atexit.unregister(self._server._cleanup)
+            self._system_user = self._server.system_user
+            self.url = self._server.get_uri()
+        return self.url
+
+    def stop(self) -> None:
+        server, self._server = self._server, None
+        if server is None:
+            return
+        try:
+            server.cleanup()
+        finally:
+            # pgserver skips the stop (and keeps a stale handle) when its pid
+            # list names another process, e.g. left by a crashed run.
+            pgserver.PostgresServer._instances.pop(self.data_dir, None)
+            self._force_stop()
+
+    def _force_stop(self) -> None:
+        info = PostmasterInfo.read_from_pgdata(self.data_dir)
+        if info is None or not info.is_running():
+            return
+        try:
+            pgserver.pg_ctl(
+                ["-w", "-m", "fast", "stop"],
+                pgdata=self.data_dir,
+                user=self._system_user,
+                timeout=30,
+            )
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired):
+            info.process.kill()
+
+    def __enter__(self) -> EmbeddedPostgres:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@contextmanager
+def embedded_postgres(data_dir: Path | None = None) -> Iterator[str]:
+    """Run PostgreSQL for the block; yields its ``postgresql://`` unix-socket URL.
+
+    Superuser ``postgres``, trust authentication, database ``postgres``.
+    With ``data_dir`` None the cluster lives in a temporary directory that is
+    removed afterwards; a given ``data_dir`` is kept (and reused next time).
+    """
+    tmp: Path | None = None
+    if data_dir is None:
+        tmp = Path(tempfile.mkdtemp(prefix="kickass-pg-"))
+        data_dir = tmp / "pgdata"
+    try:
+        with EmbeddedPostgres(data_dir) as pg:
+            yield pg.url
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
