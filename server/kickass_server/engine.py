@@ -71,6 +71,7 @@ class Session:
     codes: bytearray = field(default_factory=bytearray)
     ack_counts: bytearray = field(default_factory=bytearray)
     sent_mono: array = field(default_factory=lambda: array("d"))
+    ack_mono: array = field(default_factory=lambda: array("d"))
     wall0: datetime = field(default_factory=lambda: datetime.now(UTC))
     mono0: float = 0.0
     sent: int = 0
@@ -269,6 +270,7 @@ class ProbeEngine:
             expires=now + self.policy.handshake_timeout_s,
             codes=bytearray(plan.total_probes),
             sent_mono=array("d", bytes(8 * plan.total_probes)),
+            ack_mono=array("d", bytes(8 * plan.total_probes)),
             mono0=now,
             ack_counts=bytearray(plan.total_probes),
             ip_id=secrets.randbelow(0xFFFF) + 1,
@@ -403,7 +405,9 @@ class ProbeEngine:
             self.counters["malformed"] += 1
             return
         s = self.by_tag.get(msg.session_tag)
-        if s is None or s.state in FINAL_STATES:
+        # A finished session stays in memory for a grace period so that late
+        # and duplicate ACKs are still accounted; nothing else is accepted.
+        if s is None or (s.state in FINAL_STATES and not isinstance(msg, wire.Ack)):
             self.counters["unknown_session"] += 1
             return
         if isinstance(msg, wire.Hello):
@@ -491,41 +495,38 @@ class ProbeEngine:
             s.srtt = 0.875 * s.srtt + 0.125 * rtt
             s.rto = self._clamp_rto(2 * s.srtt + 4 * s.rttvar)
             s.codes[seq] = _ACKED
+            s.ack_mono[seq] = now
             s.acked += 1
             s.phase_acked[probe.phase] += 1
-            self._record(s, seq, "acked", rtt * 1000.0, msg)
+            self._record(s, seq, "acked", msg)
         elif code == _LOST:
             s.codes[seq] = _LATE
+            s.ack_mono[seq] = now
             s.late += 1
             self.counters["late_acks"] += 1
-            self._record(s, seq, "late", None, msg)
+            self._record(s, seq, "late", msg)
         else:
             s.dup_acks += 1
             self.counters["dup_acks"] += 1
-            if code == _ACKED:
-                self._record(s, seq, "acked", None, msg, update_only=True)
+            self._record(s, seq, "acked" if code == _ACKED else "late", msg)
 
-    def _record(
-        self,
-        s: Session,
-        seq: int,
-        outcome: str,
-        rtt_ms: float | None,
-        ack: wire.Ack | None,
-        update_only: bool = False,
-    ) -> None:
+    def _record(self, s: Session, seq: int, outcome: str, ack: wire.Ack | None) -> None:
+        """Queue the row for one probe; re-recording a seq (late or duplicate
+        ACK) rewrites the whole row from the session's arrays, so nothing
+        recorded earlier is lost by the store's last-word-wins upsert."""
         from .store import ProbeOutcome  # the store module needs SQLAlchemy; keep import late
 
         probe = s.plan.probe(seq)
+        sent, acked = s.sent_mono[seq], s.ack_mono[seq]
         s.pending.append(
             ProbeOutcome(
                 seq=seq,
                 phase=probe.phase,
                 ip_len=probe.ip_len,
-                sent_at=s.wall0 + timedelta(seconds=s.sent_mono[seq] - s.mono0),
+                sent_at=s.wall0 + timedelta(seconds=sent - s.mono0),
                 outcome=outcome,
-                acked_at=datetime.now(UTC) if ack is not None and not update_only else None,
-                rtt_ms=rtt_ms,
+                acked_at=s.wall0 + timedelta(seconds=acked - s.mono0) if acked else None,
+                rtt_ms=(acked - sent) * 1000.0 if acked else None,
                 ack_count=s.ack_counts[seq],
                 received_len=ack.received_len if ack else None,
                 observed_frag_size=ack.observed_frag_size if ack else None,
@@ -570,7 +571,7 @@ class ProbeEngine:
                 continue
             del s.outstanding[seq]
             s.codes[seq] = _LOST
-            self._record(s, seq, "lost", None, None)
+            self._record(s, seq, "lost", None)
 
     def _bucket(self, table: dict[str, TokenBucket], key: str, rate: float, now: float):  # noqa: ANN202
         b = table.get(key)
@@ -677,16 +678,16 @@ class ProbeEngine:
             self.writer.submit(lambda: self.store.heartbeat(sid, sent, acked))
 
     def _flush_all(self) -> None:
+        # Finished sessions too: late and duplicate ACKs arrive after the end.
         for s in self.sessions.values():
-            if s.state not in FINAL_STATES:
-                self._flush(s)
+            self._flush(s)
 
     def _finish(self, s: Session, state: str, end_reason: str | None) -> None:
         # Probes still in flight when a session ends early were sent but never
         # resolved: record them lost so what was sent is what was stored.
         for seq in list(s.outstanding):
             s.codes[seq] = _LOST
-            self._record(s, seq, "lost", None, None)
+            self._record(s, seq, "lost", None)
         s.outstanding.clear()
         v = verdicts.decide(
             s.phase_sent["whole"],

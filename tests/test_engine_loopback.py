@@ -1,0 +1,188 @@
+"""Probe-engine behaviour on loopback with a scripted client socket and the
+real store: handshake rules, window, timeouts, late/duplicate/reordered acks."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+from kickass_core import wire
+from kickass_core.plan import ProbePlan
+from kickass_server.engine import AdmissionDenied, ProbeEngine
+from kickass_server.policy import Policy
+from kickass_server.store import Store
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="raw sockets need root")
+
+
+@pytest.fixture
+def engine(database_url: str) -> Iterator[ProbeEngine]:
+    e = ProbeEngine(
+        Store(database_url),
+        Policy(min_timeout_ms=200),
+        bind_host="127.0.0.1",
+        probe_port=0,
+        server_version="test",
+    )
+    e.start()
+    try:
+        yield e
+    finally:
+        e.stop()
+
+
+class Peer:
+    def __init__(self, engine: ProbeEngine, plan: ProbePlan) -> None:
+        self.engine = engine
+        self.new = engine.create_session(plan, "127.0.0.1", client_version="test")
+        self.tag = bytes.fromhex(self.new.session_id)
+        self.cookie = bytes.fromhex(self.new.cookie)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.settimeout(1.0)
+        self.server = ("127.0.0.1", engine.probe_port)
+
+    def send(self, msg: bytes) -> None:
+        self.sock.sendto(msg, self.server)
+
+    def recv(self, timeout: float = 1.0) -> wire.Message | None:
+        self.sock.settimeout(timeout)
+        try:
+            data = self.sock.recv(4096)
+        except TimeoutError:
+            return None
+        return wire.decode(data)
+
+    def handshake(self) -> None:
+        self.send(wire.Hello(self.tag, self.cookie).encode())
+        ch = self.recv()
+        assert isinstance(ch, wire.Challenge)
+        self.send(wire.Echo(self.tag, ch.token).encode())
+
+    def probes(self, n: int, timeout: float = 2.0) -> list[int]:
+        seqs = []
+        deadline = time.monotonic() + timeout
+        while len(seqs) < n and time.monotonic() < deadline:
+            m = self.recv(max(0.01, deadline - time.monotonic()))
+            if isinstance(m, wire.ProbeHeader):
+                seqs.append(m.seq)
+        return seqs
+
+    def ack(self, seq: int) -> None:
+        self.send(wire.Ack(self.tag, seq, 16).encode())
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_no_probe_before_echo_and_window_is_respected(engine: ProbeEngine) -> None:
+    plan = ProbePlan.build(repetitions=2, step=256, window=4)
+    peer = Peer(engine, plan)
+    try:
+        peer.send(wire.Hello(peer.tag, peer.cookie).encode())
+        ch = peer.recv()
+        assert isinstance(ch, wire.Challenge)
+        assert peer.recv(0.3) is None  # nothing until the echo
+        peer.send(wire.Echo(peer.tag, ch.token).encode())
+        # Without acks exactly W probes come, then silence until timeouts.
+        first = peer.probes(10, timeout=0.15)
+        assert first == [0, 1, 2, 3]
+    finally:
+        peer.close()
+
+
+def test_ack_accounting_late_duplicate_reordered(engine: ProbeEngine, database_url: str) -> None:
+    plan = ProbePlan.build(repetitions=1, step=512, window=3, phases=["whole"])
+    assert plan.total_probes == 5  # 44, 556, 1068, 1480, 1500
+    peer = Peer(engine, plan)
+    try:
+        peer.handshake()
+        assert peer.probes(3) == [0, 1, 2]
+        peer.ack(2)  # reordered
+        peer.ack(0)
+        peer.ack(0)  # duplicate
+        # Let probe 1 time out (timeout floor 200 ms), then ack it: late.
+        seqs = peer.probes(2, timeout=1.5)
+        assert sorted(seqs) == [3, 4]
+        for s in seqs:
+            peer.ack(s)
+        time.sleep(0.5)
+        peer.ack(1)  # after the session completed: still counted, as late
+        peer.ack(99)  # stray: never sent
+        s = engine.live(peer.new.session_id)
+        deadline = time.monotonic() + 5
+        while s.state != "complete" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert s.state == "complete"
+        time.sleep(0.2)
+        engine.writer_sync()
+        res = Store(database_url).session_results(peer.new.session_id)
+        by_len = {r["ip_len"]: r for r in res["whole"]}
+        assert by_len[556]["acked"] == 0 and by_len[556]["late"] == 1
+        assert by_len[44]["acked"] == 1 and by_len[1068]["acked"] == 1
+        assert by_len[44]["rtt_ms_median"] is not None  # the duplicate kept the first RTT
+        assert res["acked"] == 4 and res["sent"] == 5
+        c = engine.stats()["counters"]
+        assert c["dup_acks"] == 1 and c["late_acks"] == 1 and c["stray_acks"] == 1
+    finally:
+        peer.close()
+
+
+def test_hello_rules(engine: ProbeEngine) -> None:
+    plan = ProbePlan.build(repetitions=1, step=512, window=1)
+    peer = Peer(engine, plan)
+    try:
+        peer.send(wire.Hello(peer.tag, b"\x00" * 16).encode())
+        assert peer.recv(0.3) is None  # wrong cookie: silence
+        peer.send(wire.Hello(peer.tag, peer.cookie).encode())
+        a = peer.recv()
+        peer.send(wire.Hello(peer.tag, peer.cookie).encode())
+        b = peer.recv()
+        assert isinstance(a, wire.Challenge) and a == b  # retransmitted hello, same token
+        # An echo from another port is not the proven address.
+        other = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        other.bind(("127.0.0.1", 0))
+        other.sendto(wire.Echo(peer.tag, a.token).encode(), peer.server)
+        other.close()
+        assert peer.recv(0.3) is None
+        for _ in range(10):
+            peer.send(wire.Hello(peer.tag, peer.cookie).encode())
+        got = 0
+        while peer.recv(0.2) is not None:
+            got += 1
+        assert got == engine.policy.max_challenges_per_session - 2  # capped
+        c = engine.stats()["counters"]
+        assert c["bad_cookie"] == 1 and c["bad_echo"] == 1
+    finally:
+        peer.close()
+
+
+def test_end_session_records_outstanding_as_lost(engine: ProbeEngine, database_url: str) -> None:
+    plan = ProbePlan.build(repetitions=5, step=64, window=8)
+    peer = Peer(engine, plan)
+    try:
+        peer.handshake()
+        seqs = peer.probes(8)
+        for s in seqs[:5]:
+            peer.ack(s)
+        time.sleep(0.05)
+        assert engine.end_session(peer.new.session_id, "00" * 16) == "forbidden"
+        assert engine.end_session(peer.new.session_id, peer.new.cookie) == "ended"
+        engine.writer_sync()
+        res = Store(database_url).session_results(peer.new.session_id)
+        assert res["state"] == "ended" and res["end_reason"] == "client-ended"
+        assert res["sent"] == sum(r["sent"] for r in res["whole"] + res["split"])
+        assert res["acked"] >= 5
+    finally:
+        peer.close()
+
+
+def test_admission_limits(engine: ProbeEngine) -> None:
+    plan = ProbePlan.quick()
+    engine.create_session(plan, "192.0.2.7")
+    engine.create_session(plan, "192.0.2.7")
+    with pytest.raises(AdmissionDenied, match="per address"):
+        engine.create_session(plan, "192.0.2.7")
