@@ -284,7 +284,7 @@ def test_garbage_is_counted_and_ignored(internet) -> None:  # noqa: ANN001
 
 def test_server_killed_mid_session(internet, database_url) -> None:  # noqa: ANN001
     proc = internet.popen_client(
-        "clean", ["--json", *_plan(3, window=1)], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        "clean", ["--json", *_plan(100, window=1)], stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
     store = Store(database_url)
     sid = None

@@ -15,7 +15,7 @@ from kickass_core.plan import PlanError
 from werkzeug.exceptions import HTTPException
 
 from . import __version__
-from .engine import AdmissionDenied, ProbeEngine
+from .engine import FINAL_STATES, AdmissionDenied, ProbeEngine
 
 log = logging.getLogger("kickass.api")
 bp = Blueprint("sessions", __name__, url_prefix="/api/v1")
@@ -103,6 +103,11 @@ def _results(session_id: str) -> dict:
     if res is None:
         raise ApiError(404, "not-found", "no such session")
     live = _engine().live(session_id)
+    if live is not None and live.state in FINAL_STATES and res["state"] not in FINAL_STATES:
+        # Finished in the engine, not yet in the database: wait for the writer
+        # so a client never reads a final state without its verdict.
+        _engine().writer_sync()
+        res = _store().session_results(session_id) or res
     if live is not None and res["state"] in ("created", "probing"):
         # The database lags the engine by one flush; live counters are fresher.
         res["state"] = live.state if live.state != "created" else res["state"]

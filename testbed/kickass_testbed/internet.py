@@ -98,7 +98,7 @@ class ProbeInternet:
                 nat.nft(
                     "table ip nat {\n"
                     " chain post { type nat hook postrouting priority srcnat;"
-                    ' oifname "wan" masquerade }\n}\n'
+                    ' oifname "wan" masquerade; }\n}\n'
                 )
                 self.clients[kind] = Client(kind, cl, f"100.64.{i}.2", f"{net}.2")
                 continue
@@ -128,6 +128,8 @@ class ProbeInternet:
         log_dir = self.log_dir or Path(os.environ.get("TMPDIR", "/tmp"))
         self.server_log = log_dir / f"{self.prefix}-server.log"
         env = {**os.environ, "KICKASS_DATABASE_URL": self.database_url, **self.server_env}
+        # A restart appends to the same log: only what this run writes counts.
+        start_at = self.server_log.stat().st_size if self.server_log.exists() else 0
         with open(self.server_log, "ab") as logf:
             self.server_proc = self.server.popen(
                 [
@@ -150,7 +152,7 @@ class ProbeInternet:
                     f"the measurement server exited ({self.server_proc.returncode}):\n"
                     + self.server_log.read_text()[-2000:]
                 )
-            if b"listening http" in self.server_log.read_bytes():
+            if b"listening http" in self.server_log.read_bytes()[start_at:]:
                 return
             time.sleep(0.05)
         raise KickassError(
