@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kickass_core.plan import expected_max_fragment
 from kickass_core.wire import probe_payload
-from kickass_server.packets import ProbeTemplate
+from kickass_server.packets import SessionPackets
 from scapy.layers.inet import IP, UDP, defragment
 
 TAG = bytes.fromhex("0011223344556677")
@@ -18,7 +18,7 @@ def reference(seq: int, udp_len: int, ip_id: int) -> bytes:
     return bytes(IP(bytes(pkt / probe_payload(TAG, seq, udp_len)))[UDP])
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(
     seq=st.integers(0, 2**32 - 1),
     ip_id=st.integers(1, 0xFFFF),
@@ -27,8 +27,8 @@ def reference(seq: int, udp_len: int, ip_id: int) -> bytes:
 )
 def test_template_matches_scapy(seq: int, ip_id: int, size: int, split: bool) -> None:
     ip_len = 44 + 8 * size
-    t = ProbeTemplate(SRC, DST, 9000, 40000, TAG, ip_len, split)
-    pkts = t.render(seq, ip_id)
+    t = SessionPackets(SRC, DST, 9000, 40000, TAG)
+    pkts = t.render("split" if split else "whole", ip_len, seq, ip_id)
     if split:
         lead, rest = (IP(p) for p in pkts)
         assert len(pkts[0]) == ip_len and lead.flags == "MF" and lead.frag == 0
@@ -43,6 +43,10 @@ def test_template_matches_scapy(seq: int, ip_id: int, size: int, split: bool) ->
         udp_len = 1472
     else:
         assert len(pkts) == 1 and len(pkts[0]) == ip_len
+        whole = IP(pkts[0])
+        c = whole.chksum
+        del whole.chksum
+        assert IP(bytes(whole)).chksum == c
         whole = IP(pkts[0])
         udp_len = ip_len - 28
     assert bytes(whole[UDP]) == reference(seq, udp_len, ip_id)

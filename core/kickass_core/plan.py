@@ -10,6 +10,7 @@ burst of path loss spreads over all sizes instead of wiping out one.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from typing import Any
 
 from .rate import FRAGMENT_UNIT, FULL_PACKET_LEN, IPV4_HEADER_LEN
@@ -93,7 +94,7 @@ class ProbePlan:
     def sizes(self, phase: str) -> tuple[int, ...]:
         return self.whole if phase == "whole" else self.split
 
-    @property
+    @cached_property
     def total_probes(self) -> int:
         return self.repetitions * (len(self.whole) + len(self.split))
 
@@ -133,5 +134,5 @@ class ProbePlan:
 def expected_max_fragment(leading_ip_len: int) -> int:
     """IP length of the largest fragment of an intact split (what
     IP_RECVFRAGSIZE reports when the split arrived as sent)."""
-    second = IPV4_HEADER_LEN + (FULL_PACKET_LEN - IPV4_HEADER_LEN) - (leading_ip_len - IPV4_HEADER_LEN)
+    second = FULL_PACKET_LEN - (leading_ip_len - IPV4_HEADER_LEN)
     return max(leading_ip_len, second)

@@ -83,9 +83,7 @@ class ProbeHeader:
     seq: int
 
     def encode(self) -> bytes:
-        return _PREFIX.pack(MAGIC, Kind.PROBE, WIRE_VERSION, self.session_tag) + _SEQ.pack(
-            self.seq
-        )
+        return _PREFIX.pack(MAGIC, Kind.PROBE, WIRE_VERSION, self.session_tag) + _SEQ.pack(self.seq)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,9 @@ def rate_vectors() -> dict:
         rates += [r, r * (1 - 1e-6), r * (1 + 1e-6)]
     return {
         "version": 1,
-        "formula": "L = 128 * ln(R / 12.4392), R in bytes/ms, L = leading fragment IP payload bytes",
+        "formula": (
+            "L = 128 * ln(R / 12.4392), R in bytes/ms, L = leading fragment IP payload bytes"
+        ),
         "rounding": "down to a multiple of 8 (after 1e-9 slack); null below 24; capped at 1480",
         "len_to_rate": [
             {"leading_fragment_len": L, "rate_bytes_per_ms": rate.advertised_rate(L)} for L in lens
@@ -36,8 +38,25 @@ def rate_vectors() -> dict:
 
 
 def rtt_vectors() -> dict:
-    samples = [0.0, 0.5, 1.0, 1.99, 2.0, 3.0, 3.99, 4.0, 7.5, 8.0, 100.0, 1023.9, 1024.0,
-               2047.9, 2048.0, 5000.0, 1e9]
+    samples = [
+        0.0,
+        0.5,
+        1.0,
+        1.99,
+        2.0,
+        3.0,
+        3.99,
+        4.0,
+        7.5,
+        8.0,
+        100.0,
+        1023.9,
+        1024.0,
+        2047.9,
+        2048.0,
+        5000.0,
+        1e9,
+    ]
     return {
         "version": 1,
         "rtt_to_indicator": [{"rtt_ms": s, "ip_len": rtt.rtt_indicator(s)} for s in samples],

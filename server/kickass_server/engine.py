@@ -34,8 +34,9 @@ from kickass_core import verdict as verdicts
 from kickass_core import wire
 from kickass_core.plan import ProbePlan
 
-from .packets import ProbeTemplate, open_raw_socket
+from .packets import SessionPackets, open_raw_socket
 from .policy import Admission, Policy, TokenBucket, plan_bytes, prefix_of
+from .store import DatabaseUnavailable
 
 log = logging.getLogger("kickass.engine")
 
@@ -83,7 +84,9 @@ class Session:
     phase_acked: dict[str, int] = field(default_factory=lambda: {"whole": 0, "split": 0})
     last_seen: float = 0.0  # last ACK, or last HTTP poll: the client is still there
     ip_id: int = 0
-    templates: dict[int, ProbeTemplate] = field(default_factory=dict)
+    packets: SessionPackets | None = None
+    addr_bucket: TokenBucket | None = None
+    prefix_bucket: TokenBucket | None = None
     pending: list = field(default_factory=list)  # ProbeOutcome rows not yet handed to the writer
     end_requested: str | None = None
     finished: threading.Event = field(default_factory=threading.Event)
@@ -112,6 +115,7 @@ class DatabaseWriter:
         self.q: queue.Queue[Callable[[], None] | None] = queue.Queue(max_backlog)
         self.thread = threading.Thread(target=self._run, name="kickass-db-writer", daemon=True)
         self.failures = 0
+        self.dropped = 0
         self.thread.start()
 
     def submit(self, op: Callable[[], None]) -> None:
@@ -127,11 +131,20 @@ class DatabaseWriter:
                 try:
                     op()
                     break
-                except Exception as exc:  # noqa: BLE001 - the database may be restarting
+                except DatabaseUnavailable as exc:
+                    # The database is restarting or unreachable: keep the write,
+                    # in order, and try again.
                     self.failures += 1
-                    log.warning("database write failed (%s); retrying in %.1fs", exc, delay)
+                    log.warning("database unavailable (%s); retrying in %.1fs", exc, delay)
                     time.sleep(delay)
                     delay = min(delay * 2, 5.0)
+                except Exception:
+                    # A write that can never succeed (unknown session, invalid
+                    # row) must not block every later write behind it.
+                    self.failures += 1
+                    self.dropped += 1
+                    log.exception("database write dropped")
+                    break
 
     def sync(self, timeout: float = 10.0) -> bool:
         """Wait until everything submitted so far is written."""
@@ -341,6 +354,7 @@ class ProbeEngine:
                 "sessions_probing": sum(1 for s in live if s.state == "probing"),
                 "db_write_backlog": self.writer.q.qsize(),
                 "db_write_failures": self.writer.failures,
+                "db_writes_dropped": self.writer.dropped,
             }
 
     # -- the loop --------------------------------------------------------------
@@ -459,7 +473,8 @@ class ProbeEngine:
         rtt = max(now - sent_at, 1e-4)
         s.peer = addr
         s.local_ip = local_ip if local_ip and local_ip != "0.0.0.0" else None
-        s.templates.clear()
+        s.packets = None
+        s.addr_bucket = s.prefix_bucket = None
         if s.state == "created":
             s.state = "probing"
             s.rtt_ms = rtt * 1000.0
@@ -583,57 +598,65 @@ class ProbeEngine:
         return max(self.global_bucket.wait_time(), 0.0005)
 
     def _send_probes(self, now: float) -> None:
-        assert self.raw is not None or not self.sessions
         self.global_bucket.refill(now)
         active = [
             s
             for s in self.sessions.values()
             if s.state == "probing" and not s.end_requested and s.next_seq < s.plan.total_probes
         ]
-        # Round-robin one probe per session per pass so no session starves another.
+        for s in active:
+            if s.addr_bucket is None or s.prefix_bucket is None:
+                assert s.peer is not None
+                pps = self.policy
+                s.addr_bucket = self._bucket(self.addr_buckets, s.peer[0], pps.pps_per_address, now)
+                s.prefix_bucket = self._bucket(
+                    self.prefix_buckets, prefix_of(s.peer[0]), pps.pps_per_prefix, now
+                )
+            s.addr_bucket.refill(now)
+            s.prefix_bucket.refill(now)
+        # Small bursts per session in turn, so no session starves another and
+        # the pacing buckets stay the only limit on the aggregate.
         while active:
             still = []
             for s in active:
-                if len(s.outstanding) >= s.plan.window or s.next_seq >= s.plan.total_probes:
-                    continue
-                assert s.peer is not None
-                ab = self._bucket(self.addr_buckets, s.peer[0], self.policy.pps_per_address, now)
-                pb = self._bucket(
-                    self.prefix_buckets, prefix_of(s.peer[0]), self.policy.pps_per_prefix, now
-                )
-                ab.refill(now)
-                pb.refill(now)
-                if min(ab.tokens, pb.tokens, self.global_bucket.tokens) < 1.0:
-                    self.counters["paced"] += 1
-                    continue
-                if not self._send_one(s, now):
-                    continue
-                ab.tokens -= 1
-                pb.tokens -= 1
-                self.global_bucket.tokens -= 1
-                still.append(s)
+                ab, pb = s.addr_bucket, s.prefix_bucket
+                assert ab is not None and pb is not None
+                sent = 0
+                while (
+                    sent < 8
+                    and len(s.outstanding) < s.plan.window
+                    and s.next_seq < s.plan.total_probes
+                ):
+                    if min(ab.tokens, pb.tokens, self.global_bucket.tokens) < 1.0:
+                        self.counters["paced"] += 1
+                        break
+                    if not self._send_one(s, now):
+                        break
+                    ab.tokens -= 1
+                    pb.tokens -= 1
+                    self.global_bucket.tokens -= 1
+                    sent += 1
+                if sent == 8:
+                    still.append(s)
             active = still
 
     def _send_one(self, s: Session, now: float) -> bool:
         assert s.peer is not None and self.raw is not None
         seq = s.next_seq
         probe = s.plan.probe(seq)
-        key = probe.ip_len if probe.phase == "whole" else -probe.ip_len
-        t = s.templates.get(key)
-        if t is None:
-            t = s.templates[key] = ProbeTemplate(
+        if s.packets is None:
+            s.packets = SessionPackets(
                 s.local_ip or self._source_for(s.peer[0]),
                 s.peer[0],
                 self.probe_port,
                 s.peer[1],
                 s.tag,
-                probe.ip_len,
-                probe.phase == "split",
             )
         s.ip_id = s.ip_id % 0xFFFF + 1
+        dst = (s.peer[0], 0)
         try:
-            for pkt in t.render(seq, s.ip_id):
-                self.raw.sendto(pkt, (s.peer[0], 0))
+            for pkt in s.packets.render(probe.phase, probe.ip_len, seq, s.ip_id):
+                self.raw.sendto(pkt, dst)
                 self.counters["packets_sent"] += 1
                 self.counters["bytes_sent"] += len(pkt)
                 s.bytes_sent += len(pkt)
