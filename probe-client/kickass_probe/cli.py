@@ -1,0 +1,268 @@
+"""`kickass-probe`: measure whether fragmented IPv4 reaches you.
+
+Argument parsing, the consent question, and printing; the measurement
+itself is runner.Runner. Failures are ProbeError, printed as ``ERROR: ...``
+plus a hint, never as a traceback (exit codes in errors.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import traceback
+from typing import Any, TextIO
+
+from kickass_core.plan import PlanError, ProbePlan
+from kickass_core.rate import FULL_PACKET_LEN, IPV4_HEADER_LEN
+
+from . import __version__
+from .api import ApiClient, normalize_server_url
+from .errors import (
+    EXIT_ERROR,
+    EXIT_INCOMPLETE,
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+    ProbeError,
+)
+from .output import format_summary, make_progress, result_json
+from .runner import Runner
+
+ENV_SERVER = "KICKASS_SERVER"
+DEFAULT_REPETITIONS = 100  # the paper's N
+DEFAULT_STEP = 8  # the paper's 8-byte steps
+# The paper's stop-and-wait (W=1) needs ~36,600 round trips: half an hour at
+# 50 ms. Eight probes in flight bring that to a few minutes and are still a
+# tiny burst (at most 12 kB); --window 1 remains the exact paper method.
+DEFAULT_WINDOW = 8
+DEFAULT_TIMEOUT_S = 10.0
+
+EPILOG = """\
+what is collected:
+  the server stores your public IP address (as it sees it), the probe
+  results, this client's version and your OS name. Nothing else.
+
+exit codes:
+  0    measurement complete (whatever the verdict)
+  1    error: server unreachable, bad reply, UDP blocked, rate-limited...
+  2    usage error, or no consent given (nothing was sent)
+  3    measurement incomplete (server vanished, ended the session early or
+       made no progress); partial results printed
+  130  interrupted by Ctrl-C; the session was ended and partial results printed
+"""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kickass-probe",
+        description="Measure whether fragmented IPv4 packets reach you (the Kick-Ass\n"
+        "fragment viability study): the server sends whole packets of every size and\n"
+        "datagrams split in two fragments; this client acknowledges what arrives.\n"
+        "No root needed.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--server",
+        metavar="URL",
+        help=f"measurement server, e.g. https://measure.example.org (default: ${ENV_SERVER})",
+    )
+    plan = p.add_argument_group("probe plan (the server may adjust it; the summary says)")
+    plan.add_argument(
+        "--repetitions",
+        "-n",
+        type=_positive_int,
+        metavar="N",
+        help=f"probes per size (default {DEFAULT_REPETITIONS}, the paper's)",
+    )
+    plan.add_argument(
+        "--step",
+        type=_positive_int,
+        metavar="BYTES",
+        help=f"size step, a multiple of 8 (default {DEFAULT_STEP}, the paper's)",
+    )
+    plan.add_argument(
+        "--window",
+        "-w",
+        type=_positive_int,
+        metavar="W",
+        help=f"probes in flight at once (default {DEFAULT_WINDOW}: a full run takes minutes; "
+        "the paper's stop-and-wait, --window 1, takes about half an hour)",
+    )
+    plan.add_argument(
+        "--quick",
+        action="store_true",
+        help="the server's quick plan: coarse sizes, a few probes each (seconds)",
+    )
+    p.add_argument("--yes", "-y", action="store_true", help="agree to the data collection")
+    p.add_argument(
+        "--json", action="store_true", help="print one JSON object on stdout instead of a summary"
+    )
+    p.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="S",
+        help=f"seconds to wait for an HTTP reply or the UDP challenge (default "
+        f"{DEFAULT_TIMEOUT_S:g}); the server counts as gone after 3x this without news",
+    )
+    p.add_argument(
+        "--verbose", "-v", action="store_true", help="show protocol steps and every probe size"
+    )
+    p.add_argument("--version", action="version", version=f"kickass-probe {__version__}")
+    return p
+
+
+def plan_request(args: argparse.Namespace) -> tuple[dict[str, Any], ProbePlan]:
+    """The plan to ask for, and the local estimate of it for the notice."""
+    if args.quick:
+        if any(v is not None for v in (args.repetitions, args.step, args.window)):
+            raise ProbeError(
+                "--quick cannot be combined with --repetitions, --step or --window",
+                exit_code=EXIT_USAGE,
+            )
+        return {"quick": True}, ProbePlan.quick()
+    req = {
+        "repetitions": args.repetitions or DEFAULT_REPETITIONS,
+        "step": args.step or DEFAULT_STEP,
+        "window": args.window or DEFAULT_WINDOW,
+    }
+    try:
+        estimate = ProbePlan.build(**req)
+    except PlanError as exc:
+        raise ProbeError(str(exc), exit_code=EXIT_USAGE) from None
+    return req, estimate
+
+
+def plan_volume_bytes(plan: ProbePlan) -> int:
+    """IP bytes the server sends (a split carries one extra IP header)."""
+    whole = sum(plan.whole) * plan.repetitions
+    split = len(plan.split) * plan.repetitions * (FULL_PACKET_LEN + IPV4_HEADER_LEN)
+    return whole + split
+
+
+def consent_notice(server: str, plan: ProbePlan, os_name: str) -> str:
+    volume = plan_volume_bytes(plan)
+    size = f"{volume / 1e6:.0f} MB" if volume >= 1e6 else f"{volume / 1e3:.0f} kB"
+    return (
+        "kickass-probe tests whether fragmented IPv4 packets reach this computer.\n"
+        f"The server {server} will send you about {plan.total_probes:,} UDP probes "
+        f"(~{size}), and will store:\n"
+        "  - your public IP address, as the server sees it\n"
+        "  - the probe results (which probes arrived, their sizes, the fragment sizes\n"
+        "    your system observed)\n"
+        f"  - this client's version ({__version__}) and your OS name ({os_name})\n"
+        "Nothing else is collected.\n"
+    )
+
+
+def ask_consent(
+    notice: str, yes: bool, stdin: TextIO, stderr: TextIO
+) -> None:  # raises ProbeError when not agreed
+    stderr.write(notice)
+    if yes:
+        stderr.write("Agreed with --yes.\n")
+        stderr.flush()
+        return
+    if not stdin.isatty():
+        raise ProbeError(
+            "consent needed, and there is no terminal to ask on",
+            hint="run kickass-probe in a terminal to answer, or pass --yes to agree",
+            exit_code=EXIT_USAGE,
+        )
+    stderr.write("Continue? [y/N] ")
+    stderr.flush()
+    answer = stdin.readline().strip().lower()
+    if answer not in ("y", "yes"):
+        raise ProbeError("not agreed: nothing was sent", exit_code=EXIT_USAGE)
+
+
+def os_name() -> str:
+    return platform.system() or "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    stderr = sys.stderr
+    progress = make_progress(stderr)
+
+    def log(text: str) -> None:
+        if args.verbose:
+            progress.note(f"  {text}")
+
+    try:
+        server = args.server or os.environ.get(ENV_SERVER)
+        if not server:
+            raise ProbeError(
+                "no measurement server given",
+                hint=f"pass --server URL or set {ENV_SERVER}",
+                exit_code=EXIT_USAGE,
+            )
+        server = normalize_server_url(server)
+        request, estimate = plan_request(args)
+        ask_consent(consent_notice(server, estimate, os_name()), args.yes, sys.stdin, stderr)
+        api = ApiClient(server, timeout=args.timeout, log=log, notify=progress.note)
+        runner = Runner(
+            api,
+            request,
+            timeout=args.timeout,
+            platform_name=os_name(),
+            progress=progress,
+            log=log,
+        )
+        result = runner.run()
+    except ProbeError as exc:
+        progress.close()
+        print(f"ERROR: {exc.message}", file=stderr)
+        if exc.hint:
+            print(f"hint: {exc.hint}", file=stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        progress.close()
+        print("\ninterrupted before the measurement started", file=stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # a bug: say so plainly, traceback on request
+        progress.close()
+        if args.verbose:
+            traceback.print_exc()
+        print(f"ERROR: internal error: {type(exc).__name__}: {exc}", file=stderr)
+        print("hint: please report this; --verbose shows the traceback", file=stderr)
+        return EXIT_ERROR
+
+    if result.exit_code == EXIT_INCOMPLETE and result.note:
+        print(f"WARNING: measurement incomplete: {result.note}", file=stderr)
+    try:
+        if args.json:
+            sys.stdout.write(json.dumps(result_json(result)) + "\n")
+        else:
+            sys.stdout.write(format_summary(result, verbose=args.verbose))
+        sys.stdout.flush()
+    except BrokenPipeError:
+        pass  # `kickass-probe | head`: the reader left, the result is stored
+    return result.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

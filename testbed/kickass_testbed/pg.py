@@ -18,6 +18,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import psycopg
+from kickass_server import db
+
 with warnings.catch_warnings():
     # platformdirs warns when XDG_RUNTIME_DIR is unset (root shells, CI):
     # pgserver only uses that directory when the socket path is too long.
@@ -104,3 +107,26 @@ def embedded_postgres(data_dir: Path | None = None) -> Iterator[str]:
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def create_database(server_url: str, name: str, template: str | None = None) -> str:
+    """Create database ``name`` (optionally a copy of ``template``) on the server
+    of ``server_url``; returns the URL of the new database."""
+    clause = f" TEMPLATE {_ident(template)}" if template else ""
+    _admin(server_url, f"CREATE DATABASE {_ident(name)}{clause}")
+    return db.libpq_url(server_url, name)
+
+
+def drop_database(server_url: str, name: str) -> None:
+    """Drop ``name`` if it exists, disconnecting whoever still uses it."""
+    _admin(server_url, f"DROP DATABASE IF EXISTS {_ident(name)} WITH (FORCE)")
+
+
+def _admin(server_url: str, sql: str) -> None:
+    # CREATE/DROP DATABASE refuse to run inside a transaction block.
+    with psycopg.connect(db.libpq_url(server_url), autocommit=True) as conn:
+        conn.execute(sql)
+
+
+def _ident(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'

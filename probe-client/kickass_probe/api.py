@@ -1,0 +1,371 @@
+"""HTTP client of the measurement server's API (stdlib urllib only).
+
+The volunteer client must stay a tiny install, so no requests: urllib with
+bounded retries and backoff, and every failure turned into a ProbeError whose
+message says what happened and whose hint says what to do.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import socket
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+from . import __version__
+from .errors import EXIT_USAGE, ProbeError
+
+API_PREFIX = "/api/v1"
+DEFAULT_TRIES = 3
+DEFAULT_BACKOFF_S = 0.5
+# A Retry-After longer than this is reported instead of waited for: a
+# volunteer should not stare at a silent terminal for minutes.
+MAX_RETRY_AFTER_S = 60.0
+# Gateway errors are usually a proxy in front of a restarting server.
+RETRYABLE_STATUS = frozenset({502, 504})
+MAX_REPLY_BYTES = 8 << 20
+USER_AGENT = f"kickass-probe/{__version__}"
+COOKIE_HEADER = "X-Kickass-Cookie"
+ACTIVE_STATES = ("created", "probing")
+
+_HEX16 = re.compile(r"^[0-9a-f]{16}$")
+_HEX32 = re.compile(r"^[0-9a-f]{32}$")
+
+_SERVER_HINT = "check --server (or KICKASS_SERVER) and that the measurement server is running"
+
+
+def normalize_server_url(url: str) -> str:
+    """Validate ``--server`` and drop a trailing slash."""
+    parts = urllib.parse.urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ProbeError(
+            f"--server must be an http:// or https:// URL, got {url!r}",
+            hint="for example: kickass-probe --server https://measure.example.org",
+            exit_code=EXIT_USAGE,
+        )
+    try:
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError:
+        raise ProbeError(f"bad port in --server {url!r}", exit_code=EXIT_USAGE) from None
+    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/"), "", ""))
+
+
+def server_host(url: str) -> str:
+    return urllib.parse.urlsplit(url).hostname or ""
+
+
+class ApiError(ProbeError):
+    """The server answered with an error status."""
+
+    def __init__(
+        self,
+        status: int,
+        code: str | None,
+        message: str,
+        hint: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message, hint)
+        self.status = status
+        self.code = code
+        self.retry_after = retry_after
+
+
+def parse_retry_after(value: str | None) -> float | None:
+    """Seconds from a Retry-After header; the HTTP-date form is ignored."""
+    if not value:
+        return None
+    try:
+        seconds = float(value.strip())
+    except ValueError:
+        return None
+    return seconds if seconds >= 0 else None
+
+
+class ApiClient:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout: float = 10.0,
+        tries: int = DEFAULT_TRIES,
+        backoff: float = DEFAULT_BACKOFF_S,
+        log: Callable[[str], None] | None = None,
+        notify: Callable[[str], None] | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.base_url = normalize_server_url(base_url)
+        self.timeout = timeout
+        self.tries = tries
+        self.backoff = backoff
+        self._log = log or (lambda _msg: None)
+        # What the user must see even without --verbose (a long wait).
+        self._notify = notify or self._log
+        self._sleep = sleep
+
+    # -- the contract -----------------------------------------------------------
+
+    def health(self) -> dict[str, Any]:
+        return self._request("GET", "/health")
+
+    def create_session(
+        self, plan_request: dict[str, Any], *, platform: str, client_version: str = __version__
+    ) -> dict[str, Any]:
+        body = {
+            "plan": plan_request,
+            "client_version": client_version,
+            "platform": platform,
+            # No persistent identifier: the consent notice promises nothing else.
+            "install_id": None,
+        }
+        reply = self._request("POST", "/sessions", body, honour_retry_after=True)
+        return validate_created(reply)
+
+    def get_session(
+        self, session_id: str, *, tries: int | None = None, timeout: float | None = None
+    ) -> dict[str, Any]:
+        reply = self._request("GET", f"/sessions/{session_id}", tries=tries, timeout=timeout)
+        return validate_result(reply)
+
+    def end_session(
+        self,
+        session_id: str,
+        cookie: str,
+        *,
+        tries: int | None = None,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        reply = self._request(
+            "POST",
+            f"/sessions/{session_id}/end",
+            {},
+            headers={COOKIE_HEADER: cookie},
+            tries=tries,
+            timeout=timeout,
+        )
+        return validate_result(reply)
+
+    def session_url(self, session_id: str) -> str:
+        return f"{self.base_url}{API_PREFIX}/sessions/{session_id}"
+
+    # -- transport ----------------------------------------------------------------
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        *,
+        headers: dict[str, str] | None = None,
+        tries: int | None = None,
+        timeout: float | None = None,
+        honour_retry_after: bool = False,
+    ) -> dict[str, Any]:
+        url = f"{self.base_url}{API_PREFIX}{path}"
+        tries = tries or self.tries
+        timeout = timeout or self.timeout
+        waited_for_server = False
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return self._once(method, url, body, headers or {}, timeout)
+            except ApiError as exc:
+                if (
+                    honour_retry_after
+                    and not waited_for_server
+                    and exc.status in (429, 503)
+                    and exc.retry_after is not None
+                    and exc.retry_after <= MAX_RETRY_AFTER_S
+                ):
+                    # One bounded wait, as the server asked; a second refusal
+                    # is reported rather than waited for again.
+                    waited_for_server = True
+                    self._notify(f"{exc.message}; retrying in {exc.retry_after:g} s as asked")
+                    self._sleep(exc.retry_after)
+                    attempt -= 1
+                    continue
+                if exc.status not in RETRYABLE_STATUS or attempt >= tries:
+                    raise
+                self._log(f"{method} {path}: HTTP {exc.status}, retrying")
+            except _Transient as exc:
+                if attempt >= tries:
+                    raise exc.final(self.base_url, timeout, attempt) from None
+                self._log(f"{method} {path}: {exc.what}, retrying")
+            self._sleep(self.backoff * 2 ** (attempt - 1))
+
+    def _once(
+        self,
+        method: str,
+        url: str,
+        body: dict[str, Any] | None,
+        headers: dict[str, str],
+        timeout: float,
+    ) -> dict[str, Any]:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(url, data=data, method=method)
+        req.add_header("User-Agent", USER_AGENT)
+        req.add_header("Accept", "application/json")
+        if data is not None:
+            req.add_header("Content-Type", "application/json")
+        for k, v in headers.items():
+            req.add_header(k, v)
+        self._log(f"{method} {url}")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                raw = resp.read(MAX_REPLY_BYTES)
+                status = resp.status
+        except urllib.error.HTTPError as exc:
+            raise _http_error(exc) from None
+        except urllib.error.URLError as exc:
+            reason = exc.reason
+            if isinstance(reason, socket.gaierror):
+                host = server_host(url)
+                raise ProbeError(
+                    f"cannot resolve the server name {host!r} ({reason.strerror})",
+                    hint="check the --server URL and your Internet connection",
+                ) from None
+            if isinstance(reason, TimeoutError):
+                raise _Transient("timeout", "no reply") from None
+            if isinstance(reason, ConnectionRefusedError):
+                raise _Transient("refused", "connection refused") from None
+            if isinstance(reason, OSError):
+                raise _Transient("network", reason.strerror or str(reason)) from None
+            raise _Transient("network", str(reason)) from None
+        except TimeoutError:
+            raise _Transient("timeout", "no reply") from None
+        except (http.client.HTTPException, ConnectionError) as exc:
+            raise _Transient("network", f"connection broken ({type(exc).__name__})") from None
+        return _parse_json(raw, status)
+
+
+class _Transient(Exception):
+    """A network failure worth retrying; ``final`` is what the user sees."""
+
+    def __init__(self, kind: str, what: str) -> None:
+        super().__init__(what)
+        self.kind = kind
+        self.what = what
+
+    def final(self, base_url: str, timeout: float, attempts: int) -> ProbeError:
+        tried = f"{attempts} attempt{'s' if attempts != 1 else ''}"
+        if self.kind == "timeout":
+            return ProbeError(
+                f"the server at {base_url} did not reply within {timeout:g} s ({tried})",
+                hint="the server or your network may be overloaded; try later or raise --timeout",
+            )
+        if self.kind == "refused":
+            return ProbeError(
+                f"cannot connect to the server at {base_url}: connection refused ({tried})",
+                hint=_SERVER_HINT,
+            )
+        return ProbeError(
+            f"cannot reach the server at {base_url}: {self.what} ({tried})", hint=_SERVER_HINT
+        )
+
+
+def _parse_json(raw: bytes, status: int) -> dict[str, Any]:
+    try:
+        value = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        snippet = raw[:60].decode("utf-8", "replace").strip()
+        raise ProbeError(
+            f"the server's reply (HTTP {status}) is not JSON: {snippet!r}",
+            hint="is --server the Kick-Ass measurement server (not a web page or proxy)?",
+        ) from None
+    if not isinstance(value, dict):
+        raise ProbeError(
+            f"the server's reply (HTTP {status}) is JSON but not an object",
+            hint="is --server the Kick-Ass measurement server?",
+        )
+    return value
+
+
+def _http_error(exc: urllib.error.HTTPError) -> ApiError:
+    status = exc.code
+    try:
+        raw = exc.read(MAX_REPLY_BYTES)
+    except OSError:
+        raw = b""
+    code: str | None = None
+    message = ""
+    try:
+        body = json.loads(raw.decode("utf-8"))
+        if isinstance(body, dict):
+            code = body.get("error") if isinstance(body.get("error"), str) else None
+            message = str(body.get("message") or code or "")
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        pass
+    retry_after = parse_retry_after(exc.headers.get("Retry-After") if exc.headers else None)
+    detail = message or (exc.reason if isinstance(exc.reason, str) else "") or "no details"
+    when = f"in about {retry_after:g} s" if retry_after is not None else "later"
+    if status == 429:
+        return ApiError(
+            status, code, f"rate-limited by the server: {detail}", f"try again {when}", retry_after
+        )
+    if status == 503:
+        return ApiError(
+            status, code, f"the server is busy: {detail}", f"try again {when}", retry_after
+        )
+    if status == 404:
+        return ApiError(
+            status,
+            code,
+            f"not found on the server (HTTP 404): {detail}",
+            "the session may have expired, or --server is not the measurement server",
+        )
+    if status == 400:
+        return ApiError(
+            status,
+            code,
+            f"the server rejected the request: {detail}",
+            "check --repetitions, --step and --window, or upgrade kickass-probe",
+        )
+    if status in (401, 403):
+        return ApiError(status, code, f"the server refused: {detail}")
+    if status >= 500:
+        return ApiError(status, code, f"server error (HTTP {status}): {detail}", "try again later")
+    return ApiError(status, code, f"the server answered HTTP {status}: {detail}")
+
+
+def _unexpected(what: str) -> ProbeError:
+    return ProbeError(
+        f"unexpected reply from the server: {what}",
+        hint="the server may be a different version; try upgrading kickass-probe",
+    )
+
+
+def validate_created(reply: dict[str, Any]) -> dict[str, Any]:
+    sid = reply.get("session_id")
+    cookie = reply.get("cookie")
+    if not isinstance(sid, str) or not _HEX16.match(sid):
+        raise _unexpected("session_id is not 16 hex digits")
+    if not isinstance(cookie, str) or not _HEX32.match(cookie):
+        raise _unexpected("cookie is not 32 hex digits")
+    port = reply.get("probe_port")
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+        raise _unexpected("probe_port is not a port number")
+    host = reply.get("probe_host")
+    if host is not None and (not isinstance(host, str) or not host):
+        raise _unexpected("probe_host is neither null nor a host name")
+    if not isinstance(reply.get("plan"), dict):
+        raise _unexpected("no plan")
+    return reply
+
+
+def validate_result(reply: dict[str, Any]) -> dict[str, Any]:
+    if not isinstance(reply.get("state"), str):
+        raise _unexpected("session has no state")
+    for phase in ("whole", "split"):
+        rows = reply.get(phase)
+        if rows is None:
+            reply[phase] = []
+        elif not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise _unexpected(f"{phase!r} is not a list of rows")
+    return reply

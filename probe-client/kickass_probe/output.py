@@ -1,0 +1,369 @@
+"""What the volunteer sees: progress on stderr, the summary or JSON on stdout.
+
+Formatting is pure (RunResult in, text or dict out) so it is tested without
+a network; the progress displays are the only stateful part.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import textwrap
+from collections import Counter
+from typing import Any, TextIO
+
+from kickass_core.plan import ProbePlan
+from kickass_core.verdict import drop_rate
+
+from . import __version__
+from .runner import RunResult
+from .session import LocalCounts
+
+JSON_FORMAT_VERSION = 1
+# The compact summary shows each phase as at most this many size ranges.
+SUMMARY_RANGES = 6
+MAX_NOTABLE = 8
+# A size is "notable" when its drop rate exceeds the phase's pooled rate by
+# this much and by three binomial standard errors (small samples are noisy).
+NOTABLE_MIN_EXCESS = 0.05
+
+SIZE_KEY = {"whole": "ip_len", "split": "leading_ip_len"}
+
+
+# -- rows: the server's, or the client's own when the server vanished -------------
+
+
+def phase_rows(result: RunResult, phase: str) -> list[dict[str, Any]]:
+    """Per-size rows with at least {size key, sent, acked, drop_rate}."""
+    key = SIZE_KEY[phase]
+    if result.server_result is not None:
+        rows = []
+        for raw in result.server_result.get(phase) or []:
+            row = dict(raw)
+            row.setdefault(key, raw.get("ip_len"))
+            row["sent"] = _int(row.get("sent"))
+            row["acked"] = _int(row.get("acked"))
+            if row.get("drop_rate") is None:
+                row["drop_rate"] = drop_rate(row["sent"], row["acked"])
+            rows.append(row)
+        return sorted(rows, key=lambda r: _int(r.get(key)))
+    return local_rows(result.plan, result.local, phase)
+
+
+def local_rows(plan: ProbePlan, local: LocalCounts, phase: str) -> list[dict[str, Any]]:
+    """Rows from local counts: every seq up to the highest received must
+    have been sent (the plan's order is fixed), so that is the best
+    available lower bound for "sent"."""
+    key = SIZE_KEY[phase]
+    sent: Counter[int] = Counter()
+    for seq in range(min(local.highest_seq + 1, plan.total_probes)):
+        probe = plan.probe(seq)
+        if probe.phase == phase:
+            sent[probe.ip_len] += 1
+    counts = local.phase_counts(phase)
+    rows = []
+    for size in plan.sizes(phase):
+        acked = counts[size].received if size in counts else 0
+        s = max(sent[size], acked)
+        if s == 0:
+            continue
+        rows.append({key: size, "sent": s, "acked": acked, "drop_rate": drop_rate(s, acked)})
+    return rows
+
+
+def pooled(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    sent = sum(r["sent"] for r in rows)
+    acked = sum(r["acked"] for r in rows)
+    return {"sent": sent, "acked": acked, "drop_rate": drop_rate(sent, acked)}
+
+
+# -- JSON -----------------------------------------------------------------------------
+
+
+def result_json(result: RunResult) -> dict[str, Any]:
+    srv = result.server_result or {}
+    whole = phase_rows(result, "whole")
+    split = phase_rows(result, "split")
+    return {
+        "format_version": JSON_FORMAT_VERSION,
+        "session_id": result.session_id,
+        "verdict": srv.get("verdict"),
+        "verdict_reason": srv.get("verdict_reason"),
+        "state": result.last_state,
+        "end_reason": srv.get("end_reason"),
+        "incomplete": result.incomplete,
+        "outcome": result.outcome,
+        "note": result.note,
+        "source": "server" if result.server_result is not None else "local",
+        "whole": whole,
+        "split": split,
+        "pooled": {"whole": pooled(whole), "split": pooled(split)},
+        "total_probes": result.total_probes,
+        "plan": srv.get("plan") or result.plan.to_json(),
+        "server": result.server_url,
+        "session_url": result.session_url,
+        "server_version": srv.get("server_version"),
+        "client_version": __version__,
+        "local": local_json(result.plan, result.local),
+    }
+
+
+def local_json(plan: ProbePlan, c: LocalCounts) -> dict[str, Any]:
+    split_counts = c.split.values()
+    return {
+        "received": c.received,
+        "duplicates": c.duplicates,
+        "reordered": c.reordered,
+        "corrupted": c.corrupted,
+        "wrong_length": c.wrong_length,
+        "unexpected_seq": c.unexpected_seq,
+        "foreign": c.foreign,
+        "highest_seq": c.highest_seq,
+        "done_received": c.done_received,
+        "frag_size_supported": c.frag_size_supported,
+        "split_as_sent": sum(s.as_sent for s in split_counts),
+        "split_reassembled": sum(s.reassembled for s in split_counts),
+        "split_refragmented": sum(s.refragmented for s in split_counts),
+        "whole_fragmented": sum(s.refragmented for s in c.whole.values()),
+        "whole": [{"ip_len": k, "received": v.received} for k, v in sorted(c.whole.items())],
+        "split": [
+            {
+                "leading_ip_len": k,
+                "received": v.received,
+                "as_sent": v.as_sent,
+                "reassembled": v.reassembled,
+                "refragmented": v.refragmented,
+            }
+            for k, v in sorted(c.split.items())
+        ],
+    }
+
+
+# -- human summary ----------------------------------------------------------------------
+
+
+def pct(rate: float | None) -> str:
+    if rate is None:
+        return "-"
+    if 0 < rate < 0.001:
+        return "<0.1%"
+    return f"{rate:.1%}"
+
+
+def format_summary(result: RunResult, verbose: bool = False) -> str:
+    srv = result.server_result or {}
+    whole = phase_rows(result, "whole")
+    split = phase_rows(result, "split")
+    lines: list[str] = []
+    head = "Kick-Ass fragment viability"
+    if result.incomplete:
+        head += f" - INCOMPLETE ({result.outcome}, state {result.last_state})"
+    lines.append(head)
+    if result.note:
+        lines.append(
+            textwrap.fill(result.note, width=96, initial_indent="  ", subsequent_indent="  ")
+        )
+    verdict = srv.get("verdict")
+    if verdict:
+        lines.append(f"  Verdict: {verdict}")
+        if srv.get("verdict_reason"):
+            lines.append(f"           {srv['verdict_reason']}")
+    else:
+        lines.append("  Verdict: none (no result from the server)")
+    lines.append("")
+    lines.append(f"  {'':<18}{'sent':>9}{'acked':>9}{'drop':>8}")
+    for label, rows in (("whole packets", whole), ("split datagrams", split)):
+        p = pooled(rows)
+        lines.append(f"  {label:<18}{p['sent']:>9,}{p['acked']:>9,}{pct(p['drop_rate']):>8}")
+    lines.append("")
+    lines.append(
+        textwrap.fill(
+            f"Splits arrived as sent: {splits_as_sent(result.local)}",
+            width=96,
+            initial_indent="  ",
+            subsequent_indent="    ",
+        )
+    )
+    for phase, all_rows in (("whole", whole), ("split", split)):
+        # A partial session has sizes nothing was sent for: not worth a row.
+        rows = [r for r in all_rows if r["sent"]]
+        if not rows:
+            continue
+        title = "whole packets, by IP length" if phase == "whole" else "split, by leading_ip_len"
+        lines.append("")
+        lines.append(f"  {title:<28}{'sent':>9}{'acked':>9}{'drop':>8}")
+        for label, r in size_ranges(rows, phase, None if verbose else SUMMARY_RANGES):
+            lines.append(f"    {label:<26}{r['sent']:>9,}{r['acked']:>9,}{pct(r['drop_rate']):>8}")
+        notable = notable_sizes(rows, phase)
+        if notable:
+            shown = ", ".join(f"{s} B {pct(rate)}" for s, rate in notable[:MAX_NOTABLE])
+            more = f" and {len(notable) - MAX_NOTABLE} more" if len(notable) > MAX_NOTABLE else ""
+            lines.append(f"    notable drops: {shown}{more}")
+    c = result.local
+    lines.append("")
+    lines.append(
+        textwrap.fill(
+            f"This client received {c.received:,} distinct probes; {c.duplicates:,} "
+            f"duplicates, {c.reordered:,} reordered, {c.corrupted:,} corrupted, "
+            f"{c.wrong_length:,} of the wrong length.",
+            width=96,
+            initial_indent="  ",
+            subsequent_indent="  ",
+        )
+    )
+    if result.server_result is None:
+        lines.append("  (Server unreachable: 'sent' counts up to the last probe received.)")
+    lines.append(f"  Session {result.session_id} ({result.last_state}): {result.session_url}")
+    return "\n".join(lines) + "\n"
+
+
+def splits_as_sent(c: LocalCounts) -> str:
+    received = sum(s.received for s in c.split.values())
+    if received == 0:
+        return "no split datagram arrived"
+    if not c.frag_size_supported:
+        return "cannot tell on this system (needs Linux IP_RECVFRAGSIZE)"
+    as_sent = sum(s.as_sent for s in c.split.values())
+    reassembled = sum(s.reassembled for s in c.split.values())
+    other = sum(s.refragmented for s in c.split.values())
+    if as_sent == received:
+        return f"yes, in all {received:,} the largest fragment was as the server cut it"
+    parts = [f"{as_sent:,} of {received:,} as cut by the server"]
+    if reassembled:
+        parts.append(
+            f"{reassembled:,} reassembled on the way (typical of a NAT or firewall with "
+            "connection tracking)"
+        )
+    if other:
+        parts.append(f"{other:,} cut differently on the way")
+    return "; ".join(parts)
+
+
+def size_ranges(
+    rows: list[dict[str, Any]], phase: str, max_ranges: int | None
+) -> list[tuple[str, dict[str, Any]]]:
+    """Consecutive sizes pooled into at most ``max_ranges`` rows (None: all)."""
+    key = SIZE_KEY[phase]
+    if max_ranges is None or len(rows) <= max_ranges:
+        return [(f"{r[key]} B", r) for r in rows]
+    per = math.ceil(len(rows) / max_ranges)
+    out = []
+    for i in range(0, len(rows), per):
+        chunk = rows[i : i + per]
+        lo, hi = chunk[0][key], chunk[-1][key]
+        out.append((f"{lo}-{hi} B", pooled(chunk)))
+    return out
+
+
+def notable_sizes(rows: list[dict[str, Any]], phase: str) -> list[tuple[int, float]]:
+    """Sizes lost clearly more often than their phase as a whole, worst first."""
+    key = SIZE_KEY[phase]
+    base = pooled(rows)["drop_rate"]
+    if base is None:
+        return []
+    out = []
+    for r in rows:
+        rate, sent = r["drop_rate"], r["sent"]
+        if rate is None or sent == 0:
+            continue
+        se = math.sqrt(max(base * (1.0 - base), 1.0 / sent) / sent)
+        if rate - base > max(NOTABLE_MIN_EXCESS, 3.0 * se):
+            out.append((int(r[key]), float(rate)))
+    return sorted(out, key=lambda x: (-x[1], x[0]))
+
+
+# -- progress ---------------------------------------------------------------------------
+
+
+class NullProgress:
+    def update(self, done: int, total: int, description: str) -> None:
+        pass
+
+    def note(self, text: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class PlainProgress:
+    """For a stderr that is not a terminal: a line per 10%, and the notes."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self._last_decile = -1
+
+    def update(self, done: int, total: int, description: str) -> None:
+        if total <= 0:
+            return
+        decile = min(10, done * 10 // total)
+        if decile > self._last_decile and decile > 0:
+            self._last_decile = decile
+            print(f"progress: {decile * 10}% ({done:,} of {total:,} probes)", file=self.stream)
+
+    def note(self, text: str) -> None:
+        print(text, file=self.stream)
+
+    def close(self) -> None:
+        pass
+
+
+class RichProgress:
+    """A progress bar with ETA on a terminal (stderr), notes printed above it."""
+
+    def __init__(self, stream: TextIO) -> None:
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        self.console = Console(file=stream, highlight=False)
+        self._progress = Progress(
+            TextColumn("{task.description:<26}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("probes"),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=self.console,
+            transient=False,
+        )
+        self._task: Any = None
+        self._started = False
+
+    def update(self, done: int, total: int, description: str) -> None:
+        if not self._started:
+            self._progress.start()
+            self._task = self._progress.add_task(description, total=total)
+            self._started = True
+        self._progress.update(self._task, completed=done, total=total, description=description)
+
+    def note(self, text: str) -> None:
+        self.console.print(text, markup=False)
+
+    def close(self) -> None:
+        if self._started:
+            self._progress.stop()
+            self._started = False
+
+
+def make_progress(stream: TextIO | None = None, enabled: bool = True) -> Any:
+    stream = stream or sys.stderr
+    if not enabled:
+        return NullProgress()
+    if stream.isatty():
+        return RichProgress(stream)
+    return PlainProgress(stream)
+
+
+def _int(value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0

@@ -1,0 +1,192 @@
+"""Database URLs, engines and the Alembic configuration.
+
+Operators give a plain libpq URL (``postgresql://user:pw@host/db``, or the
+unix-socket form ``postgresql://user@/db?host=/run/postgresql``); SQLAlchemy
+needs the driver named, so every URL is rewritten to psycopg 3 here, once.
+Precedence: explicit argument (``--database-url``) > ``KICKASS_DATABASE_URL``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote
+
+from alembic import command
+from alembic.config import Config
+from alembic.script import ScriptDirectory
+from sqlalchemy import URL, Engine, create_engine, event, make_url, text
+from sqlalchemy.exc import ArgumentError, DBAPIError
+
+from .errors import KickassError
+
+ENV_DATABASE_URL = "KICKASS_DATABASE_URL"
+ENV_MIGRATIONS_DIR = "KICKASS_MIGRATIONS_DIR"
+DRIVER = "postgresql+psycopg"
+ACCEPTED_SCHEMES = ("postgresql", "postgres", DRIVER)
+CONNECT_TIMEOUT_S = 10
+URL_HINT = (
+    f"pass --database-url or set {ENV_DATABASE_URL}, e.g. "
+    "postgresql://kickass:secret@localhost/kickass "
+    "or postgresql://kickass@/kickass?host=/run/postgresql (unix socket)"
+)
+
+
+def resolve_database_url(explicit: str | None = None) -> str:
+    """The URL to use: the explicit one if given, else the environment's."""
+    url = explicit or os.environ.get(ENV_DATABASE_URL)
+    if not url:
+        raise KickassError("no database URL given", hint=URL_HINT)
+    return url
+
+
+def sqlalchemy_url(url: str | URL) -> URL:
+    """A libpq-style URL rewritten for SQLAlchemy's psycopg 3 dialect."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError as exc:
+        raise KickassError(f"not a database URL: {_mask(str(url))}", hint=URL_HINT) from exc
+    if parsed.drivername not in ACCEPTED_SCHEMES:
+        raise KickassError(
+            f"unsupported database URL scheme {parsed.drivername!r}: "
+            "the measurement database is PostgreSQL",
+            hint=URL_HINT,
+        )
+    parsed = parsed.set(drivername=DRIVER)
+    # libpq also accepts the socket directory percent-encoded in the host
+    # part (postgresql://%2Frun%2Fpostgresql/db); SQLAlchemy would take it as
+    # a host name, so move it to the ``host`` parameter that psycopg reads.
+    if parsed.host and parsed.host.lower().startswith("%2f"):
+        parsed = URL.create(
+            parsed.drivername,
+            username=parsed.username,
+            password=parsed.password,
+            port=parsed.port,
+            database=parsed.database,
+            query={**parsed.query, "host": unquote(parsed.host)},
+        )
+    return parsed
+
+
+def describe_url(url: str | URL) -> str:
+    """The URL with its password hidden, for messages and logs."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return _mask(str(url))
+    if parsed.drivername == DRIVER:
+        parsed = parsed.set(drivername="postgresql")  # as the operator wrote it
+    # Unquoted so a socket directory reads as a path, not %2F...
+    return unquote(parsed.render_as_string(hide_password=True))
+
+
+def _mask(raw: str) -> str:
+    # Unparseable URLs can still hold a password: show the scheme only.
+    return raw.split("://", 1)[0] + "://..." if "://" in raw else "<unparseable>"
+
+
+def make_engine(url: str | None = None, **kwargs: Any) -> Engine:
+    """An engine for ``url`` (resolved as above), safe to share between threads.
+
+    ``pool_pre_ping`` tests a pooled connection before handing it out, so
+    after a database restart the next call reconnects instead of failing on
+    a dead socket. Every connection runs in UTC so timestamps read back are
+    UTC-aware whatever the server's TimeZone is.
+    """
+    sa_url = sqlalchemy_url(resolve_database_url(url))
+    connect_args: dict[str, Any] = {}
+    if "connect_timeout" not in sa_url.query:
+        # libpq waits forever for an unanswering host by default.
+        connect_args["connect_timeout"] = CONNECT_TIMEOUT_S
+    if "application_name" not in sa_url.query:
+        connect_args["application_name"] = "kickass"
+    connect_args.update(kwargs.pop("connect_args", {}))
+    engine = create_engine(sa_url, pool_pre_ping=True, connect_args=connect_args, **kwargs)
+    event.listen(engine, "connect", _set_utc)
+    return engine
+
+
+def _set_utc(dbapi_connection: Any, _record: Any) -> None:
+    # psycopg 3 is in autocommit=False mode here: commit so the SET is not
+    # rolled back with the pool's first reset.
+    with dbapi_connection.cursor() as cur:
+        cur.execute("SET TIME ZONE 'UTC'")
+    dbapi_connection.commit()
+
+
+def check_connection(engine: Engine) -> None:
+    """Raise KickassError (not a traceback) when the database cannot be reached."""
+    try:
+        with engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+    except DBAPIError as exc:
+        raise unreachable(engine.url, exc) from exc
+
+
+def unreachable(url: str | URL, exc: BaseException) -> KickassError:
+    reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+    return KickassError(
+        f"cannot reach the database at {describe_url(url)}: {reason}",
+        hint="is PostgreSQL running and the URL right? " + URL_HINT,
+    )
+
+
+def libpq_url(url: str | URL, database: str | None = None) -> str:
+    """``url`` as libpq/psycopg take it (no driver name), optionally for another database."""
+    parsed = sqlalchemy_url(url).set(drivername="postgresql")
+    if database is not None:
+        parsed = parsed.set(database=database)
+    return parsed.render_as_string(hide_password=False)
+
+
+def upgrade(url: str | None = None, revision: str = "head") -> None:
+    """Migrate the database to ``revision`` (what `kickass db upgrade` does), in code."""
+    engine = make_engine(url)
+    try:
+        check_connection(engine)
+        with engine.begin() as conn:
+            command.upgrade(alembic_config(url, connection=conn), revision)
+    finally:
+        engine.dispose()
+
+
+def migrations_dir() -> Path:
+    """db/migrations of the repository this package runs from (env override)."""
+    override = os.environ.get(ENV_MIGRATIONS_DIR)
+    path = Path(override) if override else Path(__file__).resolve().parents[2] / "db" / "migrations"
+    if not (path / "env.py").is_file():
+        raise KickassError(
+            f"Alembic migrations not found in {path}",
+            hint=f"set {ENV_MIGRATIONS_DIR} to the db/migrations directory of the repository",
+        )
+    return path
+
+
+def alembic_config(url: str | URL | None = None, connection: Any = None) -> Config:
+    """Alembic configured in code, so no alembic.ini is needed at run time.
+
+    With ``connection`` given, migrations run on it (tests and ``kickass db``
+    use this to check reachability first and report errors cleanly).
+    """
+    # stdout looked up now, not at import time, so redirection (and pytest's
+    # capture) applies to `kickass db history`.
+    config = Config(stdout=sys.stdout)
+    config.set_main_option("script_location", str(migrations_dir()))
+    config.set_main_option("path_separator", "os")
+    if url is not None:
+        # ConfigParser interpolation would choke on a '%' in a password.
+        rendered = sqlalchemy_url(url).render_as_string(hide_password=False)
+        config.set_main_option("sqlalchemy.url", rendered.replace("%", "%%"))
+    if connection is not None:
+        config.attributes["connection"] = connection
+    return config
+
+
+def head_revision() -> str | None:
+    """The newest migration's revision, or None when the scripts are not available."""
+    try:
+        return ScriptDirectory.from_config(alembic_config()).get_current_head()
+    except KickassError:
+        return None

@@ -1,0 +1,148 @@
+"""`kickass db`: migrate the measurement database (Alembic, configured in code).
+
+    kickass db upgrade [REV]     to REV, default the newest (head)
+    kickass db downgrade REV     back to REV ("base" = empty database)
+    kickass db current           the revision the database is at
+    kickass db history           every migration, newest first
+
+The URL comes from --database-url, else KICKASS_DATABASE_URL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+
+from alembic import command
+from alembic.runtime.migration import MigrationContext
+from alembic.util.exc import CommandError
+from sqlalchemy import Connection
+from sqlalchemy.exc import DBAPIError
+
+from . import db
+from .errors import KickassError
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "db",
+        help="migrate the measurement database",
+        description="Migrate the measurement database (PostgreSQL) with its Alembic migrations.",
+    )
+
+    def usage(_args: argparse.Namespace) -> int:
+        parser.print_help()
+        return 2
+
+    parser.set_defaults(func=usage)
+    sub = parser.add_subparsers(dest="db_command", metavar="DB_COMMAND")
+
+    def url_option(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--database-url",
+            default=os.environ.get(db.ENV_DATABASE_URL),
+            help=f"PostgreSQL URL (default: ${db.ENV_DATABASE_URL})",
+        )
+
+    p = sub.add_parser("upgrade", help="migrate up to a revision (default: head)")
+    p.add_argument("revision", nargs="?", default="head")
+    p.add_argument("--sql", action="store_true", help="print the SQL instead of running it")
+    url_option(p)
+    p.set_defaults(func=cmd_upgrade)
+
+    p = sub.add_parser("downgrade", help="migrate down to a revision ('base' drops everything)")
+    p.add_argument("revision")
+    p.add_argument("--sql", action="store_true", help="print the SQL instead of running it")
+    url_option(p)
+    p.set_defaults(func=cmd_downgrade)
+
+    p = sub.add_parser("current", help="show the database's revision")
+    url_option(p)
+    p.set_defaults(func=cmd_current)
+
+    p = sub.add_parser("history", help="list the migrations")
+    url_option(p)  # accepted for symmetry; history reads only the scripts
+    p.set_defaults(func=cmd_history)
+
+
+def cmd_upgrade(args: argparse.Namespace) -> int:
+    return _migrate(args, command.upgrade, "upgraded")
+
+
+def cmd_downgrade(args: argparse.Namespace) -> int:
+    return _migrate(args, command.downgrade, "downgraded")
+
+
+def _migrate(args: argparse.Namespace, step: Callable[..., None], verb: str) -> int:
+    url = db.resolve_database_url(args.database_url)
+    if args.sql:
+        # Offline: no connection, the DDL goes to stdout for a DBA to review.
+        with _alembic_errors():
+            step(db.alembic_config(url), args.revision, sql=True)
+        return 0
+    with _connection(url) as conn:
+        before = _revision(conn)
+        with _alembic_errors():
+            step(db.alembic_config(url, connection=conn), args.revision)
+        after = _revision(conn)
+    head = db.head_revision()
+    label = f"{after or 'base'}{' (head)' if after == head else ''}"
+    print(f"{verb} {db.describe_url(url)}: {before or 'base'} -> {label}")
+    return 0
+
+
+def cmd_current(args: argparse.Namespace) -> int:
+    url = db.resolve_database_url(args.database_url)
+    with _connection(url) as conn:
+        current = _revision(conn)
+    head = db.head_revision()
+    if current is None:
+        print(f"{db.describe_url(url)}: empty (no migrations applied; run: kickass db upgrade)")
+    elif current == head:
+        print(f"{db.describe_url(url)}: {current} (head)")
+    else:
+        print(f"{db.describe_url(url)}: {current} (head is {head}; run: kickass db upgrade)")
+    return 0
+
+
+def cmd_history(_args: argparse.Namespace) -> int:
+    with _alembic_errors():
+        command.history(db.alembic_config(), indicate_current=False)
+    return 0
+
+
+@contextlib.contextmanager
+def _connection(url: str) -> Iterator[Connection]:
+    """A connection whose work is committed at the end, opened after a
+    reachability check that turns a refused connection into one ERROR line
+    instead of a traceback."""
+    engine = db.make_engine(url)
+    try:
+        db.check_connection(engine)
+        with engine.connect() as conn:
+            yield conn
+            conn.commit()
+    finally:
+        engine.dispose()
+
+
+def _revision(conn: Connection) -> str | None:
+    return MigrationContext.configure(conn).get_current_revision()
+
+
+@contextlib.contextmanager
+def _alembic_errors() -> Iterator[None]:
+    # Alembic reports a bad revision as CommandError; to the operator that is
+    # an input mistake like any other.
+    try:
+        yield
+    except CommandError as exc:
+        raise KickassError(str(exc), hint="see: kickass db history") from exc
+    except DBAPIError as exc:
+        reason = str(exc.orig or exc).strip().splitlines()[0]
+        raise KickassError(
+            f"migration failed: {reason}",
+            hint="migrations run in one transaction: nothing was applied",
+        ) from exc

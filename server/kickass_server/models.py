@@ -1,0 +1,145 @@
+"""The measurement database as typed SQLAlchemy models.
+
+These models describe the schema; they never create it. Alembic
+(db/migrations) is the only schema truth, and a test checks that the two
+agree. Analysis views (``v_*``) live only in the migrations: they are SQL,
+read by dashboards, notebooks and the HTTP API, never written through the ORM.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    REAL,
+    BigInteger,
+    CheckConstraint,
+    DateTime,
+    ForeignKey,
+    Identity,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    SmallInteger,
+    Text,
+    func,
+)
+from sqlalchemy.dialects.postgresql import INET, JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# Deterministic constraint names: migrations can drop or alter a constraint by
+# name, and a name chosen by PostgreSQL would differ between databases.
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+SESSION_STATES = ("created", "probing", "complete", "ended", "expired", "incomplete")
+LIVE_STATES = ("created", "probing")
+FINAL_STATES = ("complete", "ended", "expired", "incomplete")
+VERDICTS = ("fragments-ok", "fragment-intolerant", "inconclusive")  # kickass_core.verdict
+PHASES = ("whole", "split")  # kickass_core.plan.PHASES
+OUTCOMES = ("acked", "lost", "late")
+SESSION_ID_PATTERN = "^[0-9a-f]{16}$"
+
+
+def _in(column: str, values: tuple[str, ...]) -> str:
+    return f"{column} IN ({', '.join(repr(v) for v in values)})"
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class Client(Base):
+    """A probe client installation (or one anonymous run when it sent no install id)."""
+
+    __tablename__ = "clients"
+
+    id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
+    install_id: Mapped[str | None] = mapped_column(Text, unique=True)
+    first_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    last_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    last_address: Mapped[str | None] = mapped_column(INET)
+    client_version: Mapped[str | None] = mapped_column(Text)
+    platform: Mapped[str | None] = mapped_column(Text)
+
+
+class Session(Base):
+    """One fragment-viability measurement of one client, from HTTP request to verdict."""
+
+    __tablename__ = "sessions"
+    __table_args__ = (
+        CheckConstraint(_in("state", SESSION_STATES), name="state"),
+        CheckConstraint(_in("verdict", VERDICTS), name="verdict"),
+        CheckConstraint(f"session_id ~ '{SESSION_ID_PATTERN}'", name="session_id_format"),
+        CheckConstraint("sent >= 0 AND acked >= 0", name="counters"),
+        Index(None, "client_id"),
+        Index(None, "created_at"),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
+    session_id: Mapped[str] = mapped_column(Text, unique=True)
+    # SET NULL: forgetting a client (a volunteer asks) must not erase the
+    # measurements, which carry no identity of their own.
+    client_id: Mapped[int | None] = mapped_column(
+        BigInteger, ForeignKey("clients.id", ondelete="SET NULL")
+    )
+    # Only a hash: a database dump must not let anyone impersonate a client.
+    cookie_hash: Mapped[bytes | None] = mapped_column(LargeBinary)
+    source_address: Mapped[str | None] = mapped_column(INET)
+    probe_address: Mapped[str | None] = mapped_column(INET)
+    probe_port: Mapped[int | None] = mapped_column(Integer)
+    state: Mapped[str] = mapped_column(Text, server_default="created")
+    plan: Mapped[dict[str, Any]] = mapped_column(JSONB)
+    client_version: Mapped[str | None] = mapped_column(Text)
+    server_version: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    updated_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.now(), onupdate=func.now()
+    )
+    sent: Mapped[int] = mapped_column(Integer, server_default="0")
+    acked: Mapped[int] = mapped_column(Integer, server_default="0")
+    rtt_ms: Mapped[float | None] = mapped_column(REAL)
+    verdict: Mapped[str | None] = mapped_column(Text)
+    verdict_reason: Mapped[str | None] = mapped_column(Text)
+    end_reason: Mapped[str | None] = mapped_column(Text)
+
+
+class ProbeOutcome(Base):
+    """What happened to one probe: the raw data every drop rate is computed from."""
+
+    __tablename__ = "probe_outcomes"
+    __table_args__ = (
+        CheckConstraint(_in("phase", PHASES), name="phase"),
+        CheckConstraint(_in("outcome", OUTCOMES), name="outcome"),
+        CheckConstraint("seq >= 0", name="seq"),
+        # Every per-size view groups by exactly these.
+        Index(None, "session_pk", "phase", "ip_len"),
+    )
+
+    session_pk: Mapped[int] = mapped_column(
+        BigInteger, ForeignKey("sessions.id", ondelete="CASCADE"), primary_key=True
+    )
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True)
+    phase: Mapped[str] = mapped_column(Text)
+    # whole: the packet's IP length; split: the leading fragment's IP length.
+    ip_len: Mapped[int] = mapped_column(SmallInteger)
+    sent_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    # 'late' = acked after its timeout: lost for the drop rate (as in the
+    # paper), kept apart so slow paths can be told from lossy ones.
+    outcome: Mapped[str] = mapped_column(Text)
+    acked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    rtt_ms: Mapped[float | None] = mapped_column(REAL)
+    ack_count: Mapped[int] = mapped_column(SmallInteger, server_default="0")
+    received_len: Mapped[int | None] = mapped_column(Integer)
+    # The client's IP_RECVFRAGSIZE: largest fragment's IP length, 0 = arrived whole.
+    observed_frag_size: Mapped[int | None] = mapped_column(Integer)

@@ -1,0 +1,474 @@
+"""Persistence for probe sessions: the only code that writes the measurement tables.
+
+Used from the probe engine's thread and from Flask request threads at once:
+every method takes its own pooled connection and runs one short
+transaction, so a Store is safe to share. Results are read back through the
+analysis views (db/migrations 0002), so the HTTP API shows exactly what the
+dashboards and notebooks compute.
+
+A database restart loses nothing: the pool tests connections before use
+(``pool_pre_ping``), a call that meets a connection killed under it is
+retried once on a fresh one, and while the database is really down calls
+raise DatabaseUnavailable, which the caller may retry later — every write
+here is idempotent, so re-sending a batch is always safe.
+"""
+
+from __future__ import annotations
+
+import hmac
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, TypeVar
+
+from kickass_core.verdict import decide
+from sqlalchemy import Connection, bindparam, func, insert, select, text, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+
+from . import db
+from .errors import KickassError
+from .models import (
+    FINAL_STATES,
+    LIVE_STATES,
+    OUTCOMES,
+    PHASES,
+    SESSION_ID_PATTERN,
+    VERDICTS,
+    Client,
+    Session,
+)
+
+T = TypeVar("T")
+
+_SESSION_ID_RE = re.compile(SESSION_ID_PATTERN.replace("$", r"\Z"))
+
+ORPHAN_END_REASON = "server-restart"
+
+_clients = Client.__table__
+_sessions = Session.__table__
+
+
+class DatabaseUnavailable(KickassError):
+    """The database cannot be reached right now; the same call may succeed later."""
+
+
+class UnknownSession(KickassError):
+    """The session id is not in the database."""
+
+
+@dataclass
+class ProbeOutcome:
+    seq: int
+    phase: str  # 'whole' | 'split'
+    ip_len: int  # whole: packet IP length; split: leading fragment IP length
+    sent_at: datetime
+    outcome: str  # 'acked' | 'lost' | 'late'
+    acked_at: datetime | None = None
+    rtt_ms: float | None = None
+    ack_count: int = 0
+    received_len: int | None = None
+    observed_frag_size: int | None = None
+
+
+# One statement for a whole batch: arrays in, rows out. executemany would
+# cost a round trip (or a statement) per few rows; thousands of outcomes per
+# session make that the engine's bottleneck.
+_UPSERT_OUTCOMES = text("""
+INSERT INTO probe_outcomes (
+    session_pk, seq, phase, ip_len, sent_at, outcome, acked_at, rtt_ms, ack_count,
+    received_len, observed_frag_size
+)
+SELECT s.id, u.*
+FROM sessions s
+CROSS JOIN unnest(
+    CAST(:seq AS integer[]), CAST(:phase AS text[]), CAST(:ip_len AS smallint[]),
+    CAST(:sent_at AS timestamptz[]), CAST(:outcome AS text[]), CAST(:acked_at AS timestamptz[]),
+    CAST(:rtt_ms AS real[]), CAST(:ack_count AS smallint[]), CAST(:received_len AS integer[]),
+    CAST(:observed_frag_size AS integer[])
+) AS u
+WHERE s.session_id = :session_id
+ON CONFLICT (session_pk, seq) DO UPDATE SET
+    phase = excluded.phase,
+    ip_len = excluded.ip_len,
+    sent_at = excluded.sent_at,
+    outcome = excluded.outcome,
+    acked_at = excluded.acked_at,
+    rtt_ms = excluded.rtt_ms,
+    ack_count = excluded.ack_count,
+    received_len = excluded.received_len,
+    observed_frag_size = excluded.observed_frag_size
+""")
+_OUTCOME_FIELDS = (
+    "seq",
+    "phase",
+    "ip_len",
+    "sent_at",
+    "outcome",
+    "acked_at",
+    "rtt_ms",
+    "ack_count",
+    "received_len",
+    "observed_frag_size",
+)
+
+_WHOLE_ROWS = text("""
+SELECT ip_len, sent, acked, late, drop_rate, rtt_ms_median, fragmented_on_arrival
+FROM v_whole_drop WHERE session_id = :session_id ORDER BY ip_len
+""")
+_SPLIT_ROWS = text("""
+SELECT leading_ip_len, sent, acked, late, drop_rate, frag_observed, arrived_as_sent
+FROM v_split_drop WHERE session_id = :session_id ORDER BY leading_ip_len
+""")
+
+_PHASE_COUNTS = text("""
+SELECT session_pk, phase, count(*) AS sent, count(*) FILTER (WHERE outcome = 'acked') AS acked
+FROM probe_outcomes WHERE session_pk = ANY(:pks) GROUP BY session_pk, phase
+""")
+
+
+class _SessionExists(Exception):
+    """Internal: rolls back a create_session whose id is taken."""
+
+
+class Store:
+    def __init__(self, database_url: str | None = None) -> None:
+        self.database_url = db.resolve_database_url(database_url)
+        self.engine = db.make_engine(self.database_url)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Store({db.describe_url(self.database_url)})"
+
+    # -- plumbing ---------------------------------------------------------
+
+    def _run(self, work: Callable[[Connection], T], *, isolation: str | None = None) -> T:
+        """Run ``work`` in one transaction, with the restart policy above."""
+        for attempt in (1, 2):
+            try:
+                conn = self.engine.connect()
+                try:
+                    if isolation:
+                        conn.execution_options(isolation_level=isolation)
+                    with conn.begin():
+                        return work(conn)
+                finally:
+                    conn.close()
+            except (OperationalError, InterfaceError) as exc:
+                # pre_ping only checks at checkout; a restart can still kill
+                # the connection mid-call. Once more on a fresh connection.
+                if attempt == 1 and exc.connection_invalidated:
+                    continue
+                raise DatabaseUnavailable(
+                    f"database unavailable ({db.describe_url(self.database_url)}): "
+                    f"{_first_line(exc)}",
+                    hint="the call is safe to retry once the database is back",
+                ) from exc
+        raise AssertionError("unreachable")
+
+    def ping(self) -> None:
+        """Raise KickassError unless the database is reachable and its schema current."""
+        try:
+            db.check_connection(self.engine)
+        except KickassError as exc:
+            raise DatabaseUnavailable(str(exc), hint=exc.hint) from exc
+        current = self._run(_schema_revision)
+        head = db.head_revision()
+        if current is None:
+            raise KickassError(
+                f"database {db.describe_url(self.database_url)} has no kickass schema",
+                hint="run: kickass db upgrade",
+            )
+        if head is not None and current != head:
+            raise KickassError(
+                f"database schema is at revision {current}, this server needs {head}",
+                hint="run: kickass db upgrade",
+            )
+
+    # -- writes -----------------------------------------------------------
+
+    def create_session(
+        self,
+        *,
+        session_id: str,
+        cookie_hash: bytes,
+        plan: dict[str, Any],
+        source_address: str,
+        expires_at: datetime,
+        server_version: str,
+        client_version: str | None = None,
+        platform: str | None = None,
+        install_id: str | None = None,
+    ) -> None:
+        """Insert a session in state 'created', and its client (upserted by install id).
+
+        Re-creating an existing session with the same cookie hash is a no-op
+        (a retried call); with another cookie it is an error.
+        """
+        _check_session_id(session_id)
+        _check_aware("expires_at", expires_at)
+
+        def work(conn: Connection) -> None:
+            client_values = {
+                "install_id": install_id,
+                "last_address": source_address,
+                "client_version": client_version,
+                "platform": platform,
+            }
+            if install_id is None:
+                client_stmt = insert(_clients).values(client_values)
+            else:
+                stmt = pg_insert(_clients).values(client_values)
+                client_stmt = stmt.on_conflict_do_update(
+                    index_elements=[_clients.c.install_id],
+                    set_={
+                        "last_seen": func.now(),
+                        "last_address": stmt.excluded.last_address,
+                        "client_version": func.coalesce(
+                            stmt.excluded.client_version, _clients.c.client_version
+                        ),
+                        "platform": func.coalesce(stmt.excluded.platform, _clients.c.platform),
+                    },
+                )
+            client_pk = conn.execute(client_stmt.returning(_clients.c.id)).scalar_one()
+            session_stmt = (
+                pg_insert(_sessions)
+                .values(
+                    session_id=session_id,
+                    client_id=client_pk,
+                    cookie_hash=cookie_hash,
+                    source_address=source_address,
+                    state="created",
+                    plan=plan,
+                    client_version=client_version,
+                    server_version=server_version,
+                    expires_at=expires_at,
+                )
+                .on_conflict_do_nothing(index_elements=[_sessions.c.session_id])
+                .returning(_sessions.c.id)
+            )
+            if conn.execute(session_stmt).first() is None:
+                raise _SessionExists  # roll back the client upsert too
+
+        try:
+            self._run(work)
+        except _SessionExists:
+            existing = self.cookie_hash(session_id)
+            if existing is None or not hmac.compare_digest(existing, cookie_hash):
+                raise KickassError(f"session {session_id} already exists") from None
+
+    def mark_probing(
+        self, session_id: str, probe_address: str, probe_port: int, rtt_ms: float | None
+    ) -> bool:
+        """The client proved its UDP address: probing starts. False if the
+        session is unknown or already over (it is never brought back)."""
+        stmt = (
+            update(_sessions)
+            .where(_sessions.c.session_id == session_id, _sessions.c.state.in_(LIVE_STATES))
+            .values(
+                state="probing",
+                probe_address=probe_address,
+                probe_port=probe_port,
+                rtt_ms=rtt_ms,
+                started_at=func.coalesce(_sessions.c.started_at, func.now()),
+            )
+        )
+        return self._run(lambda conn: conn.execute(stmt).rowcount > 0)
+
+    def record_outcomes(self, session_id: str, outcomes: Sequence[ProbeOutcome]) -> None:
+        """Upsert a batch of outcomes in one statement; the last word on a seq wins.
+
+        Re-sending a batch is harmless, and a probe first recorded 'lost'
+        becomes 'late' when its ack turns up after all. Raises UnknownSession
+        rather than dropping data for a session the database does not have.
+        """
+        if not outcomes:
+            return
+        latest: dict[int, ProbeOutcome] = {}
+        for o in outcomes:
+            _check_outcome(o)
+            latest[o.seq] = o  # one row may not be updated twice in one statement
+        params: dict[str, Any] = {
+            f: [getattr(o, f) for o in latest.values()] for f in _OUTCOME_FIELDS
+        }
+        params["session_id"] = session_id
+        written = self._run(lambda conn: conn.execute(_UPSERT_OUTCOMES, params).rowcount)
+        if written == 0:
+            raise UnknownSession(f"no session {session_id} to record outcomes for")
+
+    def heartbeat(self, session_id: str, sent: int, acked: int) -> bool:
+        """Progress counters while probing (what a client polling the API sees)."""
+        stmt = (
+            update(_sessions)
+            .where(_sessions.c.session_id == session_id)
+            .values(sent=sent, acked=acked)
+        )
+        return self._run(lambda conn: conn.execute(stmt).rowcount > 0)
+
+    def finish_session(
+        self,
+        session_id: str,
+        state: str,
+        verdict: str | None,
+        verdict_reason: str | None,
+        end_reason: str | None = None,
+    ) -> bool:
+        """Put a live session in a final state. The first final state wins:
+        False (and nothing changed) if it had already finished, or is unknown."""
+        if state not in FINAL_STATES:
+            raise ValueError(f"state must be one of {FINAL_STATES}, got {state!r}")
+        if verdict is not None and verdict not in VERDICTS:
+            raise ValueError(f"verdict must be one of {VERDICTS} or None, got {verdict!r}")
+        stmt = (
+            update(_sessions)
+            .where(_sessions.c.session_id == session_id, _sessions.c.state.in_(LIVE_STATES))
+            .values(
+                state=state,
+                verdict=verdict,
+                verdict_reason=verdict_reason,
+                end_reason=end_reason,
+                finished_at=func.now(),
+            )
+        )
+        return self._run(lambda conn: conn.execute(stmt).rowcount > 0)
+
+    def mark_orphans_incomplete(self) -> list[str]:
+        """At server start: sessions a previous server left live become 'incomplete',
+        with the verdict their stored outcomes support. Returns their session ids.
+
+        Assumes one server per database: a second live server's sessions
+        would be closed too.
+        """
+
+        def work(conn: Connection) -> list[str]:
+            orphans = conn.execute(
+                select(_sessions.c.id, _sessions.c.session_id)
+                .where(_sessions.c.state.in_(LIVE_STATES))
+                .order_by(_sessions.c.id)
+                .with_for_update()
+            ).all()
+            if not orphans:
+                return []
+            counts: dict[tuple[int, str], tuple[int, int]] = {
+                (pk, phase): (sent, acked)
+                for pk, phase, sent, acked in conn.execute(
+                    _PHASE_COUNTS, {"pks": [pk for pk, _ in orphans]}
+                )
+            }
+            updates = []
+            for pk, _ in orphans:
+                whole = counts.get((pk, "whole"), (0, 0))
+                split = counts.get((pk, "split"), (0, 0))
+                v = decide(whole[0], whole[1], split[0], split[1])
+                updates.append({"pk": pk, "verdict": v.verdict, "reason": v.reason})
+            conn.execute(
+                update(_sessions)
+                .where(_sessions.c.id == bindparam("pk"))
+                .values(
+                    state="incomplete",
+                    verdict=bindparam("verdict"),
+                    verdict_reason=bindparam("reason"),
+                    end_reason=ORPHAN_END_REASON,
+                    finished_at=func.now(),
+                ),
+                updates,
+            )
+            return [sid for _, sid in orphans]
+
+        return self._run(work)
+
+    # -- reads ------------------------------------------------------------
+
+    def cookie_hash(self, session_id: str) -> bytes | None:
+        stmt = select(_sessions.c.cookie_hash).where(_sessions.c.session_id == session_id)
+        return self._run(lambda conn: conn.execute(stmt).scalar_one_or_none())
+
+    def session_results(self, session_id: str) -> dict[str, Any] | None:
+        """The session as the HTTP API serves it (JSON-able), or None if unknown."""
+
+        def work(conn: Connection) -> dict[str, Any] | None:
+            row = conn.execute(
+                select(_sessions).where(_sessions.c.session_id == session_id)
+            ).first()
+            if row is None:
+                return None
+            params = {"session_id": session_id}
+            whole = [dict(r) for r in conn.execute(_WHOLE_ROWS, params).mappings()]
+            split = [dict(r) for r in conn.execute(_SPLIT_ROWS, params).mappings()]
+            return _results(row._mapping, whole, split)
+
+        # One snapshot: the counters and the per-size rows must agree even
+        # while the engine is writing.
+        return self._run(work, isolation="REPEATABLE READ")
+
+
+def _results(s: Any, whole: list[dict[str, Any]], split: list[dict[str, Any]]) -> dict[str, Any]:
+    rows = whole + split
+    if rows:
+        sent = sum(r["sent"] for r in rows)
+        acked = sum(r["acked"] for r in rows)
+    else:
+        sent, acked = s["sent"], s["acked"]
+    return {
+        "session_id": s["session_id"],
+        "state": s["state"],
+        "verdict": s["verdict"],
+        "verdict_reason": s["verdict_reason"],
+        "end_reason": s["end_reason"],
+        "created_at": _iso(s["created_at"]),
+        "started_at": _iso(s["started_at"]),
+        "finished_at": _iso(s["finished_at"]),
+        "client_version": s["client_version"],
+        "server_version": s["server_version"],
+        "plan": s["plan"],
+        "total_probes": s["plan"].get("total_probes"),
+        "sent": sent,
+        "acked": acked,
+        "rtt_ms": s["rtt_ms"],
+        "whole": whole,
+        "split": split,
+    }
+
+
+def _iso(value: datetime | None) -> str | None:
+    return None if value is None else value.isoformat()
+
+
+def _schema_revision(conn: Connection) -> str | None:
+    if conn.execute(text("SELECT to_regclass('alembic_version')")).scalar() is None:
+        return None
+    return conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
+
+
+def _first_line(exc: DBAPIError) -> str:
+    return str(exc.orig or exc).strip().splitlines()[0]
+
+
+def _check_session_id(session_id: str) -> None:
+    if not _SESSION_ID_RE.match(session_id):
+        raise ValueError(f"session_id must be 16 lowercase hex characters, got {session_id!r}")
+
+
+def _check_aware(name: str, value: datetime | None) -> None:
+    # A naive datetime would be read in the connection's time zone: refuse
+    # rather than store a time that is off by hours.
+    if value is not None and value.utcoffset() is None:
+        raise ValueError(f"{name} must be timezone-aware, got {value!r}")
+
+
+def _check_outcome(o: ProbeOutcome) -> None:
+    if o.phase not in PHASES:
+        raise ValueError(f"phase must be one of {PHASES}, got {o.phase!r} (seq {o.seq})")
+    if o.outcome not in OUTCOMES:
+        raise ValueError(f"outcome must be one of {OUTCOMES}, got {o.outcome!r} (seq {o.seq})")
+    _check_aware("sent_at", o.sent_at)
+    _check_aware("acked_at", o.acked_at)

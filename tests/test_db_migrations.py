@@ -1,0 +1,330 @@
+"""Migrations on a real PostgreSQL: they run both ways, they match the models,
+and the analysis views compute what the paper's figures need."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import psycopg
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from kickass_core.plan import ProbePlan, expected_max_fragment
+from kickass_server import cli, db
+from kickass_server.errors import KickassError
+from kickass_server.models import Base
+from kickass_server.store import ProbeOutcome, Store
+from sqlalchemy import CheckConstraint, Engine, inspect, text
+
+REPO = Path(__file__).resolve().parents[1]
+TABLES = {"clients", "sessions", "probe_outcomes"}
+# The contract with dashboards and notebooks: names and order.
+VIEW_COLUMNS = {
+    "v_session_summary": [
+        "session_id", "state", "verdict", "verdict_reason", "created_at", "finished_at",
+        "client_version", "server_version", "source_address", "whole_sent", "whole_acked",
+        "whole_drop_rate", "split_sent", "split_acked", "split_drop_rate",
+        "split_to_whole_ratio",
+    ],
+    "v_whole_drop": [
+        "session_id", "ip_len", "sent", "acked", "late", "drop_rate", "rtt_ms_median",
+        "fragmented_on_arrival",
+    ],
+    "v_split_drop": [
+        "session_id", "leading_ip_len", "sent", "acked", "late", "drop_rate", "frag_observed",
+        "arrived_as_sent",
+    ],
+    "v_client_verdicts": [
+        "client_id", "install_id", "last_address", "sessions", "latest_session_id",
+        "latest_verdict", "latest_finished_at",
+    ],
+    "v_size_drop_all": [
+        "ip_len", "sessions", "sent", "acked", "late", "drop_rate", "rtt_ms_median",
+        "fragmented_on_arrival",
+    ],
+    "v_split_drop_all": [
+        "leading_ip_len", "sessions", "sent", "acked", "late", "drop_rate", "frag_observed",
+        "arrived_as_sent",
+    ],
+}  # fmt: skip
+
+
+@pytest.fixture
+def engine(database_url: str) -> Iterator[Engine]:
+    e = db.make_engine(database_url)
+    yield e
+    e.dispose()
+
+
+def schema(url: str) -> tuple[set[str], set[str]]:
+    e = db.make_engine(url)
+    try:
+        insp = inspect(e)
+        return set(insp.get_table_names()) - {"alembic_version"}, set(insp.get_view_names())
+    finally:
+        e.dispose()
+
+
+def kickass(*argv: str) -> int:
+    return cli.main(list(argv))
+
+
+def test_upgrade_downgrade_upgrade(empty_database_url: str) -> None:
+    url = empty_database_url
+    assert kickass("db", "upgrade", "--database-url", url) == 0
+    assert schema(url) == (TABLES, set(VIEW_COLUMNS))
+    assert kickass("db", "downgrade", "0001", "--database-url", url) == 0
+    assert schema(url) == (TABLES, set())
+    assert kickass("db", "downgrade", "base", "--database-url", url) == 0
+    assert schema(url) == (set(), set())
+    assert kickass("db", "upgrade", "head", "--database-url", url) == 0
+    assert schema(url) == (TABLES, set(VIEW_COLUMNS))
+
+
+def test_cli_reports_revisions(empty_database_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    url = empty_database_url
+    kickass("db", "current", "--database-url", url)
+    assert "no migrations applied" in capsys.readouterr().out
+    kickass("db", "upgrade", "0001", "--database-url", url)
+    assert capsys.readouterr().out.strip().endswith("base -> 0001")
+    kickass("db", "current", "--database-url", url)
+    assert "0001 (head is 0002" in capsys.readouterr().out
+    kickass("db", "history")
+    out = capsys.readouterr().out
+    assert "0001 -> 0002 (head)" in out and "<base> -> 0001" in out
+
+
+def test_bad_revision_is_an_operator_error(
+    database_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert kickass("db", "upgrade", "0999", "--database-url", database_url) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ERROR: ") and "0999" in err and "Traceback" not in err
+
+
+def test_a_failed_migration_applies_nothing(
+    empty_database_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with psycopg.connect(empty_database_url, autocommit=True) as conn:
+        conn.execute("CREATE TABLE sessions (x int)")  # in the way of 0001
+    assert kickass("db", "upgrade", "--database-url", empty_database_url) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ERROR: migration failed:") and "sessions" in err
+    assert "Traceback" not in err
+    assert schema(empty_database_url) == ({"sessions"}, set())
+    with psycopg.connect(empty_database_url) as conn:
+        assert conn.execute("SELECT to_regclass('alembic_version')").fetchone() == (None,)
+
+
+def test_offline_sql_touches_nothing(
+    empty_database_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert kickass("db", "upgrade", "--sql", "--database-url", empty_database_url) == 0
+    out = capsys.readouterr().out
+    assert "CREATE TABLE probe_outcomes" in out and "CREATE VIEW v_session_summary" in out
+    assert schema(empty_database_url) == (set(), set())
+
+
+def test_migrations_dir_override(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv(db.ENV_MIGRATIONS_DIR, str(tmp_path))
+    with pytest.raises(KickassError, match="migrations not found"):
+        db.alembic_config()
+    monkeypatch.setenv(db.ENV_MIGRATIONS_DIR, str(REPO / "db" / "migrations"))
+    assert db.head_revision() == "0002"
+
+
+def test_models_match_migrations(engine: Engine) -> None:
+    with engine.connect() as conn:
+        ctx = MigrationContext.configure(
+            conn, opts={"compare_type": True, "compare_server_default": True}
+        )
+        assert compare_metadata(ctx, Base.metadata) == []
+        # autogenerate does not compare CHECK constraints: compare their names.
+        insp = inspect(conn)
+        for table in Base.metadata.sorted_tables:
+            declared = {c.name for c in table.constraints if isinstance(c, CheckConstraint)}
+            assert {c["name"] for c in insp.get_check_constraints(table.name)} == declared
+
+
+def test_view_columns_are_the_documented_contract(engine: Engine) -> None:
+    with engine.connect() as conn:
+        for view, columns in VIEW_COLUMNS.items():
+            got = conn.execute(
+                text(
+                    "SELECT column_name FROM information_schema.columns "
+                    "WHERE table_name = :v ORDER BY ordinal_position"
+                ),
+                {"v": view},
+            ).scalars()
+            assert list(got) == columns, view
+
+
+def test_alembic_ini_works_for_developers(database_url: str) -> None:
+    env = {**os.environ, db.ENV_DATABASE_URL: database_url}
+    alembic = Path(sys.executable).with_name("alembic")
+    out = subprocess.run(
+        [str(alembic), "-c", str(REPO / "db" / "alembic.ini"), "current"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert "0002 (head)" in out.stdout
+
+
+# -- the views on seeded data ------------------------------------------------
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+LEAD = 44  # leading fragment IP length of the seeded split
+
+
+def seed_session(store: Store, session_id: str, install_id: str | None = "volunteer-1") -> None:
+    store.create_session(
+        session_id=session_id,
+        cookie_hash=b"\0" * 32,
+        plan=ProbePlan.quick().to_json(),
+        source_address="198.51.100.7",
+        expires_at=T0 + timedelta(hours=1),
+        server_version="0.1.0",
+        client_version="0.1.0",
+        install_id=install_id,
+    )
+
+
+def outcome(seq: int, phase: str, ip_len: int, result: str, **kw: object) -> ProbeOutcome:
+    acked = result != "lost"
+    return ProbeOutcome(
+        seq=seq,
+        phase=phase,
+        ip_len=ip_len,
+        sent_at=T0,
+        outcome=result,
+        acked_at=T0 + timedelta(milliseconds=20) if acked else None,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def seeded(store: Store) -> None:
+    """Session A (complete): whole 1500 sent 10, acked 7 (1 late, 2 lost);
+    split leading 44 sent 10, acked 5 (3 arrived as sent, 1 re-fragmented by
+    a NAT, 1 reassembled). Session B (probing) has one more outcome; session C
+    (anonymous, complete) none."""
+    seed_session(store, "aaaaaaaaaaaaaaaa")
+    rows = [outcome(i, "whole", 1500, "acked", rtt_ms=float(10 + i)) for i in range(7)]
+    rows[0].observed_frag_size = 1400  # a tunnel on the path fragmented it
+    rows += [outcome(7, "whole", 1500, "late", rtt_ms=900.0)]
+    rows += [outcome(i, "whole", 1500, "lost") for i in (8, 9)]
+    frags = [expected_max_fragment(LEAD)] * 3 + [1500 - 8, 0]
+    rows += [
+        outcome(10 + i, "split", LEAD, "acked", observed_frag_size=f) for i, f in enumerate(frags)
+    ]
+    rows += [outcome(i, "split", LEAD, "lost") for i in range(15, 20)]
+    store.record_outcomes("aaaaaaaaaaaaaaaa", rows)
+    store.finish_session("aaaaaaaaaaaaaaaa", "complete", "inconclusive", "seeded")
+
+    seed_session(store, "bbbbbbbbbbbbbbbb")
+    store.mark_probing("bbbbbbbbbbbbbbbb", "198.51.100.7", 40000, 30.0)
+    store.record_outcomes("bbbbbbbbbbbbbbbb", [outcome(0, "whole", 1500, "lost")])
+
+    seed_session(store, "cccccccccccccccc", install_id=None)
+    store.finish_session("cccccccccccccccc", "ended", None, None, "client left")
+
+
+def rows(engine: Engine, sql: str) -> list[dict[str, object]]:
+    with engine.connect() as conn:
+        return [dict(r) for r in conn.execute(text(sql)).mappings()]
+
+
+def test_per_session_views(store: Store, engine: Engine) -> None:
+    seeded(store)
+    whole = rows(engine, "SELECT * FROM v_whole_drop WHERE session_id = 'aaaaaaaaaaaaaaaa'")
+    assert whole == [
+        {
+            "session_id": "aaaaaaaaaaaaaaaa",
+            "ip_len": 1500,
+            "sent": 10,
+            "acked": 7,
+            "late": 1,
+            "drop_rate": pytest.approx(0.3),
+            "rtt_ms_median": pytest.approx(13.0),  # of acked only: the late one is not in
+            "fragmented_on_arrival": 1,
+        }
+    ]
+    split = rows(engine, "SELECT * FROM v_split_drop WHERE session_id = 'aaaaaaaaaaaaaaaa'")
+    assert split == [
+        {
+            "session_id": "aaaaaaaaaaaaaaaa",
+            "leading_ip_len": LEAD,
+            "sent": 10,
+            "acked": 5,
+            "late": 0,
+            "drop_rate": pytest.approx(0.5),
+            "frag_observed": 4,
+            "arrived_as_sent": 3,
+        }
+    ]
+
+
+def test_session_summary(store: Store, engine: Engine) -> None:
+    seeded(store)
+    by_id = {
+        r["session_id"]: r
+        for r in rows(engine, "SELECT * FROM v_session_summary ORDER BY session_id")
+    }
+    a = by_id["aaaaaaaaaaaaaaaa"]
+    assert (a["whole_sent"], a["whole_acked"], a["split_sent"], a["split_acked"]) == (10, 7, 10, 5)
+    assert a["whole_drop_rate"] == pytest.approx(0.3)
+    assert a["split_drop_rate"] == pytest.approx(0.5)
+    assert a["split_to_whole_ratio"] == pytest.approx(0.5 / 0.3)
+    assert (a["state"], a["verdict"], a["verdict_reason"]) == ("complete", "inconclusive", "seeded")
+    assert a["source_address"] is not None and a["finished_at"] is not None
+    b = by_id["bbbbbbbbbbbbbbbb"]
+    assert (b["whole_drop_rate"], b["split_drop_rate"], b["split_to_whole_ratio"]) == (
+        1.0,
+        None,
+        None,
+    )
+    c = by_id["cccccccccccccccc"]
+    assert (c["whole_sent"], c["whole_drop_rate"], c["split_sent"]) == (0, None, 0)
+
+
+def test_client_verdicts(store: Store, engine: Engine) -> None:
+    seeded(store)
+    clients = rows(engine, "SELECT * FROM v_client_verdicts ORDER BY client_id")
+    volunteer = [c for c in clients if c["install_id"] == "volunteer-1"]
+    assert len(volunteer) == 1
+    # B is still probing: the latest *finished* session is A.
+    assert volunteer[0]["sessions"] == 2
+    assert volunteer[0]["latest_session_id"] == "aaaaaaaaaaaaaaaa"
+    assert volunteer[0]["latest_verdict"] == "inconclusive"
+    anonymous = [c for c in clients if c["install_id"] is None]
+    assert [(c["sessions"], c["latest_session_id"]) for c in anonymous] == [(1, "cccccccccccccccc")]
+
+
+def test_pooled_views_count_finished_sessions_only(store: Store, engine: Engine) -> None:
+    seeded(store)
+    seed_session(store, "dddddddddddddddd", install_id="volunteer-2")
+    store.record_outcomes(
+        "dddddddddddddddd",
+        [outcome(i, "whole", 1500, "acked", rtt_ms=50.0) for i in range(10)]
+        + [outcome(10 + i, "split", LEAD, "acked") for i in range(10)],
+    )
+    store.finish_session("dddddddddddddddd", "complete", "fragments-ok", "seeded")
+    whole = rows(engine, "SELECT * FROM v_size_drop_all")
+    # A (10 sent, 7 acked) + D (10 sent, 10 acked); B is live and left out.
+    assert [(r["ip_len"], r["sessions"], r["sent"], r["acked"], r["late"]) for r in whole] == [
+        (1500, 2, 20, 17, 1)
+    ]
+    assert whole[0]["drop_rate"] == pytest.approx(0.15)
+    split = rows(engine, "SELECT * FROM v_split_drop_all")
+    assert [(r["leading_ip_len"], r["sessions"], r["sent"], r["acked"]) for r in split] == [
+        (LEAD, 2, 20, 15)
+    ]
+    assert split[0]["drop_rate"] == pytest.approx(0.25)
+    assert (split[0]["frag_observed"], split[0]["arrived_as_sent"]) == (4, 3)
