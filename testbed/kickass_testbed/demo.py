@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -80,7 +81,9 @@ def run(args: argparse.Namespace) -> int:
     require_root()
     if not shutil.which("nft"):
         raise KickassError("nftables (`nft`) is missing", hint="apt-get install nftables")
-    console = Console(stderr=True)
+    console = Console(stderr=True, width=None if sys.stderr.isatty() else 110)
+    # The results table is the demo's output: stdout, unless --json owns it.
+    out_console = console if args.json else Console(width=None if sys.stdout.isatty() else 110)
     kinds = args.clients or list(CLIENT_KINDS)
     out_dir = Path(tempfile.mkdtemp(prefix="kickass-demo-"))
     results: dict[str, dict] = {}
@@ -179,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
                     "expected": EXPECTED.get(kind),
                 }
             )
-        console.print(table)
+        out_console.print(table)
         if args.json:
             print(json.dumps({"version": 1, "clients": summary}))
     shutil.rmtree(out_dir, ignore_errors=True)
