@@ -22,7 +22,8 @@ from kickass_server.store import ProbeOutcome, Store
 from sqlalchemy import CheckConstraint, Engine, inspect, text
 
 REPO = Path(__file__).resolve().parents[1]
-TABLES = {"clients", "sessions", "probe_outcomes"}
+STUDY_TABLES = {"clients", "sessions", "probe_outcomes"}
+TABLES = STUDY_TABLES | {"router_runs", "router_telemetry"}
 # The contract with dashboards and notebooks: names and order.
 VIEW_COLUMNS = {
     "v_session_summary": [
@@ -51,6 +52,11 @@ VIEW_COLUMNS = {
         "leading_ip_len", "sessions", "sent", "acked", "late", "drop_rate", "frag_observed",
         "arrived_as_sent",
     ],
+    "v_router_telemetry": [
+        "run_id", "run_name", "router_mode", "capacity_bps", "recorded_at", "t",
+        "advertised_rate_bps", "leading_fragment_len", "input_rate_bps", "output_rate_bps",
+        "queue_bytes", "mode", "rtt_ms", "drops", "fragmented", "utilization",
+    ],
 }  # fmt: skip
 
 
@@ -78,8 +84,10 @@ def test_upgrade_downgrade_upgrade(empty_database_url: str) -> None:
     url = empty_database_url
     assert kickass("db", "upgrade", "--database-url", url) == 0
     assert schema(url) == (TABLES, set(VIEW_COLUMNS))
+    assert kickass("db", "downgrade", "0002", "--database-url", url) == 0
+    assert schema(url) == (STUDY_TABLES, set(VIEW_COLUMNS) - {"v_router_telemetry"})
     assert kickass("db", "downgrade", "0001", "--database-url", url) == 0
-    assert schema(url) == (TABLES, set())
+    assert schema(url) == (STUDY_TABLES, set())
     assert kickass("db", "downgrade", "base", "--database-url", url) == 0
     assert schema(url) == (set(), set())
     assert kickass("db", "upgrade", "head", "--database-url", url) == 0
@@ -93,10 +101,10 @@ def test_cli_reports_revisions(empty_database_url: str, capsys: pytest.CaptureFi
     kickass("db", "upgrade", "0001", "--database-url", url)
     assert capsys.readouterr().out.strip().endswith("base -> 0001")
     kickass("db", "current", "--database-url", url)
-    assert "0001 (head is 0002" in capsys.readouterr().out
+    assert "0001 (head is 0003" in capsys.readouterr().out
     kickass("db", "history")
     out = capsys.readouterr().out
-    assert "0001 -> 0002 (head)" in out and "<base> -> 0001" in out
+    assert "0002 -> 0003 (head)" in out and "0001 -> 0002" in out and "<base> -> 0001" in out
 
 
 def test_bad_revision_is_an_operator_error(
@@ -135,7 +143,7 @@ def test_migrations_dir_override(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     with pytest.raises(KickassError, match="migrations not found"):
         db.alembic_config()
     monkeypatch.setenv(db.ENV_MIGRATIONS_DIR, str(REPO / "db" / "migrations"))
-    assert db.head_revision() == "0002"
+    assert db.head_revision() == "0003"
 
 
 def test_models_match_migrations(engine: Engine) -> None:
@@ -175,7 +183,7 @@ def test_alembic_ini_works_for_developers(database_url: str) -> None:
         timeout=60,
         check=True,
     )
-    assert "0002 (head)" in out.stdout
+    assert "0003 (head)" in out.stdout
 
 
 # -- the views on seeded data ------------------------------------------------

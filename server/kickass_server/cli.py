@@ -18,6 +18,7 @@ from .errors import KickassError
 SUBCOMMAND_MODULES = (
     "kickass_server.servercli",
     "kickass_server.dbcli",
+    "kickass_server.telemetry",
     "kickass_testbed.cli",
 )
 

@@ -16,6 +16,7 @@ from sqlalchemy import (
     BigInteger,
     CheckConstraint,
     DateTime,
+    Float,
     ForeignKey,
     Identity,
     Index,
@@ -143,3 +144,46 @@ class ProbeOutcome(Base):
     received_len: Mapped[int | None] = mapped_column(Integer)
     # The client's IP_RECVFRAGSIZE: largest fragment's IP length, 0 = arrived whole.
     observed_frag_size: Mapped[int | None] = mapped_column(Integer)
+
+
+class RouterRun(Base):
+    """One ka-router process: its metadata line (options, capacity, mode)."""
+
+    __tablename__ = "router_runs"
+    __table_args__ = (CheckConstraint(_in("mode", ("kickass", "droptail")), name="mode"),)
+
+    id: Mapped[int] = mapped_column(BigInteger, Identity(always=False), primary_key=True)
+    run_name: Mapped[str | None] = mapped_column(Text)
+    mode: Mapped[str] = mapped_column(Text)
+    capacity_bps: Mapped[float | None] = mapped_column(Float)
+    program_version: Mapped[str | None] = mapped_column(Text)
+    options: Mapped[dict[str, Any]] = mapped_column(JSONB)
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    exit_reason: Mapped[str | None] = mapped_column(Text)
+    counters: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+
+
+class RouterTelemetry(Base):
+    """One control interval of a ka-router run (its NDJSON sample line)."""
+
+    __tablename__ = "router_telemetry"
+    __table_args__ = (CheckConstraint(_in("mode", ("kickass", "tcp")), name="mode"),)
+
+    run_id: Mapped[int] = mapped_column(
+        BigInteger, ForeignKey("router_runs.id", ondelete="CASCADE"), primary_key=True
+    )
+    t: Mapped[float] = mapped_column(Float, primary_key=True)
+    recorded_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    advertised_rate_bps: Mapped[float] = mapped_column(Float)
+    leading_fragment_len: Mapped[int | None] = mapped_column(SmallInteger)
+    input_rate_bps: Mapped[float] = mapped_column(Float)
+    output_rate_bps: Mapped[float | None] = mapped_column(Float)
+    queue_bytes: Mapped[int] = mapped_column(BigInteger)
+    queue_packets: Mapped[int | None] = mapped_column(BigInteger)
+    mode: Mapped[str] = mapped_column(Text)
+    rtt_ms: Mapped[float | None] = mapped_column(REAL)
+    drops: Mapped[int] = mapped_column(BigInteger)
+    fragmented: Mapped[int] = mapped_column(BigInteger)
+    mode_switches: Mapped[int | None] = mapped_column(BigInteger)
+    extra: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
