@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from . import demo
+from . import demo, wan
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     demo.add_parser(sub)
+    wan.add_parser(sub)
