@@ -25,6 +25,7 @@ from scapy.layers.inet import IP, UDP
 from scapy.packet import Raw
 
 _MF = 0x2000
+IP_NODEFRAG = 22  # Linux; not exported by Python's socket module
 _IP_HDR = struct.Struct("!BBHHHBBH4s4s")
 _UDP_HDR = struct.Struct("!HHHH")
 _SEQ = struct.Struct("!I")
@@ -127,5 +128,8 @@ def open_raw_socket() -> socket.socket:
     header byte ourselves, fragments included."""
     s = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 * 1024 * 1024)
+    # Should conntrack ever be loaded on the server host, it must not
+    # reassemble our hand-cut fragments on the way out (and re-cut them).
+    s.setsockopt(socket.IPPROTO_IP, IP_NODEFRAG, 1)
     s.setblocking(False)
     return s

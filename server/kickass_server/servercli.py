@@ -58,7 +58,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--probe-host",
-        default=os.environ.get("KICKASS_PROBE_HOST"),
+        default=os.environ.get("KICKASS_PROBE_HOST") or None,
         help="host clients should send UDP to, if not the API's host (env KICKASS_PROBE_HOST)",
     )
     p.add_argument(
@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
             f"cannot open the probe socket on UDP {args.probe_port}: {exc}"
         ) from None
     app = create_app(
-        engine, store, {"PROBE_HOST": args.probe_host, "TRUST_PROXY": args.trust_proxy}
+        engine, store, {"PROBE_HOST": args.probe_host or None, "TRUST_PROXY": args.trust_proxy}
     )
     try:
         http = create_server(app, host=host, port=port, threads=args.threads, ident="kickass")

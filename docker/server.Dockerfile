@@ -1,0 +1,27 @@
+# The measurement server image: `kickass server`, `kickass db upgrade`, and the
+# reader-role grant (docker/grant_reader.py). Built from the repository root:
+#   docker build -f docker/server.Dockerfile -t kickass-server .
+FROM python:3.11-slim-bookworm
+
+# Only what the server needs: the dependency-free core, the server package,
+# and the Alembic migrations (found through KICKASS_MIGRATIONS_DIR, since an
+# installed package no longer sits next to db/).
+WORKDIR /app
+COPY core/ ./core/
+COPY server/ ./server/
+COPY db/ ./db/
+COPY docker/grant_reader.py ./docker/grant_reader.py
+RUN pip install --no-cache-dir ./core ./server \
+    && rm -rf ./core ./server
+
+ENV KICKASS_MIGRATIONS_DIR=/app/db/migrations \
+    PYTHONUNBUFFERED=1
+
+# HTTP API and the UDP probe protocol (only informative under host networking).
+EXPOSE 8080/tcp 9000/udp
+
+# Root inside the container, but docker-compose.yml drops every capability
+# except CAP_NET_RAW: the raw socket that writes the probes' IP headers is
+# the one privilege the server needs.
+ENTRYPOINT ["kickass"]
+CMD ["server"]
