@@ -17,7 +17,7 @@ $(BIN)/.installed: core/pyproject.toml probe-client/pyproject.toml server/pyproj
 router:
 	@if [ -f router-edge/Cargo.toml ]; then \
 	  cargo build --quiet --release --manifest-path router-edge/Cargo.toml && \
-	  for b in ka-router ka-linkem; do \
+	  for b in ka-router ka-linkem ka-blast; do \
 	    if [ -f router-edge/target/release/$$b ]; then install -m 755 router-edge/target/release/$$b $(BIN)/$$b; fi; \
 	  done; \
 	fi

@@ -168,7 +168,8 @@ class RouterTelemetry(Base):
     """One control interval of a ka-router run (its NDJSON sample line)."""
 
     __tablename__ = "router_telemetry"
-    __table_args__ = (CheckConstraint(_in("mode", ("kickass", "tcp")), name="mode"),)
+    # 'droptail' is the baseline router's only mode.
+    __table_args__ = (CheckConstraint(_in("mode", ("kickass", "tcp", "droptail")), name="mode"),)
 
     run_id: Mapped[int] = mapped_column(
         BigInteger, ForeignKey("router_runs.id", ondelete="CASCADE"), primary_key=True

@@ -92,7 +92,7 @@ class TelemetryIngest:
                     "recorded_at": _ts(rec.get("ts")),
                     **{c: rec.get(c) for c in _SAMPLE_COLUMNS},
                 }
-                if row["mode"] not in ("kickass", "tcp"):
+                if row["mode"] not in ("kickass", "tcp", "droptail"):
                     raise ValueError(f"mode {row['mode']!r}")
                 for required in (
                     "advertised_rate_bps",

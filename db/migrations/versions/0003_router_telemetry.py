@@ -56,7 +56,9 @@ def upgrade() -> None:
         sa.Column("fragmented", sa.BigInteger(), nullable=False),
         sa.Column("mode_switches", sa.BigInteger(), nullable=True),
         sa.Column("extra", postgresql.JSONB(), nullable=True),
-        sa.CheckConstraint("mode IN ('kickass', 'tcp')", name=op.f("ck_router_telemetry_mode")),
+        sa.CheckConstraint(
+            "mode IN ('kickass', 'tcp', 'droptail')", name=op.f("ck_router_telemetry_mode")
+        ),
         sa.ForeignKeyConstraint(
             ["run_id"],
             ["router_runs.id"],

@@ -1,0 +1,365 @@
+//! The edge Kick-Ass router as a pure state machine (boringtun / quinn-proto
+//! style): the shell hands in packets and the time, and asks what to send
+//! and when to wake up. No sockets, no clocks: everything here runs on
+//! simulated time in tests.
+//!
+//! LAN -> WAN path: arrival -> RTT-indicator sniffing -> drop-tail queue
+//! (y counted here, drops included) -> virtual-clock pacer at C -> mode
+//! check -> fragmenter (leading fragment = floor8(F(R))) -> out.
+//! Every control interval the RCP controller updates R from y, q and d.
+
+use serde::Serialize;
+
+use crate::encoding::{self, bps_to_bytes_per_ms};
+use crate::fragment::{self, Split, Verdict};
+use crate::mode::{Mode, ModeSwitch};
+use crate::rcp::{Measurement, RateController, Rcp, RcpConfig, RttEstimator};
+use crate::rng::SplitMix64;
+use crate::shaper::{DropTail, VirtualClock};
+use crate::units::Limit;
+use crate::wire::ipv4::Packet;
+use crate::Nanos;
+
+/// ns-2 RCP: update every min(d, 10 ms).
+pub const MAX_DEFAULT_INTERVAL: Nanos = 10_000_000;
+
+/// Kick-Ass router or the plain drop-tail baseline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RouterKind {
+    #[serde(rename = "kickass")]
+    KickAss,
+    #[serde(rename = "droptail")]
+    DropTail,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RouterConfig {
+    pub kind: RouterKind,
+    pub capacity_bps: f64,
+    pub buffer: Limit,
+    pub alpha: f64,
+    pub beta: f64,
+    pub initial_rate_bps: f64,
+    pub min_rate_bps: f64,
+    /// Fixed control interval; `None`: min(d, 10 ms), re-evaluated each time.
+    pub interval_ns: Option<Nanos>,
+    /// d before any RTT indicator is seen.
+    pub default_rtt_ms: f64,
+    /// EWMA gain of the RTT-indicator average.
+    pub rtt_gain: f64,
+    /// Enter TCP mode above this buffer fraction...
+    pub tcp_mode_on: f64,
+    /// ...and leave it below this one.
+    pub tcp_mode_off: f64,
+    /// How much pacer lateness may be caught up in one burst.
+    pub max_burst_ns: Nanos,
+    /// Seeds the randomised first control timer.
+    pub seed: u64,
+}
+
+impl RouterConfig {
+    /// Documented defaults (README): ns-2 RCP gains, 100 ms default RTT,
+    /// buffer of one bandwidth-delay product at that RTT (>= 30 packets).
+    pub fn with_capacity(capacity_bps: f64) -> Self {
+        let rcp = RcpConfig::ns2_defaults(capacity_bps);
+        let bdp = (capacity_bps / 8.0 * 0.100) as usize;
+        RouterConfig {
+            kind: RouterKind::KickAss,
+            capacity_bps,
+            buffer: Limit::Bytes(bdp.max(30 * 1500)),
+            alpha: rcp.alpha,
+            beta: rcp.beta,
+            initial_rate_bps: rcp.initial_rate_bps,
+            min_rate_bps: rcp.min_rate_bps,
+            interval_ns: None,
+            default_rtt_ms: 100.0,
+            rtt_gain: 0.1,
+            tcp_mode_on: 0.5,
+            tcp_mode_off: 0.4,
+            max_burst_ns: 1_000_000,
+            seed: 0x6b69_636b_6173_7321,
+        }
+    }
+}
+
+/// Cumulative counters since start.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct Counters {
+    pub arrived_packets: u64,
+    pub arrived_bytes: u64,
+    pub drops: u64,
+    pub dropped_bytes: u64,
+    /// Packets that left (a cut packet counts once).
+    pub forwarded_packets: u64,
+    /// IP bytes that left (both pieces of a cut packet).
+    pub forwarded_bytes: u64,
+    /// Packets cut into a leading fragment of the advertised length.
+    pub fragmented: u64,
+    pub rtt_indicators: u64,
+}
+
+/// One telemetry record per control interval (an NDJSON line).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Sample {
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    /// Seconds since the router started.
+    pub t: f64,
+    pub advertised_rate_bps: f64,
+    /// Leading fragment IP payload length in force; null when not fragmenting.
+    pub leading_fragment_len: Option<usize>,
+    /// y over the interval that just ended.
+    pub input_rate_bps: f64,
+    /// Bytes that left during the interval, as a rate.
+    pub output_rate_bps: f64,
+    pub queue_bytes: usize,
+    pub queue_packets: usize,
+    pub mode: &'static str,
+    /// d, the average of the RTT indicators (or the default).
+    pub rtt_ms: f64,
+    pub interval_ms: f64,
+    pub mode_switches: u64,
+    #[serde(flatten)]
+    pub counters: Counters,
+}
+
+/// A packet ready to leave now.
+#[derive(Debug)]
+pub struct Transmit {
+    pub packet: Vec<u8>,
+    /// `Some`: send the two pieces instead of `packet`.
+    pub split: Option<Split>,
+}
+
+pub struct Router {
+    cfg: RouterConfig,
+    queue: DropTail<Vec<u8>>,
+    pacer: VirtualClock,
+    rcp: Rcp,
+    rtt: RttEstimator,
+    mode: ModeSwitch,
+    start: Nanos,
+    last_control: Nanos,
+    next_control: Nanos,
+    interval_arrived: u64,
+    interval_sent: u64,
+    leading_fragment_len: Option<usize>,
+    counters: Counters,
+}
+
+impl Router {
+    pub fn new(cfg: RouterConfig, now: Nanos) -> Self {
+        let rcp = Rcp::new(RcpConfig {
+            capacity_bps: cfg.capacity_bps,
+            alpha: cfg.alpha,
+            beta: cfg.beta,
+            initial_rate_bps: cfg.initial_rate_bps,
+            min_rate_bps: cfg.min_rate_bps,
+        });
+        let rtt = RttEstimator::new(cfg.default_rtt_ms, cfg.rtt_gain);
+        let mut r = Router {
+            queue: DropTail::new(cfg.buffer),
+            pacer: VirtualClock::new(cfg.capacity_bps, cfg.max_burst_ns),
+            rcp,
+            rtt,
+            mode: ModeSwitch::new(cfg.tcp_mode_on, cfg.tcp_mode_off),
+            start: now,
+            last_control: now,
+            next_control: now,
+            interval_arrived: 0,
+            interval_sent: 0,
+            leading_fragment_len: None,
+            counters: Counters::default(),
+            cfg,
+        };
+        // First timer randomised within one interval so routers started
+        // together do not update in lock-step (ns-2 RCP does the same).
+        let mut rng = SplitMix64::new(r.cfg.seed);
+        r.next_control = now + (rng.next_f64() * r.interval() as f64) as Nanos;
+        r.refresh_leading_fragment_len();
+        r
+    }
+
+    pub fn config(&self) -> &RouterConfig {
+        &self.cfg
+    }
+
+    /// Current control interval T.
+    pub fn interval(&self) -> Nanos {
+        self.cfg.interval_ns.unwrap_or_else(|| {
+            let d = (self.rtt.rtt_ms() * 1e6) as Nanos;
+            d.clamp(100_000, MAX_DEFAULT_INTERVAL)
+        })
+    }
+
+    pub fn advertised_rate_bps(&self) -> f64 {
+        self.rcp.rate_bps()
+    }
+
+    pub fn leading_fragment_len(&self) -> Option<usize> {
+        self.leading_fragment_len
+    }
+
+    pub fn rtt_ms(&self) -> f64 {
+        self.rtt.rtt_ms()
+    }
+
+    pub fn mode(&self) -> Mode {
+        match self.cfg.kind {
+            RouterKind::DropTail => Mode::DropTail,
+            RouterKind::KickAss if self.mode.tcp() => Mode::Tcp,
+            RouterKind::KickAss => Mode::KickAss,
+        }
+    }
+
+    pub fn counters(&self) -> &Counters {
+        &self.counters
+    }
+
+    pub fn queue_bytes(&self) -> usize {
+        self.queue.bytes()
+    }
+
+    pub fn queue_packets(&self) -> usize {
+        self.queue.len()
+    }
+
+    fn refresh_leading_fragment_len(&mut self) {
+        self.leading_fragment_len =
+            encoding::leading_fragment_len(bps_to_bytes_per_ms(self.rcp.rate_bps()));
+    }
+
+    /// A LAN -> WAN packet arrived. `Err` hands the buffer back: dropped
+    /// (queue full), so the shell can reuse it.
+    pub fn on_packet(&mut self, now: Nanos, packet: Vec<u8>) -> Result<(), Vec<u8>> {
+        let len = match Packet::new_checked(&packet[..]) {
+            Ok(p) => {
+                let len = p.total_len() as usize;
+                if encoding::is_rtt_indicator(len, p.dont_frag()) {
+                    if let Some(ms) = encoding::rtt_indicator_midpoint_ms(len) {
+                        self.rtt.on_sample(ms);
+                        self.counters.rtt_indicators += 1;
+                    }
+                }
+                len
+            }
+            // Not IPv4 we can read: still forwarded, and still load.
+            Err(_) => packet.len(),
+        };
+        self.counters.arrived_packets += 1;
+        self.counters.arrived_bytes += len as u64;
+        self.interval_arrived += len as u64;
+        let was_idle = self.queue.is_empty();
+        match self.queue.push(packet, len) {
+            Ok(()) => {
+                if was_idle {
+                    self.pacer.on_arrival_to_idle(now);
+                }
+                self.mode.update(self.queue.occupancy());
+                Ok(())
+            }
+            Err(p) => {
+                self.counters.drops += 1;
+                self.counters.dropped_bytes += len as u64;
+                Err(p)
+            }
+        }
+    }
+
+    /// The next packet allowed to leave at `now`, fragmented as it must be.
+    pub fn poll_transmit(&mut self, now: Nanos) -> Option<Transmit> {
+        if self.queue.is_empty() || !self.pacer.ready(now) {
+            return None;
+        }
+        let (packet, _len) = self.queue.pop()?;
+        let tcp = self.mode.update(self.queue.occupancy());
+        let marking = match self.cfg.kind {
+            RouterKind::KickAss if !tcp => self.leading_fragment_len,
+            _ => None,
+        };
+        let split = match fragment::classify(&packet, marking) {
+            Verdict::Cut { lead_len } => fragment::split(&packet, lead_len).ok(),
+            Verdict::Pass(_) => None,
+        };
+        let wire = match &split {
+            Some(s) => s.wire_len(),
+            None => Packet::new_checked(&packet[..])
+                .map(|p| p.total_len() as usize)
+                .unwrap_or(packet.len()),
+        };
+        if split.is_some() {
+            self.counters.fragmented += 1;
+        }
+        // The link carries what actually leaves, fragment headers included.
+        self.pacer.on_departure(now, wire);
+        self.counters.forwarded_packets += 1;
+        self.counters.forwarded_bytes += wire as u64;
+        self.interval_sent += wire as u64;
+        Some(Transmit { packet, split })
+    }
+
+    /// When to call back: the next departure (if anything is queued) or the
+    /// next control interval, whichever is first.
+    pub fn poll_timeout(&self) -> Nanos {
+        if self.queue.is_empty() {
+            self.next_control
+        } else {
+            self.next_control.min(self.pacer.next_tx())
+        }
+    }
+
+    /// Run the control loop if its time has come; returns the telemetry
+    /// record of the interval that ended.
+    pub fn handle_timeout(&mut self, now: Nanos) -> Option<Sample> {
+        if now < self.next_control {
+            return None;
+        }
+        let elapsed = now.saturating_sub(self.last_control).max(1);
+        let interval_s = elapsed as f64 / 1e9;
+        let m = Measurement {
+            interval_s,
+            arrived_bytes: self.interval_arrived,
+            queue_bytes: self.queue.bytes(),
+            rtt_s: self.rtt.rtt_ms() / 1e3,
+        };
+        self.rcp.on_interval(&m);
+        self.refresh_leading_fragment_len();
+        let input = self.interval_arrived as f64 * 8.0 / interval_s;
+        let output = self.interval_sent as f64 * 8.0 / interval_s;
+        self.interval_arrived = 0;
+        self.interval_sent = 0;
+        self.last_control = now;
+        let interval = self.interval();
+        // Keep the grid if we are only slightly late; resync if far behind.
+        self.next_control = (self.next_control + interval).max(now + interval / 2);
+        let mode = self.mode();
+        let leading = match mode {
+            Mode::KickAss => self.leading_fragment_len,
+            _ => None,
+        };
+        Some(Sample {
+            kind: "sample",
+            t: now.saturating_sub(self.start) as f64 / 1e9,
+            advertised_rate_bps: self.rcp.rate_bps(),
+            leading_fragment_len: leading,
+            input_rate_bps: input,
+            output_rate_bps: output,
+            queue_bytes: self.queue.bytes(),
+            queue_packets: self.queue.len(),
+            mode: mode.as_str(),
+            rtt_ms: self.rtt.rtt_ms(),
+            interval_ms: interval_s * 1e3,
+            mode_switches: self.mode.switches(),
+            counters: self.counters.clone(),
+        })
+    }
+
+    /// Take the next queued packet regardless of pacing (drain on exit).
+    pub fn pop_any(&mut self) -> Option<Vec<u8>> {
+        self.queue.pop().map(|(p, _)| p)
+    }
+}
+
+#[cfg(test)]
+mod tests;

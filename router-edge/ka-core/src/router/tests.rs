@@ -1,0 +1,318 @@
+//! The router core on simulated time: no sockets, no sleeping.
+
+use super::*;
+use crate::wire::ipv4::Repr;
+use core::net::Ipv4Addr;
+use std::collections::VecDeque;
+
+const MS: Nanos = 1_000_000;
+const SEC: Nanos = 1_000_000_000;
+
+fn packet(flow: u16, seq: u32, total: usize, df: bool) -> Vec<u8> {
+    let mut payload = vec![0u8; total - 20];
+    // A UDP-like header: source port = flow, then a sequence number.
+    payload[0..2].copy_from_slice(&flow.to_be_bytes());
+    payload[8..12].copy_from_slice(&seq.to_be_bytes());
+    Repr {
+        src_addr: Ipv4Addr::new(198, 18, 1, 2),
+        dst_addr: Ipv4Addr::new(198, 18, 2, 2),
+        protocol: 17,
+        ttl: 64,
+        tos: 0,
+        ident: seq as u16,
+        dont_frag: df,
+        more_frags: false,
+        frag_offset: 0,
+        options: vec![],
+        payload_len: total - 20,
+    }
+    .to_bytes(&payload)
+}
+
+/// Everything that left, as (time, packets on the wire).
+fn drain(r: &mut Router, now: Nanos, out: &mut Vec<(Nanos, Vec<Vec<u8>>)>) {
+    while let Some(t) = r.poll_transmit(now) {
+        let pieces = match &t.split {
+            Some(s) => s.to_packets(&t.packet).to_vec(),
+            None => vec![t.packet],
+        };
+        out.push((now, pieces));
+    }
+}
+
+/// Step the router to `until`, waking exactly when it asks (plus `late`).
+fn run_until(
+    r: &mut Router,
+    now: &mut Nanos,
+    until: Nanos,
+    late: Nanos,
+    out: &mut Vec<(Nanos, Vec<Vec<u8>>)>,
+    samples: &mut Vec<Sample>,
+) {
+    while *now < until {
+        if let Some(s) = r.handle_timeout(*now) {
+            samples.push(s);
+        }
+        drain(r, *now, out);
+        *now = (r.poll_timeout() + late).clamp(*now + 1, until);
+    }
+}
+
+#[test]
+fn serves_exactly_at_capacity_in_order() {
+    let mut cfg = RouterConfig::with_capacity(12e6); // 1500 B per ms
+    cfg.kind = RouterKind::DropTail;
+    cfg.buffer = Limit::Packets(100);
+    let mut r = Router::new(cfg, 0);
+    let mut out = Vec::new();
+    let mut samples = Vec::new();
+    let mut now = 0;
+    let mut seq = 0;
+    // Offer twice the capacity for one second, waking 200 us late each time.
+    while now < SEC {
+        for _ in 0..2 {
+            let _ = r.on_packet(now, packet(1, seq, 1500, true));
+            seq += 1;
+        }
+        let next = now + MS;
+        run_until(&mut r, &mut now, next, 200_000, &mut out, &mut samples);
+    }
+    let sent_in_first_second = out.iter().filter(|(t, _)| *t < SEC).count();
+    assert!(
+        (999..=1001).contains(&sent_in_first_second),
+        "{sent_in_first_second}"
+    );
+    assert!(r.counters().drops > 800);
+    // Never reordered.
+    let seqs: Vec<u32> = out
+        .iter()
+        .map(|(_, p)| u32::from_be_bytes(p[0][28..32].try_into().expect("4 bytes")))
+        .collect();
+    assert!(seqs.windows(2).all(|w| w[0] < w[1]));
+    // y counts drops too: about twice the capacity.
+    let s = samples.last().expect("samples");
+    assert!(
+        (s.input_rate_bps / 24e6 - 1.0).abs() < 0.1,
+        "{}",
+        s.input_rate_bps
+    );
+    assert_eq!(s.mode, "droptail");
+    assert_eq!(s.leading_fragment_len, None);
+}
+
+#[test]
+fn fragments_full_packets_at_advertised_length() {
+    let mut cfg = RouterConfig::with_capacity(100e6);
+    // Frozen controller: R stays at the initial rate.
+    cfg.alpha = 0.0;
+    cfg.beta = 0.0;
+    cfg.initial_rate_bps = 10e6;
+    let mut r = Router::new(cfg, 0);
+    let l = encoding::leading_fragment_len(10e6 / 8000.0).expect("encodable");
+    assert_eq!(r.leading_fragment_len(), Some(l));
+    let mut out = Vec::new();
+    let mut samples = Vec::new();
+    let mut now = 0;
+    for (i, (len, df)) in [(1500, false), (1500, true), (1499, false), (600, true)]
+        .into_iter()
+        .enumerate()
+    {
+        r.on_packet(now, packet(1, i as u32, len, df))
+            .expect("room");
+        let until = now + MS;
+        run_until(&mut r, &mut now, until, 0, &mut out, &mut samples);
+    }
+    assert_eq!(out.len(), 4);
+    let lead = Packet::new_checked(&out[0].1[0][..]).expect("ip");
+    assert_eq!(lead.payload_len(), l);
+    assert!(lead.more_frags());
+    assert_eq!(
+        fragment::reassemble(&out[0].1),
+        Some(packet(1, 0, 1500, false))
+    );
+    assert_eq!(out[1].1, vec![packet(1, 1, 1500, true)]);
+    assert_eq!(out[2].1, vec![packet(1, 2, 1499, false)]);
+    assert_eq!(out[3].1, vec![packet(1, 3, 600, true)]);
+    assert_eq!(r.counters().fragmented, 1);
+    // The 600-byte DF packet is an RTT indicator: d = 1 ms.
+    assert_eq!(r.rtt_ms(), 1.0);
+    assert_eq!(r.counters().rtt_indicators, 1);
+}
+
+#[test]
+fn rtt_indicators_set_d_and_the_interval() {
+    let r0 = Router::new(RouterConfig::with_capacity(10e6), 0);
+    assert_eq!(r0.rtt_ms(), 100.0);
+    assert_eq!(r0.interval(), 10 * MS);
+    let mut r = Router::new(RouterConfig::with_capacity(10e6), 0);
+    for i in 0..50 {
+        r.on_packet(i, packet(1, i as u32, 602, true))
+            .expect("room");
+    }
+    assert_eq!(r.rtt_ms(), 6.0);
+    assert_eq!(r.interval(), 6 * MS);
+    // Same length without DF: not an indicator.
+    let mut r2 = Router::new(RouterConfig::with_capacity(10e6), 0);
+    r2.on_packet(0, packet(1, 0, 602, false)).expect("room");
+    assert_eq!(r2.rtt_ms(), 100.0);
+}
+
+#[test]
+fn unresponsive_flood_switches_to_tcp_mode_and_back() {
+    let mut cfg = RouterConfig::with_capacity(12e6);
+    cfg.buffer = Limit::Packets(100);
+    cfg.initial_rate_bps = 6e6;
+    let mut r = Router::new(cfg, 0);
+    let mut out = Vec::new();
+    let mut samples = Vec::new();
+    let mut now = 0;
+    let mut seq = 0;
+    // 2x capacity of DF-clear full packets for 2 s.
+    while now < 2 * SEC {
+        for _ in 0..2 {
+            let _ = r.on_packet(now, packet(9, seq, 1500, false));
+            seq += 1;
+        }
+        let next = now + MS;
+        run_until(&mut r, &mut now, next, 0, &mut out, &mut samples);
+    }
+    assert_eq!(r.mode(), Mode::Tcp);
+    let cut_late = out.iter().filter(|(t, p)| *t > SEC && p.len() > 1).count();
+    assert_eq!(cut_late, 0, "fragments left in TCP mode");
+    assert!(samples
+        .iter()
+        .any(|s| s.mode == "tcp" && s.leading_fragment_len.is_none()));
+    // Flood stops; a light flow of full packets follows for 3 s.
+    let stop = now;
+    while now < stop + 3 * SEC {
+        let _ = r.on_packet(now, packet(1, seq, 1500, false));
+        seq += 1;
+        let next = now + 10 * MS;
+        run_until(&mut r, &mut now, next, 0, &mut out, &mut samples);
+    }
+    assert_eq!(r.mode(), Mode::KickAss);
+    let cut_after = out
+        .iter()
+        .filter(|(t, p)| *t > stop + 2 * SEC && p.len() > 1)
+        .count();
+    assert!(cut_after > 50, "{cut_after}");
+    assert!(r.mode.switches() >= 2);
+}
+
+/// N senders that obey the advertised rate, as a receiver reading
+/// leading-fragment lengths would tell them one RTT later, converge to C/N
+/// with a short queue and a busy link.
+fn obeying_flows(n: usize, capacity_bps: f64, rtt: Nanos, alpha: f64, beta: f64) {
+    let mut cfg = RouterConfig::with_capacity(capacity_bps);
+    cfg.buffer = Limit::Packets(200);
+    cfg.alpha = alpha;
+    cfg.beta = beta;
+    let mut r = Router::new(cfg, 0);
+    let half = rtt / 2;
+    // Per flow: rate in bits/s (None before any feedback) and next send time.
+    let mut rate: Vec<f64> = vec![0.0; n];
+    let mut next_send: Vec<Nanos> = (0..n as u64).map(|i| i * 137_000).collect();
+    let mut feedback: VecDeque<(Nanos, usize, f64)> = VecDeque::new();
+    let mut seq = 0u32;
+    let mut now: Nanos = 0;
+    let end = 20 * SEC;
+    let measure_from = 12 * SEC;
+    let mut delivered = vec![0u64; n];
+    let mut queue_sum = 0f64;
+    let mut queue_n = 0f64;
+    let mut next_indicator = 0;
+    while now < end {
+        // Feedback from the receiver, half an RTT after delivery.
+        while feedback.front().is_some_and(|f| f.0 <= now) {
+            let (_, flow, bps) = feedback.pop_front().expect("front");
+            rate[flow] = bps;
+        }
+        for f in 0..n {
+            if next_send[f] <= now {
+                let _ = r.on_packet(now, packet(f as u16, seq, 1500, false));
+                seq += 1;
+                // Before the first rate: one packet per RTT, as a Kick-Ass
+                // endpoint in TCP mode would roughly start.
+                let gap = if rate[f] > 0.0 {
+                    (1500.0 * 8.0 / rate[f] * 1e9) as Nanos
+                } else {
+                    rtt
+                };
+                next_send[f] += gap.max(1);
+            }
+        }
+        if next_indicator <= now {
+            let _ = r.on_packet(
+                now,
+                packet(999, 0, encoding::rtt_indicator(rtt as f64 / 1e6), true),
+            );
+            next_indicator += 100 * MS;
+        }
+        r.handle_timeout(now);
+        while let Some(t) = r.poll_transmit(now) {
+            let Some(s) = &t.split else { continue };
+            let [lead, _] = s.to_packets(&t.packet);
+            let p = Packet::new_checked(&lead[..]).expect("ip");
+            let flow = u16::from_be_bytes([p.payload()[0], p.payload()[1]]) as usize;
+            if flow < n {
+                let bpms = encoding::advertised_rate(p.payload_len()).expect("valid length");
+                feedback.push_back((now + half + half, flow, encoding::bytes_per_ms_to_bps(bpms)));
+                if now >= measure_from {
+                    delivered[flow] += 1500;
+                }
+            }
+        }
+        if now >= measure_from {
+            queue_sum += r.queue_bytes() as f64;
+            queue_n += 1.0;
+        }
+        let wake = next_send
+            .iter()
+            .copied()
+            .min()
+            .unwrap_or(end)
+            .min(r.poll_timeout())
+            .min(next_indicator);
+        let wake = feedback.front().map_or(wake, |f| wake.min(f.0));
+        now = wake.max(now + 1);
+    }
+    let secs = (end - measure_from) as f64 / 1e9;
+    let rates: Vec<f64> = delivered.iter().map(|b| *b as f64 * 8.0 / secs).collect();
+    // The link carries 1520 bytes per 1500 delivered (one extra header).
+    let fair = capacity_bps * 1500.0 / 1520.0 / n as f64;
+    for (f, got) in rates.iter().enumerate() {
+        assert!(
+            (got / fair - 1.0).abs() < 0.10,
+            "flow {f}: {got} vs fair {fair} ({rates:?})"
+        );
+    }
+    let util = rates.iter().sum::<f64>() / (capacity_bps * 1500.0 / 1520.0);
+    assert!(util > 0.90, "utilization {util}");
+    let avg_q = queue_sum / queue_n;
+    assert!(avg_q < 0.2 * 200.0 * 1500.0, "average queue {avg_q}");
+    assert_eq!(r.counters().drops, 0);
+}
+
+#[test]
+fn obeying_flows_converge_to_fair_share_ns2_gains() {
+    obeying_flows(4, 10e6, 40 * MS, 0.4, 0.4);
+}
+
+#[test]
+fn obeying_flows_converge_to_fair_share_fct_seeds() {
+    obeying_flows(3, 100e6, 100 * MS, 0.1, 1.0);
+}
+
+#[test]
+fn below_encodable_rate_stops_fragmenting() {
+    let mut cfg = RouterConfig::with_capacity(10e6);
+    cfg.alpha = 0.0;
+    cfg.beta = 0.0;
+    cfg.initial_rate_bps = 100e3; // below ~120 kbit/s
+    let mut r = Router::new(cfg, 0);
+    assert_eq!(r.leading_fragment_len(), None);
+    r.on_packet(0, packet(1, 0, 1500, false)).expect("room");
+    let t = r.poll_transmit(0).expect("ready");
+    assert!(t.split.is_none());
+    assert_eq!(t.packet, packet(1, 0, 1500, false));
+}

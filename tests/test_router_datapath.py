@@ -1,0 +1,421 @@
+"""ka-router in real network namespaces: Linux reassembles its fragments,
+the leading fragment carries floor8(F(R)), senders obeying the advertised
+rate share the link fairly, an unresponsive flood flips the router into TCP
+mode and back, errors are clear and a crash needs no manual clean-up.
+
+Addresses only in 198.18.0.0/15, inside namespaces made here (prefix from
+netns.unique_prefix("kr")); everything is removed even on failure.
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+import random
+import struct
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from kickass_core import rate as ka_rate
+from kickass_core import rtt as ka_rtt
+from router_netlib import (
+    Capture,
+    Topology,
+    binaries,
+    read_ndjson,
+    stop,
+    udp_socket,
+)
+
+pytestmark = [
+    pytest.mark.netns,
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root for network namespaces"),
+]
+
+PAYLOAD = 1472  # UDP payload of a 1500-byte IP packet
+PORT = 9000
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built() -> None:
+    binaries()
+
+
+def _datagram(seq: int, size: int = PAYLOAD) -> bytes:
+    rnd = random.Random(seq)
+    return struct.pack("!I", seq) + bytes(rnd.getrandbits(8) for _ in range(size - 4))
+
+
+def test_linux_reassembles_router_fragments(tmp_path: Path) -> None:
+    """Real 1500-byte DF-clear UDP datagrams go through ka-router with a
+    frozen rate (alpha = beta = 0): the receiver's UDP socket gets every one
+    intact, the capture sees leading fragments of exactly floor8(F(R)) and
+    tails at that offset; DF and short packets arrive whole."""
+    rate_bps = 10_000_000
+    want_len = ka_rate.leading_fragment_len(ka_rate.bps_to_bytes_per_ms(rate_bps))
+    assert want_len == 584
+    tel = tmp_path / "tel.ndjson"
+    with Topology() as topo:
+        router = topo.start_router(
+            "--capacity",
+            "100mbit",
+            "--alpha",
+            "0",
+            "--beta",
+            "0",
+            "--initial-rate",
+            "10mbit",
+            telemetry=tel,
+        )
+        rx = udp_socket(topo.name("rcv"), ("0.0.0.0", PORT))
+        rx.settimeout(2)
+        tx = udp_socket(topo.name("snd"))
+        tx_df = udp_socket(topo.name("snd"), df=True)
+        sent = {}
+        with Capture(topo.name("rcv"), "wan0") as cap:
+            for seq in range(200):
+                d = _datagram(seq)
+                sent[seq] = d
+                tx.sendto(d, (Topology.RCV, PORT))
+                time.sleep(0.002)
+            for seq in range(200, 210):  # DF set: never cut
+                sent[seq] = _datagram(seq)
+                tx_df.sendto(sent[seq], (Topology.RCV, PORT))
+            for seq in range(210, 220):  # 1499 bytes: not full-size
+                sent[seq] = _datagram(seq, PAYLOAD - 1)
+                tx.sendto(sent[seq], (Topology.RCV, PORT))
+            got = {}
+            while len(got) < len(sent):
+                data = rx.recv(65535)
+                got[struct.unpack("!I", data[:4])[0]] = data
+            time.sleep(0.2)
+        code, err = stop(router)
+        assert code == 0, err
+
+    assert got == sent, "every datagram reassembled byte-for-byte"
+    ours = [p for p in cap.packets if p.src == Topology.SND and p.proto == 17]
+    leads = [p for p in ours if p.is_leading_fragment]
+    tails = [p for p in ours if p.offset > 0]
+    whole = [p for p in ours if not p.mf and p.offset == 0]
+    assert len(leads) == 200 and len(tails) == 200
+    assert {p.payload_len for p in leads} == {want_len}
+    assert {p.offset for p in tails} == {want_len}
+    assert all(not p.mf for p in tails)
+    assert {p.ident for p in leads} == {p.ident for p in tails}
+    assert sorted(p.total_len for p in whole) == [1499] * 10 + [1500] * 10
+    assert all(p.df for p in whole if p.total_len == 1500)
+    lines = read_ndjson(tel)
+    assert lines[0]["type"] == "metadata" and lines[-1]["type"] == "exit"
+    samples = [s for s in lines if s["type"] == "sample"]
+    assert samples and all(s["leading_fragment_len"] == want_len for s in samples)
+    assert lines[-1]["counters"]["fragmented"] == 200
+
+
+def test_rcp_rate_drives_leading_fragment_len(tmp_path: Path) -> None:
+    """With the controller running, every telemetry sample's
+    leading_fragment_len is floor8(F(advertised_rate)) by the Python core,
+    and every leading fragment seen on the wire is one of them."""
+    tel = tmp_path / "tel.ndjson"
+    with Topology() as topo:
+        router = topo.start_router("--capacity", "20mbit", telemetry=tel)
+        tx = udp_socket(topo.name("snd"))
+        rx = udp_socket(topo.name("rcv"), ("0.0.0.0", PORT))
+        with Capture(topo.name("rcv"), "wan0") as cap:
+            end = time.monotonic() + 3
+            seq = 0
+            while time.monotonic() < end:  # ~2.4 Mbit/s: R climbs towards C
+                tx.sendto(_datagram(seq), (Topology.RCV, PORT))
+                seq += 1
+                time.sleep(0.005)
+            time.sleep(0.2)
+        stop(router)
+        rx.close()
+    samples = [s for s in read_ndjson(tel) if s["type"] == "sample"]
+    assert len(samples) > 100
+    for s in samples:
+        for key in (
+            "t",
+            "advertised_rate_bps",
+            "leading_fragment_len",
+            "input_rate_bps",
+            "queue_bytes",
+            "mode",
+            "drops",
+            "fragmented",
+            "rtt_ms",
+        ):
+            assert key in s
+        assert s["mode"] == "kickass"
+        want = ka_rate.leading_fragment_len(ka_rate.bps_to_bytes_per_ms(s["advertised_rate_bps"]))
+        assert s["leading_fragment_len"] == want
+    rates = [s["advertised_rate_bps"] for s in samples]
+    assert rates[0] < 2e6 and rates[-1] == pytest.approx(20e6), "R grows from 0.05 C to C"
+    advertised = {s["leading_fragment_len"] for s in samples}
+    leads = [p for p in cap.packets if p.is_leading_fragment]
+    assert len(leads) > 0.9 * seq
+    assert {p.payload_len for p in leads} <= advertised
+
+
+class _Pacer:
+    """N UDP flows sending full-size DF-clear datagrams, each at the rate
+    its feedback socket last heard (the receiver's reading of the leading
+    fragments), plus an RTT indicator every 100 ms."""
+
+    def __init__(self, ns: str, n: int, dst: str, rtt_ms: float) -> None:
+        self.n = n
+        self.dst = dst
+        self.data = [udp_socket(ns, ("0.0.0.0", 5001 + i)) for i in range(n)]
+        self.fb = [udp_socket(ns, ("0.0.0.0", 6001 + i)) for i in range(n)]
+        for s in self.fb:
+            s.setblocking(False)
+        self.indicator = udp_socket(ns, df=True)
+        self.indicator_len = ka_rtt.rtt_indicator(rtt_ms)
+        self.rate_bps = [0.0] * n
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.payload = bytes(PAYLOAD)
+
+    def _run(self) -> None:
+        start = time.monotonic()
+        heap = [(start + 0.01 * i, i) for i in range(self.n)]
+        next_ind = start
+        while not self.stop.is_set():
+            now = time.monotonic()
+            for i, s in enumerate(self.fb):
+                while True:
+                    try:
+                        self.rate_bps[i] = struct.unpack("!d", s.recv(64))[0]
+                    except BlockingIOError:
+                        break
+            if now >= next_ind:
+                self.indicator.sendto(bytes(self.indicator_len - 28), (self.dst, 9999))
+                next_ind += 0.1
+            while heap and heap[0][0] <= now:
+                t, i = heapq.heappop(heap)
+                self.data[i].sendto(self.payload, (self.dst, PORT))
+                r = self.rate_bps[i]
+                # Before any feedback: about one packet per 20 ms.
+                gap = 1500 * 8 / r if r > 0 else 0.02
+                heapq.heappush(heap, (max(t + gap, now - 0.005), i))
+            wake = min(heap[0][0], next_ind) if heap else next_ind
+            delay = wake - time.monotonic()
+            if delay > 0:
+                time.sleep(min(delay, 0.005))
+
+    def __enter__(self) -> _Pacer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(2)
+
+
+def test_obeying_senders_converge_to_fair_share(tmp_path: Path) -> None:
+    """3 senders obey the rate their receiver reads from leading-fragment
+    lengths (AF_PACKET) and feeds back; through a 10 Mbit/s Kick-Ass router
+    and a 20 ms-RTT emulated path, each gets C/N within 20% within 8 s,
+    utilization stays above 85% and the queue small."""
+    n, cap_bps = 3, 10e6
+    tel = tmp_path / "tel.ndjson"
+    with Topology(linkem=True) as topo:
+        topo.start_linkem("--delay", "10ms")
+        router = topo.start_router("--capacity", "10mbit", "--buffer", "100p", telemetry=tel)
+        rcv_ns = topo.name("rcv")
+        fb_tx = udp_socket(rcv_ns)
+        sink = udp_socket(rcv_ns, ("0.0.0.0", PORT))
+        sink.settimeout(0.05)
+        last_fb = [0.0] * n
+
+        def on_packet(p) -> None:  # noqa: ANN001
+            if not p.is_leading_fragment or p.sport is None or not 5001 <= p.sport < 5001 + n:
+                return
+            i = p.sport - 5001
+            if p.t - last_fb[i] < 0.005:
+                return
+            last_fb[i] = p.t
+            bps = ka_rate.bytes_per_ms_to_bps(ka_rate.advertised_rate(p.payload_len))
+            fb_tx.sendto(struct.pack("!d", bps), (Topology.SND, 6001 + i))
+
+        got: list[tuple[float, int]] = []
+        stop_rx = threading.Event()
+
+        def receive() -> None:
+            while not stop_rx.is_set():
+                try:
+                    _, addr = sink.recvfrom(65535)
+                except TimeoutError:
+                    continue
+                got.append((time.monotonic(), addr[1]))
+
+        rx_thread = threading.Thread(target=receive, daemon=True)
+        rx_thread.start()
+        with (
+            Capture(rcv_ns, "wan0", on_packet=on_packet),
+            _Pacer(topo.name("snd"), n, Topology.RCV, 20.0),
+        ):
+            t0 = time.monotonic()
+            time.sleep(14)
+        stop_rx.set()
+        rx_thread.join(2)
+        code, err = stop(router)
+        assert code == 0, err
+
+    window = (t0 + 8, t0 + 14)
+    secs = window[1] - window[0]
+    per_flow = [0] * n
+    for t, port in got:
+        if window[0] <= t < window[1] and 5001 <= port < 5001 + n:
+            per_flow[port - 5001] += 1
+    rates = [c * 1500 * 8 / secs for c in per_flow]
+    # The link carries 1520 bytes (two IP headers) per 1500-byte datagram.
+    usable = cap_bps * 1500 / 1520
+    fair = usable / n
+    print(f"per-flow Mbit/s {[round(r / 1e6, 3) for r in rates]}, fair {fair / 1e6:.3f}")
+    for i, r in enumerate(rates):
+        assert abs(r / fair - 1) < 0.20, (
+            f"flow {i}: {r / 1e6:.2f} Mbit/s vs fair {fair / 1e6:.2f} ({rates})"
+        )
+    assert sum(rates) / usable > 0.85, rates
+    samples = [s for s in read_ndjson(tel) if s["type"] == "sample"]
+    late = [s for s in samples if s["t"] >= samples[0]["t"] + 8]
+    avg_q = sum(s["queue_packets"] for s in late) / len(late)
+    assert avg_q < 20, f"average queue {avg_q} packets of 100"
+    assert all(s["mode"] == "kickass" for s in late)
+    assert late[-1]["rtt_ms"] == 24.0, "RTT indicators (604) read as 24 ms"
+
+
+def test_unresponsive_flood_switches_to_tcp_mode_and_back(tmp_path: Path) -> None:
+    """A 20 Mbit/s UDP flood into a 10 Mbit/s router fills the queue past
+    50%: it enters TCP mode and no fragments leave while it lasts; after the
+    flood stops it returns to Kick-Ass mode and fragments again."""
+    tel = tmp_path / "tel.ndjson"
+    blast = binaries()["ka-blast"]
+    with Topology() as topo:
+        router = topo.start_router("--capacity", "10mbit", "--buffer", "100p", telemetry=tel)
+        tx = udp_socket(topo.name("snd"))
+        rx = udp_socket(topo.name("rcv"), ("0.0.0.0", PORT))
+        with Capture(topo.name("rcv"), "wan0") as cap:
+            t_start = time.monotonic()
+            for seq in range(100):  # light: 1 Mbit/s for 1 s
+                tx.sendto(_datagram(seq), (Topology.RCV, PORT))
+                time.sleep(0.01)
+            t_flood = time.monotonic()
+            topo.ns["snd"].run(
+                [
+                    str(blast),
+                    "send",
+                    "--dst",
+                    f"{Topology.RCV}:{PORT + 1}",
+                    "--pps",
+                    "1667",
+                    "--duration",
+                    "3s",
+                ],
+                timeout=20,
+            )
+            t_flood_end = time.monotonic()
+            t_light = time.monotonic()
+            while time.monotonic() < t_light + 4:  # light again for 4 s
+                tx.sendto(_datagram(0), (Topology.RCV, PORT))
+                time.sleep(0.01)
+            t_end = time.monotonic()
+        stop(router)
+        rx.close()
+    leads = [p for p in cap.packets if p.is_leading_fragment]
+    before = [p for p in leads if t_start <= p.t < t_flood]
+    during = [p for p in leads if t_flood + 1.0 <= p.t < t_flood_end]
+    after = [p for p in leads if t_light + 2.0 <= p.t < t_end]
+    assert len(before) > 50, "Kick-Ass mode before the flood"
+    assert during == [], f"{len(during)} leading fragments left in TCP mode"
+    assert len(after) > 100, "back to Kick-Ass mode after the flood"
+    samples = [s for s in read_ndjson(tel) if s["type"] == "sample"]
+    modes = [s["mode"] for s in samples]
+    assert "tcp" in modes
+    assert modes[-1] == "kickass"
+    assert all(s["leading_fragment_len"] is None for s in samples if s["mode"] == "tcp")
+    tcp_samples = [s for s in samples if s["mode"] == "tcp"]
+    assert max(s["queue_packets"] for s in tcp_samples) > 50
+    assert samples[-1]["drops"] > 0 and samples[-1]["mode_switches"] >= 2
+
+
+def test_droptail_mode_never_fragments(tmp_path: Path) -> None:
+    tel = tmp_path / "tel.ndjson"
+    with Topology() as topo:
+        router = topo.start_router("--capacity", "10mbit", "--mode", "droptail", telemetry=tel)
+        tx = udp_socket(topo.name("snd"))
+        rx = udp_socket(topo.name("rcv"), ("0.0.0.0", PORT))
+        rx.settimeout(2)
+        with Capture(topo.name("rcv"), "wan0") as cap:
+            for seq in range(50):
+                tx.sendto(_datagram(seq), (Topology.RCV, PORT))
+                time.sleep(0.002)
+            for _ in range(50):
+                rx.recv(65535)
+        stop(router)
+    assert not [p for p in cap.packets if p.mf or p.offset]
+    samples = [s for s in read_ndjson(tel) if s["type"] == "sample"]
+    assert samples and {s["mode"] for s in samples} == {"droptail"}
+
+
+def test_errors_are_clear_and_crash_needs_no_cleanup(tmp_path: Path) -> None:
+    router_bin = str(binaries()["ka-router"])
+    with Topology() as topo:
+        rtr = topo.ns["rtr"]
+        # Bad rate string: usage error naming the problem, no panic.
+        r = rtr.run([router_bin, "--lan", "lan", "--wan", "wan", "--capacity", "fast"], check=False)
+        assert r.returncode == 2 and "bad rate" in r.stderr and "panicked" not in r.stderr
+        # Missing interface.
+        r = rtr.run(
+            [router_bin, "--lan", "nosuch0", "--wan", "wan", "--capacity", "10mbit"], check=False
+        )
+        assert r.returncode == 1 and "ERROR" in r.stderr and '"nosuch0" not found' in r.stderr
+        # Missing privileges (all capabilities dropped).
+        r = rtr.run(
+            [
+                "setpriv",
+                "--inh-caps=-all",
+                "--bounding-set=-all",
+                router_bin,
+                "--lan",
+                "lan",
+                "--wan",
+                "wan",
+                "--capacity",
+                "10mbit",
+            ],
+            check=False,
+        )
+        assert r.returncode == 1 and "CAP_NET_ADMIN" in r.stderr and "panicked" not in r.stderr
+
+        # A crash (SIGKILL) leaves the ip rule behind; a restart cleans it.
+        tel = tmp_path / "t1.ndjson"
+        p = topo.start_router("--capacity", "10mbit", telemetry=tel)
+        os.killpg(p.pid, 9)
+        p.wait(5)
+        assert "lookup 100" in rtr.run(["ip", "rule"]).stdout
+        p2 = topo.start_router("--capacity", "10mbit", telemetry=tmp_path / "t2.ndjson")
+        assert rtr.run(["ip", "rule"]).stdout.count("lookup 100") == 1
+        # A second router in the same namespace refuses clearly.
+        r = rtr.run(
+            [router_bin, "--lan", "lan", "--wan", "wan", "--capacity", "10mbit"], check=False
+        )
+        assert r.returncode == 1 and "ka0 already exists" in r.stderr
+        # Traffic flows, then SIGTERM removes everything it created.
+        tx = udp_socket(topo.name("snd"))
+        rx = udp_socket(topo.name("rcv"), ("0.0.0.0", PORT))
+        rx.settimeout(2)
+        tx.sendto(_datagram(1), (Topology.RCV, PORT))
+        assert rx.recv(65535) == _datagram(1)
+        code, err = stop(p2)
+        assert code == 0 and "stopped cleanly" in err, err
+        assert "lookup 100" not in rtr.run(["ip", "rule"]).stdout
+        assert "ka0" not in rtr.run(["ip", "link"]).stdout
+        assert rtr.run(["ip", "route", "show", "table", "100"]).stdout.strip() == ""
+        # Plain kernel forwarding still works after the router left.
+        tx.sendto(_datagram(2), (Topology.RCV, PORT))
+        assert rx.recv(65535) == _datagram(2)
+        lines = read_ndjson(tmp_path / "t2.ndjson")
+        assert lines[-1]["type"] == "exit"
