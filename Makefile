@@ -30,7 +30,7 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	@if [ -f router-edge/Cargo.toml ]; then \
-	  cargo fmt --manifest-path router-edge/Cargo.toml -- --check && \
+	  cargo fmt --all --manifest-path router-edge/Cargo.toml -- --check && \
 	  cargo clippy --quiet --manifest-path router-edge/Cargo.toml --all-targets -- -D warnings; \
 	fi
 
