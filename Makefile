@@ -39,7 +39,9 @@ test: install lint
 	$(BIN)/pytest -q
 
 bench: install
-	$(BIN)/python bench/run.py
+	$(BIN)/python bench/probe_bench.py > bench/probe_bench.json
+	$(BIN)/python bench/router_bench.py > bench/router_bench.json
+	@echo results in bench/probe_bench.json and bench/router_bench.json
 
 clean:
 	rm -rf $(VENV) router-edge/target
