@@ -117,7 +117,10 @@ def run(args: argparse.Namespace) -> int:
                     time.sleep(1.0)
                     ids = _session_ids(store, net)
                     rows = _progress_rows(store, ids)
-                    line = "  ".join(f"{k}: {s}/{t} {st}" for k, (s, t, st) in sorted(rows.items()))
+                    line = "  ".join(
+                        f"{k} {100 * s // max(t, 1)}%" + ("" if st == "probing" else f" {st}")
+                        for k, (s, t, st) in sorted(rows.items())
+                    )
                     console.print(f"[dim]{time.monotonic() - t0:5.0f}s[/] {line}", highlight=False)
                     if time.monotonic() - t0 > args.timeout:
                         raise KickassError(f"the demo took longer than {args.timeout}s")
