@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -186,3 +187,60 @@ def test_admission_limits(engine: ProbeEngine) -> None:
     engine.create_session(plan, "192.0.2.7")
     with pytest.raises(AdmissionDenied, match="per address"):
         engine.create_session(plan, "192.0.2.7")
+
+
+def test_database_restart_mid_session_loses_nothing(tmp_path) -> None:  # noqa: ANN001
+    """PostgreSQL goes away for a while during probing: the engine keeps
+    measuring, keeps every row in order, and writes it all once it is back."""
+    from kickass_testbed.demo import migrate
+    from kickass_testbed.pg import EmbeddedPostgres
+
+    pg = EmbeddedPostgres(tmp_path / "pg")
+    url = pg.start()
+    try:
+        migrate(url)
+        e = ProbeEngine(
+            Store(url),
+            Policy(min_timeout_ms=200),
+            bind_host="127.0.0.1",
+            probe_port=0,
+            server_version="test",
+        )
+        e.start()
+        try:
+            plan = ProbePlan.build(repetitions=6, step=64, window=2)
+            peer = Peer(e, plan)
+            try:
+                peer.handshake()
+                acked = 0
+                restarted = False
+                deadline = time.monotonic() + 60
+                while acked < plan.total_probes and time.monotonic() < deadline:
+                    for seq in peer.probes(1, timeout=1.0):
+                        peer.ack(seq)
+                        acked += 1
+                    if acked >= 40 and not restarted:
+                        # The database vanishes mid-session and comes back at
+                        # the same URL, while the peer goes on acknowledging.
+                        outage = threading.Thread(
+                            target=lambda: (pg.stop(), time.sleep(2.0), pg.start())
+                        )
+                        outage.start()
+                        restarted = True
+                outage.join(30)
+                assert restarted and acked == plan.total_probes
+                s = e.live(peer.new.session_id)
+                while s.state != "complete" and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert e.writer_sync(30)
+                res = Store(url).session_results(peer.new.session_id)
+                assert res["state"] == "complete"
+                assert res["sent"] == plan.total_probes and res["acked"] == plan.total_probes
+                assert e.stats()["db_write_failures"] >= 1  # it really was away
+                assert e.stats()["db_writes_dropped"] == 0
+            finally:
+                peer.close()
+        finally:
+            e.stop()
+    finally:
+        pg.stop()
