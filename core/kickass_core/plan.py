@@ -107,6 +107,16 @@ class ProbePlan:
         i = seq - n_whole
         return Probe(seq, "split", self.split[i % len(self.split)])
 
+    @cached_property
+    def seq_ip_len(self) -> list[int]:
+        """ip_len of every seq, for hot loops that cannot afford probe()."""
+        return [self.probe(i).ip_len for i in range(self.total_probes)]
+
+    @cached_property
+    def split_from(self) -> int:
+        """First seq of the split phase (== total_probes without one)."""
+        return self.repetitions * len(self.whole)
+
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["version"] = PLAN_VERSION

@@ -87,7 +87,7 @@ class Session:
     packets: SessionPackets | None = None
     addr_bucket: TokenBucket | None = None
     prefix_bucket: TokenBucket | None = None
-    pending: list = field(default_factory=list)  # ProbeOutcome rows not yet handed to the writer
+    pending: list = field(default_factory=list)  # (seq, outcome, len, frag) not yet written
     end_requested: str | None = None
     finished: threading.Event = field(default_factory=threading.Event)
 
@@ -501,7 +501,7 @@ class ProbeEngine:
         s.last_seen = now
         code = s.codes[seq]
         s.ack_counts[seq] = min(255, s.ack_counts[seq] + 1)
-        probe = s.plan.probe(seq)
+        phase = "split" if seq >= s.plan.split_from else "whole"
         if code == _OUT:
             sent_at = s.outstanding.pop(seq)
             rtt = max(now - sent_at, 0.0)
@@ -512,7 +512,7 @@ class ProbeEngine:
             s.codes[seq] = _ACKED
             s.ack_mono[seq] = now
             s.acked += 1
-            s.phase_acked[probe.phase] += 1
+            s.phase_acked[phase] += 1
             self._record(s, seq, "acked", msg)
         elif code == _LOST:
             s.codes[seq] = _LATE
@@ -526,27 +526,38 @@ class ProbeEngine:
             self._record(s, seq, "acked" if code == _ACKED else "late", msg)
 
     def _record(self, s: Session, seq: int, outcome: str, ack: wire.Ack | None) -> None:
-        """Queue the row for one probe; re-recording a seq (late or duplicate
-        ACK) rewrites the whole row from the session's arrays, so nothing
-        recorded earlier is lost by the store's last-word-wins upsert."""
+        """Queue one probe's outcome. Rows are built later, in the writer
+        thread, from the session's arrays: a re-recorded seq (late or
+        duplicate ACK) rewrites the whole row, so nothing recorded earlier is
+        lost by the store's last-word-wins upsert."""
+        if ack is None:
+            s.pending.append((seq, outcome, None, None))
+        else:
+            s.pending.append((seq, outcome, ack.received_len, ack.observed_frag_size))
+
+    @staticmethod
+    def _rows(s: Session, batch: list) -> list:
         from .store import ProbeOutcome  # the store module needs SQLAlchemy; keep import late
 
-        probe = s.plan.probe(seq)
-        sent, acked = s.sent_mono[seq], s.ack_mono[seq]
-        s.pending.append(
-            ProbeOutcome(
-                seq=seq,
-                phase=probe.phase,
-                ip_len=probe.ip_len,
-                sent_at=s.wall0 + timedelta(seconds=sent - s.mono0),
-                outcome=outcome,
-                acked_at=s.wall0 + timedelta(seconds=acked - s.mono0) if acked else None,
-                rtt_ms=(acked - sent) * 1000.0 if acked else None,
-                ack_count=s.ack_counts[seq],
-                received_len=ack.received_len if ack else None,
-                observed_frag_size=ack.observed_frag_size if ack else None,
+        lens, split_from = s.plan.seq_ip_len, s.plan.split_from
+        rows = []
+        for seq, outcome, received_len, frag in batch:
+            sent, acked = s.sent_mono[seq], s.ack_mono[seq]
+            rows.append(
+                ProbeOutcome(
+                    seq=seq,
+                    phase="split" if seq >= split_from else "whole",
+                    ip_len=lens[seq],
+                    sent_at=s.wall0 + timedelta(seconds=sent - s.mono0),
+                    outcome=outcome,
+                    acked_at=s.wall0 + timedelta(seconds=acked - s.mono0) if acked else None,
+                    rtt_ms=(acked - sent) * 1000.0 if acked else None,
+                    ack_count=s.ack_counts[seq],
+                    received_len=received_len,
+                    observed_frag_size=frag,
+                )
             )
-        )
+        return rows
 
     # -- time-driven work -----------------------------------------------------
     def tick(self, now: float) -> None:
@@ -643,7 +654,7 @@ class ProbeEngine:
     def _send_one(self, s: Session, now: float) -> bool:
         assert s.peer is not None and self.raw is not None
         seq = s.next_seq
-        probe = s.plan.probe(seq)
+        phase = "split" if seq >= s.plan.split_from else "whole"
         if s.packets is None:
             s.packets = SessionPackets(
                 s.local_ip or self._source_for(s.peer[0]),
@@ -655,7 +666,7 @@ class ProbeEngine:
         s.ip_id = s.ip_id % 0xFFFF + 1
         dst = (s.peer[0], 0)
         try:
-            for pkt in s.packets.render(probe.phase, probe.ip_len, seq, s.ip_id):
+            for pkt in s.packets.render(phase, s.plan.seq_ip_len[seq], seq, s.ip_id):
                 self.raw.sendto(pkt, dst)
                 self.counters["packets_sent"] += 1
                 self.counters["bytes_sent"] += len(pkt)
@@ -671,7 +682,7 @@ class ProbeEngine:
         s.outstanding[seq] = now
         s.sent_mono[seq] = now
         s.sent += 1
-        s.phase_sent[probe.phase] += 1
+        s.phase_sent[phase] += 1
         self.counters["probes_sent"] += 1
         heapq.heappush(self.timeouts, (now + s.rto, s.session_id, seq))
         return True
@@ -695,7 +706,7 @@ class ProbeEngine:
         sid = s.session_id
         if s.pending:
             batch, s.pending = s.pending, []
-            self.writer.submit(lambda: self.store.record_outcomes(sid, batch))
+            self.writer.submit(lambda: self.store.record_outcomes(sid, self._rows(s, batch)))
         if s.state == "probing":
             sent, acked = s.sent, s.acked
             self.writer.submit(lambda: self.store.heartbeat(sid, sent, acked))
