@@ -80,10 +80,13 @@ class Testbed:
         prefix: str | None = None,
         database_url: str | None = None,
         log_dir: Path | None = None,
+        keep_logs: bool = False,
     ) -> None:
         self.config = config
         self.prefix = prefix or _unique_prefix("kw")
         self.database_url = database_url
+        self.keep_logs = keep_logs
+        self._own_log_dir = log_dir is None
         self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="kickass-testbed-"))
         self.namespaces: list[Netns] = []
         self.router_proc: subprocess.Popen | None = None
@@ -226,6 +229,8 @@ class Testbed:
         for ns in reversed(self.namespaces):
             ns.delete()
         self.namespaces.clear()
+        if self._own_log_dir and not self.keep_logs:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -253,13 +258,14 @@ def run(args: argparse.Namespace) -> int:
         bottleneck=args.bottleneck,
     )
     url = args.database_url or os.environ.get("KICKASS_DATABASE_URL")
-    with cleanup_on_signals(), testbed(config, database_url=url) as tb:
+    with cleanup_on_signals(), testbed(config, database_url=url, keep_logs=args.keep_logs) as tb:
         assert tb.info is not None
         info_path = tb.log_dir / "testbed.json"
         info_path.write_text(json.dumps(asdict(tb.info), indent=1))
         print(
             f"testbed {tb.prefix}: senders {list(tb.info.senders.values())}, receivers "
-            f"{list(tb.info.receivers.values())}, logs {tb.log_dir}",
+            f"{list(tb.info.receivers.values())}"
+            + (f", logs kept in {tb.log_dir}" if args.keep_logs else ""),
             file=sys.stderr,
         )
         env = {**os.environ, "KICKASS_TESTBED": str(info_path)}
@@ -300,5 +306,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bottleneck", default=None, help="legacy bottleneck rate beyond the router")
     p.add_argument("--ns", default=None, help="run COMMAND inside this namespace (e.g. s1)")
     p.add_argument("--database-url", default=None, help="store router telemetry here")
+    p.add_argument(
+        "--keep-logs",
+        action="store_true",
+        help="keep router/emulator logs and the telemetry NDJSON (default: removed)",
+    )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     p.set_defaults(func=run)
