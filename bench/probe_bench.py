@@ -245,9 +245,9 @@ def main() -> int:
             from kickass_testbed.pg import embedded_postgres
 
             url = stack.enter_context(embedded_postgres())
-        from kickass_testbed.demo import migrate
+        from kickass_server.db import upgrade
 
-        migrate(url)
+        upgrade(url)
         print("capacity: minimal raw sender...", file=sys.stderr)
         base = minimal_sender(secs)
         print("capacity: engine with 8 saturating sessions...", file=sys.stderr)

@@ -192,13 +192,13 @@ def test_admission_limits(engine: ProbeEngine) -> None:
 def test_database_restart_mid_session_loses_nothing(tmp_path) -> None:  # noqa: ANN001
     """PostgreSQL goes away for a while during probing: the engine keeps
     measuring, keeps every row in order, and writes it all once it is back."""
-    from kickass_testbed.demo import migrate
+    from kickass_server.db import upgrade
     from kickass_testbed.pg import EmbeddedPostgres
 
     pg = EmbeddedPostgres(tmp_path / "pg")
     url = pg.start()
     try:
-        migrate(url)
+        upgrade(url)
         e = ProbeEngine(
             Store(url),
             Policy(min_timeout_ms=200),

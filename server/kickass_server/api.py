@@ -134,7 +134,6 @@ def end_session(session_id: str):  # noqa: ANN201
         if res is None:
             raise ApiError(404, "not-found", "no such session")
         return jsonify(res)  # a session of an earlier server run: already final
-    _engine().writer_sync()
     return jsonify(_results(session_id))
 
 

@@ -22,7 +22,6 @@ import queue
 import secrets
 import selectors
 import socket
-import struct
 import threading
 import time
 from array import array
@@ -36,7 +35,7 @@ from kickass_core.plan import ProbePlan
 
 from .packets import SessionPackets, open_raw_socket
 from .policy import Admission, Policy, TokenBucket, plan_bytes, prefix_of
-from .store import DatabaseUnavailable
+from .store import DatabaseUnavailable, ProbeOutcome
 
 log = logging.getLogger("kickass.engine")
 
@@ -77,9 +76,6 @@ class Session:
     mono0: float = 0.0
     sent: int = 0
     acked: int = 0
-    late: int = 0
-    dup_acks: int = 0
-    bytes_sent: int = 0
     phase_sent: dict[str, int] = field(default_factory=lambda: {"whole": 0, "split": 0})
     phase_acked: dict[str, int] = field(default_factory=lambda: {"whole": 0, "split": 0})
     last_seen: float = 0.0  # last ACK, or last HTTP poll: the client is still there
@@ -89,6 +85,7 @@ class Session:
     prefix_bucket: TokenBucket | None = None
     pending: list = field(default_factory=list)  # (seq, outcome, len, frag) not yet written
     end_requested: str | None = None
+    finished_at: float | None = None  # monotonic; finished sessions linger for late ACKs
     finished: threading.Event = field(default_factory=threading.Event)
 
     def ok_cookie(self, cookie: bytes) -> bool:
@@ -517,11 +514,9 @@ class ProbeEngine:
         elif code == _LOST:
             s.codes[seq] = _LATE
             s.ack_mono[seq] = now
-            s.late += 1
             self.counters["late_acks"] += 1
             self._record(s, seq, "late", msg)
         else:
-            s.dup_acks += 1
             self.counters["dup_acks"] += 1
             self._record(s, seq, "acked" if code == _ACKED else "late", msg)
 
@@ -537,8 +532,6 @@ class ProbeEngine:
 
     @staticmethod
     def _rows(s: Session, batch: list) -> list:
-        from .store import ProbeOutcome  # the store module needs SQLAlchemy; keep import late
-
         lens, split_from = s.plan.seq_ip_len, s.plan.split_from
         rows = []
         for seq, outcome, received_len, frag in batch:
@@ -670,7 +663,6 @@ class ProbeEngine:
                 self.raw.sendto(pkt, dst)
                 self.counters["packets_sent"] += 1
                 self.counters["bytes_sent"] += len(pkt)
-                s.bytes_sent += len(pkt)
         except (BlockingIOError, InterruptedError):
             return False  # socket buffer full: try again next pass, nothing consumed
         except OSError as exc:
@@ -738,7 +730,7 @@ class ProbeEngine:
             lambda: self.store.finish_session(sid, state, v.verdict, v.reason, end_reason)
         )
         self.admission.release(s.source_address)
-        s.finished_at = self.clock()  # type: ignore[attr-defined]
+        s.finished_at = self.clock()
         if s.peer is not None:
             self._send_udp(wire.Done(s.tag).encode(), s.peer)
         s.finished.set()
@@ -746,11 +738,6 @@ class ProbeEngine:
     def _forget_finished(self, now: float) -> None:
         """Drop finished sessions from memory after a grace period (late acks)."""
         for sid, s in list(self.sessions.items()):
-            if s.state in FINAL_STATES and now - getattr(s, "finished_at", now) > 60.0:
+            if s.finished_at is not None and now - s.finished_at > 60.0:
                 del self.sessions[sid]
                 self.by_tag.pop(s.tag, None)
-
-
-def pack_pktinfo(local_ip: str) -> bytes:
-    """in_pktinfo for tests: ifindex 0, spec_dst, addr."""
-    return struct.pack("!I4s4s", 0, socket.inet_aton(local_ip), socket.inet_aton(local_ip))

@@ -49,16 +49,14 @@ class TelemetryIngest:
         self.run_id: int | None = None
         self.pending: list[dict[str, Any]] = []
         self.counts = {"samples": 0, "malformed": 0, "written": 0}
-        self.mode = "kickass"
 
     def _create_run(self, meta: dict[str, Any]) -> None:
         options = meta.get("options") or {}
         router = options.get("router") or {}
         kind = str(router.get("kind", "kickass")).lower()
-        self.mode = "droptail" if "droptail" in kind else "kickass"
         values = {
             "run_name": self.run_name,
-            "mode": self.mode,
+            "mode": "droptail" if "droptail" in kind else "kickass",
             "capacity_bps": router.get("capacity_bps"),
             "program_version": meta.get("program_version"),
             "options": options,

@@ -19,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from kickass_server import db
 from kickass_server.errors import KickassError
 
 from .internet import CLIENT_KINDS, probe_internet
@@ -58,20 +59,20 @@ def database(keep_dir: Path | None):  # noqa: ANN201
         yield url, "embedded PostgreSQL" + (f" in {keep_dir}" if keep_dir else "")
 
 
-def migrate(url: str) -> None:
-    from alembic import command
-    from kickass_server.db import alembic_config
+def _progress(store, net) -> dict[str, tuple[int, int, str]]:  # noqa: ANN001
+    """client kind -> (sent, total, state), in one query on the sessions table
+    (its heartbeat counters), matched through the client's public address."""
+    from sqlalchemy import text
 
-    command.upgrade(alembic_config(url), "head")
-
-
-def _progress_rows(store, ids: dict[str, str]) -> dict[str, tuple[int, int, str]]:  # noqa: ANN001
-    out = {}
-    for kind, sid in ids.items():
-        r = store.session_results(sid)
-        if r:
-            out[kind] = (r.get("sent") or 0, r.get("total_probes") or 0, r["state"])
-    return out
+    by_addr = {c.public_address: k for k, c in net.clients.items()}
+    with store.engine.connect() as conn:
+        rows = conn.execute(
+            text(
+                "select host(source_address), sent, (plan->>'total_probes')::int, state "
+                "from sessions order by id"
+            )
+        ).all()
+    return {by_addr[a]: (sent, total, state) for a, sent, total, state in rows if a in by_addr}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -90,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     codes: dict[str, int] = {}
     with cleanup_on_signals(), database(args.keep_db) as (url, where):
         console.print(f"[bold]database[/]: {where}")
-        migrate(url)
+        db.upgrade(url)
         from kickass_server.store import Store
 
         store = Store(url)
@@ -115,8 +116,7 @@ def run(args: argparse.Namespace) -> int:
             try:
                 while any(p.poll() is None for p in procs.values()):
                     time.sleep(1.0)
-                    ids = _session_ids(store, net)
-                    rows = _progress_rows(store, ids)
+                    rows = _progress(store, net)
                     line = "  ".join(
                         f"{k} {100 * s // max(t, 1)}%" + ("" if st == "probing" else f" {st}")
                         for k, (s, t, st) in sorted(rows.items())
@@ -159,12 +159,12 @@ def run(args: argparse.Namespace) -> int:
                     EXPECTED.get(kind, ""),
                 )
                 continue
-            db = store.session_results(r["session_id"]) or {}
-            wd = _pooled(db.get("whole", []))
-            sd = _pooled(db.get("split", []))
+            stored = store.session_results(r["session_id"]) or {}
+            wd = _pooled(stored.get("whole", []))
+            sd = _pooled(stored.get("split", []))
             ratio = f"{sd / wd:.2f}" if wd and sd is not None else "-"
-            as_sent = sum(x.get("arrived_as_sent") or 0 for x in db.get("split", []))
-            acked = sum(x.get("acked") or 0 for x in db.get("split", []))
+            as_sent = sum(x.get("arrived_as_sent") or 0 for x in stored.get("split", []))
+            acked = sum(x.get("acked") or 0 for x in stored.get("split", []))
             ok = r["verdict"] == EXPECTED.get(kind)
             table.add_row(
                 kind,
@@ -191,18 +191,6 @@ def run(args: argparse.Namespace) -> int:
     shutil.rmtree(out_dir, ignore_errors=True)
     bad = [s for s in summary if s["verdict"] != s["expected"]]
     return 1 if bad or len(summary) != len(kinds) else 0
-
-
-def _session_ids(store, net) -> dict[str, str]:  # noqa: ANN001
-    """Map client kind -> session id through the sessions table's source address."""
-    from sqlalchemy import text
-
-    by_addr = {c.public_address: k for k, c in net.clients.items()}
-    with store.engine.connect() as conn:
-        rows = conn.execute(
-            text("select session_id, host(source_address) from sessions order by id")
-        ).all()
-    return {by_addr[a]: sid for sid, a in rows if a in by_addr}
 
 
 def _pooled(rows: list[dict]) -> float | None:

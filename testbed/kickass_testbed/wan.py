@@ -110,36 +110,34 @@ class Testbed:
         rtr.run(["ip", "link", "add", "lan", "type", "bridge"])
         rtr.run(["ip", "link", "set", "dev", "lan", "up"])
         addr(rtr, "lan", f"{LAN_NET}.1/24")
-        senders = {}
-        for i in range(1, c.senders + 1):
-            s = self._ns(f"s{i}")
-            veth(s, "eth0", rtr, f"s{i}")
-            rtr.run(["ip", "link", "set", "dev", f"s{i}", "master", "lan"])
-            a = f"{LAN_NET}.{10 + i}"
-            addr(s, "eth0", f"{a}/24")
-            route(s, "default", via=f"{LAN_NET}.1")
-            senders[s.name] = a
+        senders = self._hosts("s", c.senders, rtr, "lan", LAN_NET)
         veth(rtr, "wan0", emu, "a")
         addr(rtr, "wan0", f"{WAN_NET}.1/24")
         veth(emu, "b", far, "up0")
         far.run(["ip", "link", "add", "sw", "type", "bridge"])
         far.run(["ip", "link", "set", "dev", "sw", "up"])
         far.run(["ip", "link", "set", "dev", "up0", "master", "sw"])
-        receivers = {}
-        for j in range(1, c.receivers + 1):
-            r = self._ns(f"r{j}")
-            veth(r, "eth0", far, f"r{j}")
-            far.run(["ip", "link", "set", "dev", f"r{j}", "master", "sw"])
-            a = f"{WAN_NET}.{10 + j}"
-            addr(r, "eth0", f"{a}/24")
-            route(r, "default", via=f"{WAN_NET}.1")
-            receivers[r.name] = a
+        receivers = self._hosts("r", c.receivers, far, "sw", WAN_NET)
         self.info = TestbedInfo(
             self.prefix, senders, receivers, rtr.name, emu.name, far.name, config=asdict(c)
         )
         self._start_linkem(emu)
         self._start_router(rtr)
         return self.info
+
+    def _hosts(self, kind: str, count: int, hub: Netns, bridge: str, net: str) -> dict[str, str]:
+        """``count`` end hosts ``{kind}1..`` on ``bridge`` in ``hub``, addresses
+        net.11 and up, default route via net.1; returns namespace -> address."""
+        hosts = {}
+        for i in range(1, count + 1):
+            h = self._ns(f"{kind}{i}")
+            veth(h, "eth0", hub, f"{kind}{i}")
+            hub.run(["ip", "link", "set", "dev", f"{kind}{i}", "master", bridge])
+            a = f"{net}.{10 + i}"
+            addr(h, "eth0", f"{a}/24")
+            route(h, "default", via=f"{net}.1")
+            hosts[h.name] = a
+        return hosts
 
     def _start_linkem(self, emu: Netns) -> None:
         c = self.config
