@@ -1,41 +1,44 @@
 # One entry point for newcomers: `make demo` and `make test` (see README.md).
+# Every target goes through `system` first, so a fresh Debian machine needs nothing by hand.
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
-PKGS := -e core -e probe-client -e server -e testbed
+PKGS := -e core -e db -e probe-client -e server -e testbed
+PYPROJECTS := core/pyproject.toml db/pyproject.toml probe-client/pyproject.toml \
+	server/pyproject.toml testbed/pyproject.toml requirements-dev.txt
+RUST_BINS := ka-router ka-linkem ka-blast
 
-.PHONY: install demo test lint bench router clean
+.PHONY: system install demo test lint bench router clean
 
-install: $(BIN)/.installed router
+system:
+	@tools/setup-system.sh
 
-$(BIN)/.installed: core/pyproject.toml probe-client/pyproject.toml server/pyproject.toml testbed/pyproject.toml requirements-dev.txt
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip==26.3
-	$(BIN)/pip install --quiet -r requirements-dev.txt $(PKGS)
-	touch $@
+install: system $(BIN)/.installed router
+
+$(BIN)/.installed: $(PYPROJECTS)
+	@echo "install: python packages into $(VENV)"
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@$(BIN)/pip install --quiet --upgrade pip==26.3
+	@$(BIN)/pip install --quiet -r requirements-dev.txt $(PKGS)
+	@touch $@
 
 router:
-	@if [ -f router-edge/Cargo.toml ]; then \
-	  cargo build --quiet --release --manifest-path router-edge/Cargo.toml && \
-	  for b in ka-router ka-linkem ka-blast; do \
-	    if [ -f router-edge/target/release/$$b ]; then install -m 755 router-edge/target/release/$$b $(BIN)/$$b; fi; \
-	  done; \
-	fi
+	@echo "install: rust binaries ($(RUST_BINS)) into $(BIN)"
+	@cargo build --quiet --release --workspace
+	@for b in $(RUST_BINS); do install -m 755 target/release/$$b $(BIN)/$$b; done
 
 demo: install
-	sudo -n true 2>/dev/null || [ "$$(id -u)" = 0 ] || { echo "ERROR: the demo builds network namespaces and needs root (run: sudo make demo)"; exit 1; }
+	@[ "$$(id -u)" = 0 ] || { echo "ERROR: the demo builds network namespaces and needs root (run: sudo make demo)"; exit 1; }
 	$(BIN)/kickass demo
 
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	@if [ -f router-edge/Cargo.toml ]; then \
-	  cargo fmt --all --manifest-path router-edge/Cargo.toml -- --check && \
-	  cargo clippy --quiet --manifest-path router-edge/Cargo.toml --all-targets -- -D warnings; \
-	fi
+	cargo fmt --all -- --check
+	cargo clippy --quiet --workspace --all-targets -- -D warnings
 
 test: install lint
-	@if [ -f router-edge/Cargo.toml ]; then cargo test --quiet --manifest-path router-edge/Cargo.toml; fi
+	cargo test --quiet --workspace
 	$(BIN)/pytest -q
 
 bench: install
@@ -44,4 +47,4 @@ bench: install
 	@echo results in bench/probe_bench.json and bench/router_bench.json
 
 clean:
-	rm -rf $(VENV) router-edge/target
+	rm -rf $(VENV) target

@@ -141,7 +141,7 @@ def run_engine(
     until_done: bool = False,
     seed: int = 1,
 ) -> dict:
-    from kickass_server.store import Store
+    from kickass_db.store import Store
 
     engine = ProbeEngine(
         Store(url), bench_policy(), bind_host="127.0.0.1", probe_port=0, server_version="bench"
@@ -245,7 +245,7 @@ def main() -> int:
             from kickass_testbed.pg import embedded_postgres
 
             url = stack.enter_context(embedded_postgres())
-        from kickass_server.db import upgrade
+        from kickass_db import upgrade
 
         upgrade(url)
         print("capacity: minimal raw sender...", file=sys.stderr)

@@ -3,19 +3,17 @@
 #   docker build -f docker/server.Dockerfile -t kickass-server .
 FROM python:3.11-slim-bookworm
 
-# Only what the server needs: the dependency-free core, the server package,
-# and the Alembic migrations (found through KICKASS_MIGRATIONS_DIR, since an
-# installed package no longer sits next to db/).
+# Only what the server needs: the dependency-free core, the database package
+# (its wheel carries the Alembic migrations) and the server package.
 WORKDIR /app
 COPY core/ ./core/
 COPY server/ ./server/
 COPY db/ ./db/
 COPY docker/grant_reader.py ./docker/grant_reader.py
-RUN pip install --no-cache-dir ./core ./server \
-    && rm -rf ./core ./server
+RUN pip install --no-cache-dir ./core ./db ./server \
+    && rm -rf ./core ./db ./server
 
-ENV KICKASS_MIGRATIONS_DIR=/app/db/migrations \
-    PYTHONUNBUFFERED=1
+ENV PYTHONUNBUFFERED=1
 
 # HTTP API and the UDP probe protocol (only informative under host networking).
 EXPOSE 8080/tcp 9000/udp

@@ -18,9 +18,9 @@ import os
 import secrets
 from collections.abc import Iterator
 
+import kickass_db as db
 import pytest
-from kickass_server import db
-from kickass_server.store import Store
+from kickass_db.store import Store
 from kickass_testbed.pg import create_database, drop_database, embedded_postgres
 
 pytest_plugins: list[str] = []

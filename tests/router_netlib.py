@@ -56,12 +56,12 @@ def binaries() -> dict[str, Path]:
                     "--quiet",
                     "--release",
                     "--manifest-path",
-                    str(ROUTER_EDGE / "Cargo.toml"),
+                    str(REPO / "Cargo.toml"),
                 ],
                 check=True,
                 timeout=900,
             )
-            d = ROUTER_EDGE / "target" / "release"
+            d = REPO / "target" / "release"
         else:
             d = REPO / ".venv" / "bin"
         out = {n: d / n for n in ("ka-router", "ka-linkem", "ka-blast")}

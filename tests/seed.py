@@ -38,7 +38,7 @@ from datetime import UTC, datetime, timedelta
 
 from kickass_core.plan import Probe, ProbePlan, expected_max_fragment
 from kickass_core.verdict import decide
-from kickass_server.store import ProbeOutcome, Store
+from kickass_db.store import ProbeOutcome, Store
 from sqlalchemy import text
 
 PAPER_INTOLERANT_SHARE = 0.083  # 8.3% of 405 clients (Kick-Ass paper)

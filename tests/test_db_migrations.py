@@ -10,15 +10,16 @@ from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import kickass_db as db
 import psycopg
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
+from kickass_core import cli
+from kickass_core.errors import KickassError
 from kickass_core.plan import ProbePlan, expected_max_fragment
-from kickass_server import cli, db
-from kickass_server.errors import KickassError
-from kickass_server.models import Base
-from kickass_server.store import ProbeOutcome, Store
+from kickass_db.models import Base
+from kickass_db.store import ProbeOutcome, Store
 from sqlalchemy import CheckConstraint, Engine, inspect, text
 
 REPO = Path(__file__).resolve().parents[1]
@@ -138,12 +139,21 @@ def test_offline_sql_touches_nothing(
     assert schema(empty_database_url) == (set(), set())
 
 
-def test_migrations_dir_override(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv(db.ENV_MIGRATIONS_DIR, str(tmp_path))
+def test_migrations_found_beside_the_package() -> None:
+    # The source tree's db/migrations, with no environment variable; the
+    # wheel layout is checked in test_packaging.py.
+    assert db.migrations_dir() == REPO / "db" / "migrations"
+    assert db.head_revision() == "0003"
+
+
+def test_migrations_missing_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from kickass_db import migrations
+
+    monkeypatch.setattr(migrations, "_CANDIDATES", (tmp_path / "migrations",))
     with pytest.raises(KickassError, match="migrations not found"):
         db.alembic_config()
-    monkeypatch.setenv(db.ENV_MIGRATIONS_DIR, str(REPO / "db" / "migrations"))
-    assert db.head_revision() == "0003"
 
 
 def test_models_match_migrations(engine: Engine) -> None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import kickass_db as db
 import pytest
-from kickass_server import cli, db
-from kickass_server.errors import KickassError
-from kickass_server.store import DatabaseUnavailable, Store
+from kickass_core import cli
+from kickass_core.errors import KickassError
+from kickass_db.retry import DatabaseUnavailable
+from kickass_db.store import Store
 from sqlalchemy import make_url
 
 # Port 1 on loopback: nothing listens, so the connection is refused at once.

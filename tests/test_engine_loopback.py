@@ -12,9 +12,9 @@ from collections.abc import Iterator
 import pytest
 from kickass_core import wire
 from kickass_core.plan import ProbePlan
+from kickass_db.store import Store
 from kickass_server.engine import AdmissionDenied, ProbeEngine
 from kickass_server.policy import Policy
-from kickass_server.store import Store
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="raw sockets need root")
 
@@ -192,7 +192,7 @@ def test_admission_limits(engine: ProbeEngine) -> None:
 def test_database_restart_mid_session_loses_nothing(tmp_path) -> None:  # noqa: ANN001
     """PostgreSQL goes away for a while during probing: the engine keeps
     measuring, keeps every row in order, and writes it all once it is back."""
-    from kickass_server.db import upgrade
+    from kickass_db import upgrade
     from kickass_testbed.pg import EmbeddedPostgres
 
     pg = EmbeddedPostgres(tmp_path / "pg")

@@ -20,11 +20,11 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import kickass_db as db
 import psycopg
 import pytest
 import yaml
-from kickass_server import db
-from kickass_server.store import Store
+from kickass_db.store import Store
 from psycopg import sql
 from seed import seed_study
 

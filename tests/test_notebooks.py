@@ -14,10 +14,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import kickass_db as db
 import nbformat
 import pytest
-from kickass_server import db
-from kickass_server.store import Store
+from kickass_db.store import Store
 from nbclient import NotebookClient
 from seed import seed_study_detailed
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from kickass_core.plan import PlanError, ProbePlan
-from kickass_server.policy import Admission, Policy, TokenBucket, plan_bytes, prefix_of
+from kickass_core.plan import PlanError, ProbePlan, plan_bytes
+from kickass_server.policy import Admission, Policy, TokenBucket, prefix_of
 
 
 class Clock:

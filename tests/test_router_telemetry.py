@@ -10,9 +10,9 @@ import sys
 import time
 from pathlib import Path
 
+import kickass_db as db
 import pytest
-from kickass_server import db
-from kickass_server.telemetry import TelemetryIngest
+from kickass_db.telemetry import TelemetryIngest
 from kickass_testbed.netns import addr, make_router, namespaces, unique_prefix, veth
 from router_netlib import binaries
 from sqlalchemy import text

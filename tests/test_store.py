@@ -11,13 +11,14 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import kickass_db as db
 import psycopg
 import pytest
+from kickass_core.errors import KickassError
 from kickass_core.plan import ProbePlan
 from kickass_core.verdict import decide
-from kickass_server import db
-from kickass_server.errors import KickassError
-from kickass_server.store import DatabaseUnavailable, ProbeOutcome, Store, UnknownSession
+from kickass_db.retry import DatabaseUnavailable
+from kickass_db.store import ProbeOutcome, Store, UnknownSession
 from kickass_testbed.pg import EmbeddedPostgres
 from sqlalchemy import text
 

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 from kickass_core import wire
-from kickass_server.store import Store
+from kickass_db.store import Store
 from kickass_testbed.internet import PROBE_PORT, SERVER_IP, parse_json_output, probe_internet
 
 pytestmark = [

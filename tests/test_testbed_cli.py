@@ -9,8 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import kickass_db as db
 import pytest
-from kickass_server import db
 from sqlalchemy import text
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for namespaces")

@@ -18,7 +18,9 @@ from .rate import FRAGMENT_UNIT, FULL_PACKET_LEN, IPV4_HEADER_LEN
 PLAN_VERSION = 1
 MIN_IP_LEN = 44  # 20 IP + 8 UDP + 16-byte probe header
 UDP_HEADER_LEN = 8
-PHASES = ("whole", "split")
+WHOLE = "whole"
+SPLIT = "split"
+PHASES = (WHOLE, SPLIT)
 PAPER_WHOLE_MAX = 1480
 
 
@@ -146,3 +148,10 @@ def expected_max_fragment(leading_ip_len: int) -> int:
     IP_RECVFRAGSIZE reports when the split arrived as sent)."""
     second = FULL_PACKET_LEN - (leading_ip_len - IPV4_HEADER_LEN)
     return max(leading_ip_len, second)
+
+
+def plan_bytes(plan: ProbePlan) -> int:
+    """IP bytes the plan puts on the wire (a split datagram costs its second header)."""
+    return plan.repetitions * (
+        sum(plan.whole) + len(plan.split) * (FULL_PACKET_LEN + IPV4_HEADER_LEN)
+    )

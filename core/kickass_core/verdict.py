@@ -19,7 +19,9 @@ Inputs are the pooled counts of each phase. The rule, in order:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 FRAGMENTS_OK = "fragments-ok"
 FRAGMENT_INTOLERANT = "fragment-intolerant"
@@ -39,6 +41,15 @@ class Verdict:
 
 def drop_rate(sent: int, acked: int) -> float | None:
     return None if sent == 0 else 1.0 - acked / sent
+
+
+def pool(rows: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """Counts of several sizes or splits pooled into one drop rate (missing counts are 0)."""
+    sent = acked = 0
+    for r in rows:
+        sent += r.get("sent") or 0
+        acked += r.get("acked") or 0
+    return {"sent": sent, "acked": acked, "drop_rate": drop_rate(sent, acked)}
 
 
 def decide(whole_sent: int, whole_acked: int, split_sent: int, split_acked: int) -> Verdict:

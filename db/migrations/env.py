@@ -10,8 +10,8 @@ from __future__ import annotations
 from logging.config import fileConfig
 
 from alembic import context
-from kickass_server.db import make_engine, resolve_database_url, sqlalchemy_url
-from kickass_server.models import Base
+from kickass_db import make_engine, resolve_database_url, sqlalchemy_url
+from kickass_db.models import Base
 from sqlalchemy import Connection
 
 config = context.config

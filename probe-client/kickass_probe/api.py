@@ -32,7 +32,7 @@ RETRYABLE_STATUS = frozenset({502, 504})
 MAX_REPLY_BYTES = 8 << 20
 USER_AGENT = f"kickass-probe/{__version__}"
 COOKIE_HEADER = "X-Kickass-Cookie"
-ACTIVE_STATES = ("created", "probing")
+
 
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")

@@ -1,10 +1,12 @@
-"""The one domain exception of `kickass-probe`, and its exit codes.
+"""The volunteer client's domain exception (the platform's KickassError with an exit code).
 
 Every failure a volunteer can act on is raised as ProbeError and printed by
 the CLI as ``ERROR: message`` plus a ``hint:`` line, never as a traceback.
 """
 
 from __future__ import annotations
+
+from kickass_core.errors import KickassError
 
 EXIT_OK = 0
 # Could not measure: server down, bad reply, UDP blocked, rate-limited...
@@ -18,11 +20,9 @@ EXIT_INCOMPLETE = 3
 EXIT_INTERRUPTED = 130
 
 
-class ProbeError(Exception):
-    """A failure printed as ``ERROR: message`` (+ hint) with a non-zero exit."""
+class ProbeError(KickassError):
+    """A failure printed as ``ERROR: message`` (+ hint) with the client's exit code."""
 
     def __init__(self, message: str, hint: str | None = None, exit_code: int = EXIT_ERROR) -> None:
-        super().__init__(message)
-        self.message = message
-        self.hint = hint
+        super().__init__(message, hint)
         self.exit_code = exit_code

@@ -13,7 +13,7 @@ from collections import Counter
 from typing import Any, TextIO
 
 from kickass_core.plan import ProbePlan
-from kickass_core.verdict import drop_rate
+from kickass_core.verdict import drop_rate, pool
 
 from . import __version__
 from .runner import RunResult
@@ -71,12 +71,6 @@ def local_rows(plan: ProbePlan, local: LocalCounts, phase: str) -> list[dict[str
     return rows
 
 
-def pooled(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    sent = sum(r["sent"] for r in rows)
-    acked = sum(r["acked"] for r in rows)
-    return {"sent": sent, "acked": acked, "drop_rate": drop_rate(sent, acked)}
-
-
 # -- JSON -----------------------------------------------------------------------------
 
 
@@ -97,7 +91,7 @@ def result_json(result: RunResult) -> dict[str, Any]:
         "source": "server" if result.server_result is not None else "local",
         "whole": whole,
         "split": split,
-        "pooled": {"whole": pooled(whole), "split": pooled(split)},
+        "pooled": {"whole": pool(whole), "split": pool(split)},
         "total_probes": result.total_probes,
         "plan": srv.get("plan") or result.plan.to_json(),
         "server": result.server_url,
@@ -173,7 +167,7 @@ def format_summary(result: RunResult, verbose: bool = False) -> str:
     lines.append("")
     lines.append(f"  {'':<18}{'sent':>9}{'acked':>9}{'drop':>8}")
     for label, rows in (("whole packets", whole), ("split datagrams", split)):
-        p = pooled(rows)
+        p = pool(rows)
         lines.append(f"  {label:<18}{p['sent']:>9,}{p['acked']:>9,}{pct(p['drop_rate']):>8}")
     lines.append("")
     lines.append(
@@ -251,14 +245,14 @@ def size_ranges(
     for i in range(0, len(rows), per):
         chunk = rows[i : i + per]
         lo, hi = chunk[0][key], chunk[-1][key]
-        out.append((f"{lo}-{hi} B", pooled(chunk)))
+        out.append((f"{lo}-{hi} B", pool(chunk)))
     return out
 
 
 def notable_sizes(rows: list[dict[str, Any]], phase: str) -> list[tuple[int, float]]:
     """Sizes lost clearly more often than their phase as a whole, worst first."""
     key = SIZE_KEY[phase]
-    base = pooled(rows)["drop_rate"]
+    base = pool(rows)["drop_rate"]
     if base is None:
         return []
     out = []

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kickass_core.plan import PlanError, ProbePlan
+from kickass_core.states import LIVE_STATES
 
-from .api import ACTIVE_STATES, ApiClient, ApiError, server_host
+from .api import ApiClient, ApiError, server_host
 from .errors import EXIT_INCOMPLETE, EXIT_INTERRUPTED, EXIT_OK, ProbeError
 from .session import Failure, LocalCounts, ProbeSession, UdpShell, resolve_ipv4
 
@@ -190,7 +191,7 @@ class Runner:
                     if sent > self._server_sent:
                         last_progress_at = last_http_ok
                     self._server_sent = sent
-                    if res["state"] not in ACTIVE_STATES:
+                    if res["state"] not in LIVE_STATES:
                         return self._finished(ctx, res)
                 next_poll = self._clock() + (
                     POLL_AFTER_DONE_S if done_seen_at is not None else POLL_INTERVAL_S

@@ -12,10 +12,11 @@ from typing import Any
 
 from flask import Blueprint, Flask, current_app, jsonify, request
 from kickass_core.plan import PlanError
+from kickass_core.states import FINAL_STATES
 from werkzeug.exceptions import HTTPException
 
 from . import __version__
-from .engine import FINAL_STATES, AdmissionDenied, ProbeEngine
+from .engine import AdmissionDenied, ProbeEngine
 
 log = logging.getLogger("kickass.api")
 bp = Blueprint("sessions", __name__, url_prefix="/api/v1")

@@ -18,7 +18,6 @@ import hashlib
 import heapq
 import hmac
 import logging
-import queue
 import secrets
 import selectors
 import socket
@@ -31,18 +30,19 @@ from datetime import UTC, datetime, timedelta
 
 from kickass_core import verdict as verdicts
 from kickass_core import wire
-from kickass_core.plan import ProbePlan
+from kickass_core.plan import ProbePlan, plan_bytes
+from kickass_core.states import FINAL_STATES
+from kickass_db.store import ProbeOutcome
+from kickass_db.writer import OrderedWriter
 
 from .packets import SessionPackets, open_raw_socket
-from .policy import Admission, Policy, TokenBucket, plan_bytes, prefix_of
-from .store import DatabaseUnavailable, ProbeOutcome
+from .policy import Admission, Policy, TokenBucket, prefix_of
 
 log = logging.getLogger("kickass.engine")
 
 IP_PKTINFO = 8  # Linux; not exported by Python's socket module
 _RECV_BUF = 4096
 FLUSH_INTERVAL_S = 0.5
-FINAL_STATES = ("complete", "ended", "expired", "incomplete")
 
 # Outcome codes per seq (bytearray, one byte per probe of the plan).
 _UNSENT, _OUT, _ACKED, _LOST, _LATE = 0, 1, 2, 3, 4
@@ -104,60 +104,10 @@ class AdmissionDenied(Exception):
     """The policy refuses a new session (HTTP 429)."""
 
 
-class DatabaseWriter:
-    """Serial writer thread. Keeps every pending write in order and retries
-    while the database is away, so a database restart loses nothing."""
-
-    def __init__(self, max_backlog: int = 100_000) -> None:
-        self.q: queue.Queue[Callable[[], None] | None] = queue.Queue(max_backlog)
-        self.thread = threading.Thread(target=self._run, name="kickass-db-writer", daemon=True)
-        self.failures = 0
-        self.dropped = 0
-        self.thread.start()
-
-    def submit(self, op: Callable[[], None]) -> None:
-        self.q.put(op)
-
-    def _run(self) -> None:
-        while True:
-            op = self.q.get()
-            if op is None:
-                return
-            delay = 0.2
-            while True:
-                try:
-                    op()
-                    break
-                except DatabaseUnavailable as exc:
-                    # The database is restarting or unreachable: keep the write,
-                    # in order, and try again.
-                    self.failures += 1
-                    log.warning("database unavailable (%s); retrying in %.1fs", exc, delay)
-                    time.sleep(delay)
-                    delay = min(delay * 2, 5.0)
-                except Exception:
-                    # A write that can never succeed (unknown session, invalid
-                    # row) must not block every later write behind it.
-                    self.failures += 1
-                    self.dropped += 1
-                    log.exception("database write dropped")
-                    break
-
-    def sync(self, timeout: float = 10.0) -> bool:
-        """Wait until everything submitted so far is written."""
-        done = threading.Event()
-        self.submit(done.set)
-        return done.wait(timeout)
-
-    def close(self, timeout: float = 30.0) -> None:
-        self.q.put(None)
-        self.thread.join(timeout)
-
-
 class ProbeEngine:
     def __init__(
         self,
-        store,  # noqa: ANN001 - kickass_server.store.Store (duck-typed for tests)
+        store,  # noqa: ANN001 - kickass_db.store.Store (duck-typed for tests)
         policy: Policy | None = None,
         *,
         bind_host: str = "0.0.0.0",
@@ -202,7 +152,7 @@ class ProbeEngine:
                 "paced",
             )
         }
-        self.writer = DatabaseWriter()
+        self.writer = OrderedWriter()
         self.udp: socket.socket | None = None
         self.raw: socket.socket | None = None
         self._wake_r, self._wake_w = socket.socketpair()

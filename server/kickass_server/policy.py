@@ -76,11 +76,6 @@ class Policy:
         return ProbePlan.build(repetitions=repetitions, step=step, window=window, phases=phases)
 
 
-def plan_bytes(plan: ProbePlan) -> int:
-    """IP bytes the plan puts on the wire (a split datagram costs its extra header)."""
-    return plan.repetitions * (sum(plan.whole) + len(plan.split) * 1520)
-
-
 def prefix_of(address: str) -> str:
     ip = ipaddress.ip_address(address)
     plen = 24 if ip.version == 4 else 48

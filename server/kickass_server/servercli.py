@@ -8,8 +8,9 @@ import os
 import signal
 import sys
 
+from kickass_core.errors import KickassError
+
 from . import __version__
-from .errors import KickassError
 
 log = logging.getLogger("kickass.server")
 
@@ -85,12 +86,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kickass_db.store import Store
     from waitress import create_server
 
     from .api import create_app
     from .engine import ProbeEngine
     from .policy import Policy
-    from .store import Store
 
     logging.basicConfig(
         level=args.log_level.upper(),

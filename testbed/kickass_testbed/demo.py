@@ -19,8 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from kickass_server import db
-from kickass_server.errors import KickassError
+import kickass_db as db
+from kickass_core.errors import KickassError
+from kickass_core.verdict import pool
 
 from .internet import CLIENT_KINDS, probe_internet
 from .netns import cleanup_on_signals, require_root
@@ -92,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     with cleanup_on_signals(), database(args.keep_db) as (url, where):
         console.print(f"[bold]database[/]: {where}")
         db.upgrade(url)
-        from kickass_server.store import Store
+        from kickass_db.store import Store
 
         store = Store(url)
         with probe_internet(url, kinds=kinds, loss_percent=args.loss, log_dir=out_dir) as net:
@@ -160,8 +161,8 @@ def run(args: argparse.Namespace) -> int:
                 )
                 continue
             stored = store.session_results(r["session_id"]) or {}
-            wd = _pooled(stored.get("whole", []))
-            sd = _pooled(stored.get("split", []))
+            wd = pool(stored.get("whole", []))["drop_rate"]
+            sd = pool(stored.get("split", []))["drop_rate"]
             ratio = f"{sd / wd:.2f}" if wd and sd is not None else "-"
             as_sent = sum(x.get("arrived_as_sent") or 0 for x in stored.get("split", []))
             acked = sum(x.get("acked") or 0 for x in stored.get("split", []))
@@ -191,12 +192,6 @@ def run(args: argparse.Namespace) -> int:
     shutil.rmtree(out_dir, ignore_errors=True)
     bad = [s for s in summary if s["verdict"] != s["expected"]]
     return 1 if bad or len(summary) != len(kinds) else 0
-
-
-def _pooled(rows: list[dict]) -> float | None:
-    sent = sum(r.get("sent") or 0 for r in rows)
-    acked = sum(r.get("acked") or 0 for r in rows)
-    return None if not sent else 1 - acked / sent
 
 
 def _pct(x: float | None) -> str:

@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kickass_server.errors import KickassError
+from kickass_core.errors import KickassError
 
 from .netns import Netns, addr, make_router, route, unique_prefix, veth
 

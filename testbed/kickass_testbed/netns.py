@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from kickass_server.errors import KickassError
+from kickass_core.errors import KickassError
 
 NETNS_DIR = Path("/run/netns")
 

@@ -18,8 +18,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import kickass_db as db
 import psycopg
-from kickass_server import db
 
 with warnings.catch_warnings():
     # platformdirs warns when XDG_RUNTIME_DIR is unset (root shells, CI):

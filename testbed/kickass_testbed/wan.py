@@ -27,7 +27,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kickass_server.errors import KickassError
+from kickass_core.errors import KickassError
 
 from .netns import Netns, addr, cleanup_on_signals, make_router, require_root, route, veth
 from .netns import unique_prefix as _unique_prefix
@@ -191,7 +191,7 @@ class Testbed:
         assert self.router_proc is not None and self.router_proc.stdout is not None
         ingest = None
         if self.database_url:
-            from kickass_server.telemetry import TelemetryIngest
+            from kickass_db.telemetry import TelemetryIngest
 
             ingest = TelemetryIngest(self.database_url, run_name=self.prefix)
         with open(path, "a", encoding="utf-8") as out:

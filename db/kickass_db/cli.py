@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 from collections.abc import Callable, Iterator
 
 from alembic import command
 from alembic.runtime.migration import MigrationContext
 from alembic.util.exc import CommandError
+from kickass_core.errors import KickassError
 from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError
 
-from . import db
-from .errors import KickassError
+from . import engine as db
+from . import migrations
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -42,8 +42,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     def url_option(p: argparse.ArgumentParser) -> None:
         p.add_argument(
             "--database-url",
-            default=os.environ.get(db.ENV_DATABASE_URL),
-            help=f"PostgreSQL URL (default: ${db.ENV_DATABASE_URL})",
+            help=f"PostgreSQL URL (default: ${db.ENV_DATABASE_URL}, "
+            "else database_url in the $KICKASS_CONFIG file)",
         )
 
     p = sub.add_parser("upgrade", help="migrate up to a revision (default: head)")
@@ -80,14 +80,14 @@ def _migrate(args: argparse.Namespace, step: Callable[..., None], verb: str) -> 
     if args.sql:
         # Offline: no connection, the DDL goes to stdout for a DBA to review.
         with _alembic_errors():
-            step(db.alembic_config(url), args.revision, sql=True)
+            step(migrations.alembic_config(url), args.revision, sql=True)
         return 0
     with _connection(url) as conn:
         before = _revision(conn)
         with _alembic_errors():
-            step(db.alembic_config(url, connection=conn), args.revision)
+            step(migrations.alembic_config(url, connection=conn), args.revision)
         after = _revision(conn)
-    head = db.head_revision()
+    head = migrations.head_revision()
     label = f"{after or 'base'}{' (head)' if after == head else ''}"
     print(f"{verb} {db.describe_url(url)}: {before or 'base'} -> {label}")
     return 0
@@ -97,7 +97,7 @@ def cmd_current(args: argparse.Namespace) -> int:
     url = db.resolve_database_url(args.database_url)
     with _connection(url) as conn:
         current = _revision(conn)
-    head = db.head_revision()
+    head = migrations.head_revision()
     if current is None:
         print(f"{db.describe_url(url)}: empty (no migrations applied; run: kickass db upgrade)")
     elif current == head:
@@ -109,7 +109,7 @@ def cmd_current(args: argparse.Namespace) -> int:
 
 def cmd_history(_args: argparse.Namespace) -> int:
     with _alembic_errors():
-        command.history(db.alembic_config(), indicate_current=False)
+        command.history(migrations.alembic_config(), indicate_current=False)
     return 0
 
 

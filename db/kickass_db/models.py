@@ -11,6 +11,9 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
+from kickass_core.plan import PHASES
+from kickass_core.states import OUTCOMES, SESSION_STATES
+from kickass_core.verdict import VERDICTS
 from sqlalchemy import (
     REAL,
     BigInteger,
@@ -40,12 +43,6 @@ NAMING_CONVENTION = {
     "pk": "pk_%(table_name)s",
 }
 
-SESSION_STATES = ("created", "probing", "complete", "ended", "expired", "incomplete")
-LIVE_STATES = ("created", "probing")
-FINAL_STATES = ("complete", "ended", "expired", "incomplete")
-VERDICTS = ("fragments-ok", "fragment-intolerant", "inconclusive")  # kickass_core.verdict
-PHASES = ("whole", "split")  # kickass_core.plan.PHASES
-OUTCOMES = ("acked", "lost", "late")
 SESSION_ID_PATTERN = "^[0-9a-f]{16}$"
 
 
@@ -71,7 +68,7 @@ class Client(Base):
     platform: Mapped[str | None] = mapped_column(Text)
 
 
-class Session(Base):
+class SessionRow(Base):
     """One fragment-viability measurement of one client, from HTTP request to verdict."""
 
     __tablename__ = "sessions"
@@ -115,7 +112,7 @@ class Session(Base):
     end_reason: Mapped[str | None] = mapped_column(Text)
 
 
-class ProbeOutcome(Base):
+class ProbeOutcomeRow(Base):
     """What happened to one probe: the raw data every drop rate is computed from."""
 
     __tablename__ = "probe_outcomes"

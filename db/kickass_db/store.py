@@ -22,23 +22,18 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TypeVar
 
-from kickass_core.verdict import decide
+from kickass_core.errors import KickassError
+from kickass_core.plan import PHASES
+from kickass_core.states import FINAL_STATES, LIVE_STATES, OUTCOMES
+from kickass_core.verdict import VERDICTS, decide
 from sqlalchemy import Connection, bindparam, func, insert, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import InterfaceError, OperationalError
 
-from . import db
-from .errors import KickassError
-from .models import (
-    FINAL_STATES,
-    LIVE_STATES,
-    OUTCOMES,
-    PHASES,
-    SESSION_ID_PATTERN,
-    VERDICTS,
-    Client,
-    Session,
-)
+from . import engine as db
+from .migrations import head_revision
+from .models import SESSION_ID_PATTERN, Client, SessionRow
+from .retry import DatabaseUnavailable, unavailable
 
 T = TypeVar("T")
 
@@ -47,11 +42,7 @@ _SESSION_ID_RE = re.compile(SESSION_ID_PATTERN.replace("$", r"\Z"))
 ORPHAN_END_REASON = "server-restart"
 
 _clients = Client.__table__
-_sessions = Session.__table__
-
-
-class DatabaseUnavailable(KickassError):
-    """The database cannot be reached right now; the same call may succeed later."""
+_sessions = SessionRow.__table__
 
 
 class UnknownSession(KickassError):
@@ -168,11 +159,7 @@ class Store:
                 # the connection mid-call. Once more on a fresh connection.
                 if attempt == 1 and exc.connection_invalidated:
                     continue
-                raise DatabaseUnavailable(
-                    f"database unavailable ({db.describe_url(self.database_url)}): "
-                    f"{_first_line(exc)}",
-                    hint="the call is safe to retry once the database is back",
-                ) from exc
+                raise unavailable(db.describe_url(self.database_url), exc) from exc
         raise AssertionError("unreachable")
 
     def ping(self) -> None:
@@ -182,7 +169,7 @@ class Store:
         except KickassError as exc:
             raise DatabaseUnavailable(str(exc), hint=exc.hint) from exc
         current = self._run(_schema_revision)
-        head = db.head_revision()
+        head = head_revision()
         if current is None:
             raise KickassError(
                 f"database {db.describe_url(self.database_url)} has no kickass schema",
@@ -447,10 +434,6 @@ def _schema_revision(conn: Connection) -> str | None:
     if conn.execute(text("SELECT to_regclass('alembic_version')")).scalar() is None:
         return None
     return conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
-
-
-def _first_line(exc: DBAPIError) -> str:
-    return str(exc.orig or exc).strip().splitlines()[0]
 
 
 def _check_session_id(session_id: str) -> None:

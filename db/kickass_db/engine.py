@@ -1,4 +1,4 @@
-"""Database URLs, engines and the Alembic configuration.
+"""Database URLs and engines.
 
 Operators give a plain libpq URL (``postgresql://user:pw@host/db``, or the
 unix-socket form ``postgresql://user@/db?host=/run/postgresql``); SQLAlchemy
@@ -8,22 +8,15 @@ Precedence: explicit argument (``--database-url``) > ``KICKASS_DATABASE_URL``.
 
 from __future__ import annotations
 
-import os
-import sys
-from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
-from alembic import command
-from alembic.config import Config
-from alembic.script import ScriptDirectory
+from kickass_core import config
+from kickass_core.errors import KickassError
 from sqlalchemy import URL, Engine, create_engine, event, make_url, text
 from sqlalchemy.exc import ArgumentError, DBAPIError
 
-from .errors import KickassError
-
 ENV_DATABASE_URL = "KICKASS_DATABASE_URL"
-ENV_MIGRATIONS_DIR = "KICKASS_MIGRATIONS_DIR"
 DRIVER = "postgresql+psycopg"
 ACCEPTED_SCHEMES = ("postgresql", "postgres", DRIVER)
 CONNECT_TIMEOUT_S = 10
@@ -35,8 +28,8 @@ URL_HINT = (
 
 
 def resolve_database_url(explicit: str | None = None) -> str:
-    """The URL to use: the explicit one if given, else the environment's."""
-    url = explicit or os.environ.get(ENV_DATABASE_URL)
+    """The URL to use: flag > KICKASS_DATABASE_URL > ``database_url`` in the config file."""
+    url = config.resolve("database_url", explicit or None, file=config.load_file(None))
     if not url:
         raise KickassError("no database URL given", hint=URL_HINT)
     return url
@@ -139,54 +132,3 @@ def libpq_url(url: str | URL, database: str | None = None) -> str:
     if database is not None:
         parsed = parsed.set(database=database)
     return parsed.render_as_string(hide_password=False)
-
-
-def upgrade(url: str | None = None, revision: str = "head") -> None:
-    """Migrate the database to ``revision`` (what `kickass db upgrade` does), in code."""
-    engine = make_engine(url)
-    try:
-        check_connection(engine)
-        with engine.begin() as conn:
-            command.upgrade(alembic_config(url, connection=conn), revision)
-    finally:
-        engine.dispose()
-
-
-def migrations_dir() -> Path:
-    """db/migrations of the repository this package runs from (env override)."""
-    override = os.environ.get(ENV_MIGRATIONS_DIR)
-    path = Path(override) if override else Path(__file__).resolve().parents[2] / "db" / "migrations"
-    if not (path / "env.py").is_file():
-        raise KickassError(
-            f"Alembic migrations not found in {path}",
-            hint=f"set {ENV_MIGRATIONS_DIR} to the db/migrations directory of the repository",
-        )
-    return path
-
-
-def alembic_config(url: str | URL | None = None, connection: Any = None) -> Config:
-    """Alembic configured in code, so no alembic.ini is needed at run time.
-
-    With ``connection`` given, migrations run on it (tests and ``kickass db``
-    use this to check reachability first and report errors cleanly).
-    """
-    # stdout looked up now, not at import time, so redirection (and pytest's
-    # capture) applies to `kickass db history`.
-    config = Config(stdout=sys.stdout)
-    config.set_main_option("script_location", str(migrations_dir()))
-    config.set_main_option("path_separator", "os")
-    if url is not None:
-        # ConfigParser interpolation would choke on a '%' in a password.
-        rendered = sqlalchemy_url(url).render_as_string(hide_password=False)
-        config.set_main_option("sqlalchemy.url", rendered.replace("%", "%%"))
-    if connection is not None:
-        config.attributes["connection"] = connection
-    return config
-
-
-def head_revision() -> str | None:
-    """The newest migration's revision, or None when the scripts are not available."""
-    try:
-        return ScriptDirectory.from_config(alembic_config()).get_current_head()
-    except KickassError:
-        return None

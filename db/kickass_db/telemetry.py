@@ -14,17 +14,21 @@ import argparse
 import json
 import logging
 import sys
-import time
 from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
+from kickass_core.errors import KickassError
 from sqlalchemy import insert, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.exc import InterfaceError, OperationalError
 
-from . import db
-from .errors import KickassError
+from . import engine as db
 from .models import RouterRun, RouterTelemetry
+from .retry import DatabaseUnavailable, RetryPolicy, retry, unavailable
+
+# A router run outlives short database restarts; give up after a minute.
+FLUSH_POLICY = RetryPolicy(deadline=60.0)
 
 log = logging.getLogger("kickass.telemetry")
 BATCH = 200
@@ -112,7 +116,7 @@ class TelemetryIngest:
         else:
             self.counts["malformed"] += 1
 
-    def flush(self, retries: int = 30) -> None:
+    def flush(self, policy: RetryPolicy = FLUSH_POLICY) -> None:
         if not self.pending:
             return
         if self.run_id is None:
@@ -120,18 +124,21 @@ class TelemetryIngest:
             self._create_run({"options": {}})
         rows = [{**r, "run_id": self.run_id} for r in self.pending]
         stmt = pg_insert(RouterTelemetry).on_conflict_do_nothing()
-        delay = 0.2
-        for attempt in range(retries):
+
+        def write() -> None:
             try:
                 with self.engine.begin() as conn:
                     conn.execute(stmt, rows)
-                break
-            except Exception as exc:  # noqa: BLE001 - the database may be restarting
-                if attempt == retries - 1:
-                    raise KickassError(f"cannot write router telemetry: {exc}") from exc
-                log.warning("telemetry write failed (%s); retrying in %.1fs", exc, delay)
-                time.sleep(delay)
-                delay = min(2 * delay, 5.0)
+            except (OperationalError, InterfaceError) as exc:
+                raise unavailable(db.describe_url(self.engine.url), exc) from exc
+
+        try:
+            retry(write, policy, what="router telemetry write")
+        except DatabaseUnavailable as exc:
+            raise KickassError(
+                f"cannot write {len(rows)} router telemetry samples: {exc.message}",
+                hint="the NDJSON file still holds them: re-run `kickass telemetry ingest FILE`",
+            ) from exc
         self.counts["written"] += len(rows)
         self.pending.clear()
 

@@ -1,0 +1,55 @@
+"""`kickass`: the operator command.
+
+Subcommands register themselves: each installed package lists its modules in
+the ``kickass.commands`` entry-point group (see its pyproject.toml), and each
+module exposes ``add_parser(subparsers)`` setting ``func`` on its parser. So
+the agents, trials and Atlas packages add commands without editing anyone
+else's code. Domain failures raise KickassError and are printed as
+``ERROR: ...`` with a hint and a non-zero exit, never as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from importlib.metadata import entry_points
+
+from kickass_core.errors import KickassError
+
+from . import __version__
+
+GROUP = "kickass.commands"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kickass",
+        description="Kick-Ass measurement platform: run the measurement server, manage the "
+        "database, run the namespace demo, testbed and trials.",
+    )
+    parser.add_argument("--version", action="version", version=f"kickass {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for ep in sorted(entry_points(group=GROUP), key=lambda e: e.name):
+        importlib.import_module(ep.value).add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except KickassError as exc:
+        print(exc.render(), file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Installs every operating-system package that the demo, the tests and the
+# benchmarks run, and nothing else. `make install`, `make demo`, `make test`
+# and .ci/run all go through it, so a fresh Debian machine needs no manual step.
+#
+#   tools/setup-system.sh           install what is missing (idempotent)
+#   tools/setup-system.sh --check   list what is missing, install nothing (exit 1 if any)
+#   tools/setup-system.sh --list    print the whole program -> package table
+#
+# The table below is the single list of external programs the project starts:
+# add a line in the same commit as the code or test that runs a new program.
+set -euo pipefail
+
+# program-or-path  debian-package  who runs it
+TABLE='
+ip                                   iproute2        namespaces, veths, routes (testbed, demo, tests)
+tc                                   iproute2        qdiscs in the testbed
+nft                                  nftables        middleboxes: fragment filters, loss, NAT (demo, tests)
+ethtool                              ethtool         offloads off on veths (testbed)
+tcpdump                              tcpdump         ground-truth captures (tests)
+ping                                 iputils-ping    link-emulator delay test, Atlas-style echo requests
+sysctl                               procps          reassembly and forwarding knobs in namespaces
+iperf3                               iperf3          router benchmark sender
+docker-compose                       docker-compose  offline check of docker-compose.yml (tests)
+/usr/lib/postgresql/*/bin/postgres   postgresql      the real PostgreSQL the tests run against
+'
+
+mode=install
+case "${1:-}" in
+  --check) mode=check ;;
+  --list) mode=list ;;
+  "") ;;
+  -h|--help) sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+  *) echo "ERROR: unknown option $1 (try --help)" >&2; exit 2 ;;
+esac
+
+present() {
+  case "$1" in
+    /*) compgen -G "$1" >/dev/null ;;
+    *) command -v "$1" >/dev/null 2>&1 ;;
+  esac
+}
+
+missing=()
+while read -r prog pkg _; do
+  [ -n "${prog:-}" ] || continue
+  if [ "$mode" = list ]; then printf '%-36s %s\n' "$prog" "$pkg"; continue; fi
+  present "$prog" && continue
+  [[ " ${missing[*]-} " == *" $pkg "* ]] || missing+=("$pkg")
+done <<<"$TABLE"
+[ "$mode" = list ] && exit 0
+
+if [ ${#missing[@]} -eq 0 ]; then
+  [ "$mode" = check ] && echo "setup: every system package is present"
+  exit 0
+fi
+if [ "$mode" = check ]; then
+  echo "setup: missing system packages: ${missing[*]}"
+  exit 1
+fi
+
+if [ "$(id -u)" != 0 ]; then
+  echo "ERROR: system packages are missing and installing them needs root: ${missing[*]}" >&2
+  echo "hint: run as root, or: sudo apt-get install ${missing[*]}" >&2
+  exit 1
+fi
+if ! command -v apt-get >/dev/null 2>&1; then
+  echo "ERROR: not a Debian system (no apt-get); install these packages yourself: ${missing[*]}" >&2
+  exit 1
+fi
+
+echo "setup: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+if ! { apt-get update -qq && apt-get install -y -qq --no-install-recommends "${missing[@]}"; } >"$log" 2>&1; then
+  tail -20 "$log" >&2
+  echo "ERROR: apt-get could not install: ${missing[*]}" >&2
+  exit 1
+fi
