@@ -23,6 +23,9 @@ from kickass_db.store import ProbeOutcome, Store
 from sqlalchemy import CheckConstraint, Engine, inspect, text
 
 REPO = Path(__file__).resolve().parents[1]
+# The newest migration file, read from disk (not from Alembic, which is under test).
+_VERSIONS = sorted(p.name.split("_", 1)[0] for p in (REPO / "db/migrations/versions").glob("0*.py"))
+HEAD, PREVIOUS = _VERSIONS[-1], _VERSIONS[-2]
 STUDY_TABLES = {"clients", "sessions", "probe_outcomes"}
 TABLES = STUDY_TABLES | {"router_runs", "router_telemetry"}
 # The contract with dashboards and notebooks: names and order.
@@ -57,6 +60,8 @@ VIEW_COLUMNS = {
         "run_id", "run_name", "router_mode", "capacity_bps", "recorded_at", "t",
         "advertised_rate_bps", "leading_fragment_len", "input_rate_bps", "output_rate_bps",
         "queue_bytes", "mode", "rtt_ms", "drops", "fragmented", "utilization",
+        # 0004: the new names, added at the end (views add, never drop)
+        "router_kind", "marking_mode",
     ],
 }  # fmt: skip
 
@@ -102,10 +107,12 @@ def test_cli_reports_revisions(empty_database_url: str, capsys: pytest.CaptureFi
     kickass("db", "upgrade", "0001", "--database-url", url)
     assert capsys.readouterr().out.strip().endswith("base -> 0001")
     kickass("db", "current", "--database-url", url)
-    assert "0001 (head is 0003" in capsys.readouterr().out
+    assert f"0001 (head is {HEAD}" in capsys.readouterr().out
     kickass("db", "history")
     out = capsys.readouterr().out
-    assert "0002 -> 0003 (head)" in out and "0001 -> 0002" in out and "<base> -> 0001" in out
+    assert (
+        f"{PREVIOUS} -> {HEAD} (head)" in out and "0001 -> 0002" in out and "<base> -> 0001" in out
+    )
 
 
 def test_bad_revision_is_an_operator_error(
@@ -143,7 +150,7 @@ def test_migrations_found_beside_the_package() -> None:
     # The source tree's db/migrations, with no environment variable; the
     # wheel layout is checked in test_packaging.py.
     assert db.migrations_dir() == REPO / "db" / "migrations"
-    assert db.head_revision() == "0003"
+    assert db.head_revision() == HEAD
 
 
 def test_migrations_missing_is_a_clear_error(
@@ -193,7 +200,7 @@ def test_alembic_ini_works_for_developers(database_url: str) -> None:
         timeout=60,
         check=True,
     )
-    assert "0003 (head)" in out.stdout
+    assert f"{HEAD} (head)" in out.stdout
 
 
 # -- the views on seeded data ------------------------------------------------

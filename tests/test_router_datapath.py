@@ -147,7 +147,7 @@ def test_rcp_rate_drives_leading_fragment_len(tmp_path: Path) -> None:
             "rtt_ms",
         ):
             assert key in s
-        assert s["mode"] == "kickass"
+        assert s["marking_mode"] == "kickass"
         want = ka_rate.leading_fragment_len(ka_rate.bps_to_bytes_per_ms(s["advertised_rate_bps"]))
         assert s["leading_fragment_len"] == want
     rates = [s["advertised_rate_bps"] for s in samples]
@@ -283,7 +283,7 @@ def test_obeying_senders_converge_to_fair_share(tmp_path: Path) -> None:
     late = [s for s in samples if s["t"] >= samples[0]["t"] + 8]
     avg_q = sum(s["queue_packets"] for s in late) / len(late)
     assert avg_q < 20, f"average queue {avg_q} packets of 100"
-    assert all(s["mode"] == "kickass" for s in late)
+    assert all(s["marking_mode"] == "kickass" for s in late)
     assert late[-1]["rtt_ms"] == 24.0, "RTT indicators (604) read as 24 ms"
 
 
@@ -332,11 +332,11 @@ def test_unresponsive_flood_switches_to_tcp_mode_and_back(tmp_path: Path) -> Non
     assert during == [], f"{len(during)} leading fragments left in TCP mode"
     assert len(after) > 100, "back to Kick-Ass mode after the flood"
     samples = [s for s in read_ndjson(tel) if s["type"] == "sample"]
-    modes = [s["mode"] for s in samples]
+    modes = [s["marking_mode"] for s in samples]
     assert "tcp" in modes
     assert modes[-1] == "kickass"
-    assert all(s["leading_fragment_len"] is None for s in samples if s["mode"] == "tcp")
-    tcp_samples = [s for s in samples if s["mode"] == "tcp"]
+    assert all(s["leading_fragment_len"] is None for s in samples if s["marking_mode"] == "tcp")
+    tcp_samples = [s for s in samples if s["marking_mode"] == "tcp"]
     assert max(s["queue_packets"] for s in tcp_samples) > 50
     assert samples[-1]["drops"] > 0 and samples[-1]["mode_switches"] >= 2
 
@@ -357,7 +357,7 @@ def test_droptail_mode_never_fragments(tmp_path: Path) -> None:
         stop(router)
     assert not [p for p in cap.packets if p.mf or p.offset]
     samples = [s for s in read_ndjson(tel) if s["type"] == "sample"]
-    assert samples and {s["mode"] for s in samples} == {"droptail"}
+    assert samples and {s["marking_mode"] for s in samples} == {"droptail"}
 
 
 def test_errors_are_clear_and_crash_needs_no_cleanup(tmp_path: Path) -> None:

@@ -59,7 +59,7 @@ def test_router_telemetry_rows_appear_in_postgres(database_url: str) -> None:
         run = conn.execute(text("SELECT * FROM router_runs")).mappings().one()
     assert len(rows) == summary["written"]
     assert rows[0]["run_name"] == "t1" and rows[0]["capacity_bps"] == 10e6
-    assert all(r["mode"] == "kickass" for r in rows)
+    assert all(r["marking_mode"] == "kickass" for r in rows)
     assert run["finished_at"] is not None and run["exit_reason"]
 
 

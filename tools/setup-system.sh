@@ -34,9 +34,11 @@ case "${1:-}" in
   *) echo "ERROR: unknown option $1 (try --help)" >&2; exit 2 ;;
 esac
 
+# SETUP_SYSROOT prefixes the absolute paths above (tests point it at an empty
+# folder to play a fresh machine; PATH does the same for the programs).
 present() {
   case "$1" in
-    /*) compgen -G "$1" >/dev/null ;;
+    /*) compgen -G "${SETUP_SYSROOT:-}$1" >/dev/null ;;
     *) command -v "$1" >/dev/null 2>&1 ;;
   esac
 }

@@ -31,8 +31,28 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kickass {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for ep in sorted(entry_points(group=GROUP), key=lambda e: e.name):
-        importlib.import_module(ep.value).add_parser(sub)
+        try:
+            module = importlib.import_module(ep.value)
+        except Exception as exc:  # noqa: BLE001 - one broken package must not hide the others
+            _broken(sub, ep.name, ep.value, exc)
+            continue
+        module.add_parser(sub)
     return parser
+
+
+def _broken(sub: argparse._SubParsersAction, name: str, module: str, exc: Exception) -> None:
+    """A subcommand whose module cannot be imported: listed, and an ERROR when run."""
+    reason = f"{type(exc).__name__}: {exc}"
+    p = sub.add_parser(name, help=f"(unavailable: {module} failed to import)", add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+
+    def fail(_args: argparse.Namespace) -> int:
+        raise KickassError(
+            f"the `{name}` command cannot load: {reason}",
+            hint=f"reinstall the package that provides {module} (make install)",
+        )
+
+    p.set_defaults(func=fail)
 
 
 def main(argv: list[str] | None = None) -> int:

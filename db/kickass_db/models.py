@@ -44,6 +44,8 @@ NAMING_CONVENTION = {
 }
 
 SESSION_ID_PATTERN = "^[0-9a-f]{16}$"
+ROUTER_KINDS = ("kickass", "droptail")
+MARKING_MODES = ("kickass", "tcp", "droptail")
 
 
 def _in(column: str, values: tuple[str, ...]) -> str:
@@ -79,6 +81,7 @@ class SessionRow(Base):
         CheckConstraint("sent >= 0 AND acked >= 0", name="counters"),
         Index(None, "client_id"),
         Index(None, "created_at"),
+        Index(None, "server_instance", "state"),
     )
 
     id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
@@ -110,6 +113,9 @@ class SessionRow(Base):
     verdict: Mapped[str | None] = mapped_column(Text)
     verdict_reason: Mapped[str | None] = mapped_column(Text)
     end_reason: Mapped[str | None] = mapped_column(Text)
+    # The server process running it: a restarting server ends only its own
+    # orphans, so servers sharing a database leave each other alone.
+    server_instance: Mapped[str | None] = mapped_column(Text)
 
 
 class ProbeOutcomeRow(Base):
@@ -147,11 +153,14 @@ class RouterRun(Base):
     """One ka-router process: its metadata line (options, capacity, mode)."""
 
     __tablename__ = "router_runs"
-    __table_args__ = (CheckConstraint(_in("mode", ("kickass", "droptail")), name="mode"),)
+    __table_args__ = (
+        CheckConstraint(_in("router_kind", ROUTER_KINDS), name="router_kind"),
+    )
 
     id: Mapped[int] = mapped_column(BigInteger, Identity(always=False), primary_key=True)
     run_name: Mapped[str | None] = mapped_column(Text)
-    mode: Mapped[str] = mapped_column(Text)
+    # Which router ran: Kick-Ass marking, or the plain drop-tail baseline.
+    router_kind: Mapped[str] = mapped_column(Text)
     capacity_bps: Mapped[float | None] = mapped_column(Float)
     program_version: Mapped[str | None] = mapped_column(Text)
     options: Mapped[dict[str, Any]] = mapped_column(JSONB)
@@ -165,8 +174,9 @@ class RouterTelemetry(Base):
     """One control interval of a ka-router run (its NDJSON sample line)."""
 
     __tablename__ = "router_telemetry"
-    # 'droptail' is the baseline router's only mode.
-    __table_args__ = (CheckConstraint(_in("mode", ("kickass", "tcp", "droptail")), name="mode"),)
+    __table_args__ = (
+        CheckConstraint(_in("marking_mode", MARKING_MODES), name="marking_mode"),
+    )
 
     run_id: Mapped[int] = mapped_column(
         BigInteger, ForeignKey("router_runs.id", ondelete="CASCADE"), primary_key=True
@@ -179,7 +189,9 @@ class RouterTelemetry(Base):
     output_rate_bps: Mapped[float | None] = mapped_column(Float)
     queue_bytes: Mapped[int] = mapped_column(BigInteger)
     queue_packets: Mapped[int | None] = mapped_column(BigInteger)
-    mode: Mapped[str] = mapped_column(Text)
+    # What the router did this interval: Kick-Ass marking, or TCP mode (queue
+    # above half the buffer: paper section III); 'droptail' for the baseline.
+    marking_mode: Mapped[str] = mapped_column(Text)
     rtt_ms: Mapped[float | None] = mapped_column(REAL)
     drops: Mapped[int] = mapped_column(BigInteger)
     fragmented: Mapped[int] = mapped_column(BigInteger)

@@ -124,9 +124,13 @@ class _SessionExists(Exception):
 
 
 class Store:
-    def __init__(self, database_url: str | None = None) -> None:
+    """``instance`` names the server process that uses this Store: sessions it
+    creates carry it, and at start it ends only its own orphans."""
+
+    def __init__(self, database_url: str | None = None, instance: str | None = None) -> None:
         self.database_url = db.resolve_database_url(database_url)
         self.engine = db.make_engine(self.database_url)
+        self.instance = instance
 
     def close(self) -> None:
         self.engine.dispose()
@@ -239,6 +243,7 @@ class Store:
                     client_version=client_version,
                     server_version=server_version,
                     expires_at=expires_at,
+                    server_instance=self.instance,
                 )
                 .on_conflict_do_nothing(index_elements=[_sessions.c.session_id])
                 .returning(_sessions.c.id)
@@ -329,17 +334,21 @@ class Store:
         return self._run(lambda conn: conn.execute(stmt).rowcount > 0)
 
     def mark_orphans_incomplete(self) -> list[str]:
-        """At server start: sessions a previous server left live become 'incomplete',
-        with the verdict their stored outcomes support. Returns their session ids.
+        """At server start: sessions this instance's previous run left live become
+        'incomplete', with the verdict their stored outcomes support. Returns
+        their session ids.
 
-        Assumes one server per database: a second live server's sessions
-        would be closed too.
+        Only this instance's sessions (and ones no instance claims, created
+        before sessions had owners): another server sharing the database keeps
+        its live sessions.
         """
+        owner = _sessions.c.server_instance
+        mine = owner.is_(None) if self.instance is None else (owner == self.instance) | owner.is_(None)
 
         def work(conn: Connection) -> list[str]:
             orphans = conn.execute(
                 select(_sessions.c.id, _sessions.c.session_id)
-                .where(_sessions.c.state.in_(LIVE_STATES))
+                .where(_sessions.c.state.in_(LIVE_STATES), mine)
                 .order_by(_sessions.c.id)
                 .with_for_update()
             ).all()

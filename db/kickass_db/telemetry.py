@@ -24,7 +24,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import InterfaceError, OperationalError
 
 from . import engine as db
-from .models import RouterRun, RouterTelemetry
+from .models import MARKING_MODES, RouterRun, RouterTelemetry
 from .retry import DatabaseUnavailable, RetryPolicy, retry, unavailable
 
 # A router run outlives short database restarts; give up after a minute.
@@ -34,7 +34,7 @@ log = logging.getLogger("kickass.telemetry")
 BATCH = 200
 _SAMPLE_COLUMNS = (
     "advertised_rate_bps", "leading_fragment_len", "input_rate_bps", "output_rate_bps",
-    "queue_bytes", "queue_packets", "mode", "rtt_ms", "drops", "fragmented", "mode_switches",
+    "queue_bytes", "queue_packets", "marking_mode", "rtt_ms", "drops", "fragmented", "mode_switches",
 )  # fmt: skip
 
 
@@ -60,7 +60,7 @@ class TelemetryIngest:
         kind = str(router.get("kind", "kickass")).lower()
         values = {
             "run_name": self.run_name,
-            "mode": "droptail" if "droptail" in kind else "kickass",
+            "router_kind": "droptail" if "droptail" in kind else "kickass",
             "capacity_bps": router.get("capacity_bps"),
             "program_version": meta.get("program_version"),
             "options": options,
@@ -94,8 +94,11 @@ class TelemetryIngest:
                     "recorded_at": _ts(rec.get("ts")),
                     **{c: rec.get(c) for c in _SAMPLE_COLUMNS},
                 }
-                if row["mode"] not in ("kickass", "tcp", "droptail"):
-                    raise ValueError(f"mode {row['mode']!r}")
+                # Lines written before the rename call it "mode".
+                if row["marking_mode"] is None:
+                    row["marking_mode"] = rec.get("mode")
+                if row["marking_mode"] not in MARKING_MODES:
+                    raise ValueError(f"marking_mode {row['marking_mode']!r}")
                 for required in (
                     "advertised_rate_bps",
                     "input_rate_bps",
@@ -108,7 +111,9 @@ class TelemetryIngest:
             except (KeyError, TypeError, ValueError):
                 self.counts["malformed"] += 1
                 return
-            row["extra"] = {k: v for k, v in rec.items() if k not in row and k != "type"}
+            row["extra"] = {
+                k: v for k, v in rec.items() if k not in row and k not in ("type", "mode")
+            }
             self.pending.append(row)
             self.counts["samples"] += 1
             if len(self.pending) >= BATCH:

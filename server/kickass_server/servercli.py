@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
+import socket
 import sys
+from collections.abc import Callable
 
+from kickass_core import config
 from kickass_core.errors import KickassError
 
 from . import __version__
@@ -15,21 +17,51 @@ from . import __version__
 log = logging.getLogger("kickass.server")
 
 
-def _env(name: str, default: str) -> str:
-    return os.environ.get(f"KICKASS_{name}", default)
-
-
 def parse_hostport(value: str, default_host: str = "0.0.0.0") -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
     if not sep:
         host, port = default_host, value
+    return host or default_host, parse_port(port)
+
+
+def parse_port(value: str | int) -> int:
     try:
-        p = int(port)
-    except ValueError:
-        raise KickassError(f"bad HOST:PORT {value!r}") from None
+        p = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"not a port number: {value!r}") from None
     if not 0 <= p <= 65535:
-        raise KickassError(f"port {p} out of range")
-    return host or default_host, p
+        raise ValueError(f"port {p} out of range 0-65535")
+    return p
+
+
+def _positive_int(value: str | int) -> int:
+    n = int(value)
+    if n < 1:
+        raise ValueError(f"must be at least 1, got {n}")
+    return n
+
+
+def _flag(value: str | bool) -> bool:
+    if isinstance(value, bool):
+        return value
+    return value.strip().lower() not in ("", "0", "false", "no", "off")
+
+
+# (setting, default, parser): every option is a flag, a KICKASS_<SETTING>
+# environment variable, or a key in the [server] table of the config file,
+# in that order (kickass_core.config). Parsed at run time, so a bad
+# environment value is an ERROR line, not a traceback in `kickass --help`.
+SETTINGS: tuple[tuple[str, object, Callable[[str], object] | None], ...] = (
+    ("listen", "0.0.0.0:8080", str),
+    ("probe_port", 9000, parse_port),
+    ("probe_bind", "0.0.0.0", str),
+    ("probe_host", None, str),
+    ("database_url", None, str),
+    ("trust_proxy", False, _flag),
+    ("http_threads", 8, _positive_int),
+    ("log_level", "info", str.lower),
+    ("instance_id", None, str),
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -38,51 +70,74 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="run the measurement server (HTTP API + probe engine)",
         description="Run the fragment-viability measurement server: the HTTP API that volunteers'"
         " probe clients talk to, and the raw-socket probe engine (needs root or CAP_NET_RAW)."
-        " Every option can also be set as a KICKASS_* environment variable; policy limits as"
-        " KICKASS_POLICY_<NAME> (see server/README.md).",
+        " Every option can also be set as a KICKASS_* environment variable or in the [server]"
+        " table of the TOML file named by --config / KICKASS_CONFIG (flag > environment > file);"
+        " policy limits as KICKASS_POLICY_<NAME> (see server/README.md).",
+    )
+    p.add_argument("--config", help="TOML configuration file (env KICKASS_CONFIG)")
+    p.add_argument("--listen", help="HTTP API address HOST:PORT (env KICKASS_LISTEN; 0.0.0.0:8080)")
+    p.add_argument(
+        "--probe-port", help="UDP port for the probe protocol (env KICKASS_PROBE_PORT; 9000)"
     )
     p.add_argument(
-        "--listen",
-        default=_env("LISTEN", "0.0.0.0:8080"),
-        help="HTTP API address (env KICKASS_LISTEN; default %(default)s)",
-    )
-    p.add_argument(
-        "--probe-port",
-        type=int,
-        default=int(_env("PROBE_PORT", "9000")),
-        help="UDP port for the probe protocol (env KICKASS_PROBE_PORT; default 9000)",
-    )
-    p.add_argument(
-        "--probe-bind",
-        default=_env("PROBE_BIND", "0.0.0.0"),
-        help="address the probe UDP socket binds (env KICKASS_PROBE_BIND)",
+        "--probe-bind", help="address the probe UDP socket binds (env KICKASS_PROBE_BIND)"
     )
     p.add_argument(
         "--probe-host",
-        default=os.environ.get("KICKASS_PROBE_HOST") or None,
         help="host clients should send UDP to, if not the API's host (env KICKASS_PROBE_HOST)",
     )
-    p.add_argument(
-        "--database-url", default=None, help="postgresql:// URL (env KICKASS_DATABASE_URL)"
-    )
+    p.add_argument("--database-url", help="postgresql:// URL (env KICKASS_DATABASE_URL)")
     p.add_argument(
         "--trust-proxy",
-        action="store_true",
-        default=_env("TRUST_PROXY", "") not in ("", "0"),
+        action="store_const",
+        const=True,
         help="take the client address from X-Forwarded-For (behind a reverse proxy)",
     )
     p.add_argument(
-        "--threads",
-        type=int,
-        default=int(_env("HTTP_THREADS", "8")),
-        help="HTTP worker threads (default 8)",
+        "--threads", dest="http_threads", help="HTTP worker threads (env KICKASS_HTTP_THREADS; 8)"
     )
     p.add_argument(
         "--log-level",
-        default=_env("LOG_LEVEL", "info"),
         choices=["debug", "info", "warning", "error"],
+        help="log level (env KICKASS_LOG_LEVEL; info)",
+    )
+    p.add_argument(
+        "--instance-id",
+        help="name of this server process in the database (env KICKASS_INSTANCE_ID; default "
+        "HOSTNAME:PROBE_PORT): at start it marks only its own orphaned sessions incomplete, "
+        "so several servers can share one database",
     )
     p.set_defaults(func=run)
+
+
+def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
+    """The effective settings (flag > environment > file > default), validated."""
+    file = config.load_file(getattr(args, "config", None))
+    out = {}
+    for name, default, parse in SETTINGS:
+        flag = getattr(args, name, None)
+        if flag is not None and parse is not None:
+            try:
+                flag = parse(flag)
+            except (TypeError, ValueError) as exc:
+                raise KickassError(
+                    f"bad --{name.replace('_', '-')} {flag!r}: {exc}",
+                    hint="see: kickass server --help",
+                ) from None
+        out[name] = config.resolve(
+            name, flag, default=default, file=file, section="server", parse=parse
+        )
+    if out["log_level"] not in ("debug", "info", "warning", "error"):
+        raise KickassError(
+            f"bad log level {out['log_level']!r}", hint="debug, info, warning or error"
+        )
+    if out["instance_id"] is None:
+        out["instance_id"] = f"{socket.gethostname()}:{out['probe_port']}"
+    try:
+        out["listen_host"], out["listen_port"] = parse_hostport(out["listen"])
+    except ValueError as exc:
+        raise KickassError(f"bad listen address {out['listen']!r}: {exc}") from None
+    return argparse.Namespace(**out)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -93,17 +148,15 @@ def run(args: argparse.Namespace) -> int:
     from .engine import ProbeEngine
     from .policy import Policy
 
+    args = resolve_settings(args)
     logging.basicConfig(
         level=args.log_level.upper(),
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    host, port = parse_hostport(args.listen)
-    store = Store(args.database_url)
+    host, port = args.listen_host, args.listen_port
+    store = Store(args.database_url, instance=args.instance_id)
     store.ping()
-    orphans = store.mark_orphans_incomplete()
-    if orphans:
-        log.warning("marked %d sessions of an earlier server run incomplete", len(orphans))
     engine = ProbeEngine(
         store,
         Policy.from_env(),
@@ -122,11 +175,20 @@ def run(args: argparse.Namespace) -> int:
         raise KickassError(
             f"cannot open the probe socket on UDP {args.probe_port}: {exc}"
         ) from None
+    # Only once this process owns the probe port: a second server started by
+    # mistake fails above and never touches the first one's live sessions.
+    orphans = store.mark_orphans_incomplete()
+    if orphans:
+        log.warning(
+            "marked %d sessions of this instance's (%s) earlier run incomplete",
+            len(orphans),
+            args.instance_id,
+        )
     app = create_app(
         engine, store, {"PROBE_HOST": args.probe_host or None, "TRUST_PROXY": args.trust_proxy}
     )
     try:
-        http = create_server(app, host=host, port=port, threads=args.threads, ident="kickass")
+        http = create_server(app, host=host, port=port, threads=args.http_threads, ident="kickass")
     except OSError as exc:
         engine.stop()
         raise KickassError(f"cannot listen on {args.listen}: {exc}") from None

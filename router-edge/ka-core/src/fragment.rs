@@ -55,9 +55,9 @@ pub enum Pass {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Verdict {
     Pass(Pass),
-    /// Cut so the leading fragment carries `lead_len` payload bytes.
+    /// Cut so the leading fragment carries `leading_fragment_len` payload bytes.
     Cut {
-        lead_len: usize,
+        leading_fragment_len: usize,
     },
 }
 
@@ -84,7 +84,7 @@ pub fn classify(packet: &[u8], leading_fragment_len: Option<usize>) -> Verdict {
         if payload <= l {
             return Verdict::Pass(Pass::LeadingFragmentShortEnough);
         }
-        return Verdict::Cut { lead_len: l };
+        return Verdict::Cut { leading_fragment_len: l };
     }
     if p.total_len() as usize != FULL_PACKET_LEN {
         return Verdict::Pass(Pass::NotFullSize);
@@ -92,7 +92,7 @@ pub fn classify(packet: &[u8], leading_fragment_len: Option<usize>) -> Verdict {
     if payload <= l {
         return Verdict::Pass(Pass::PayloadShortEnough);
     }
-    Verdict::Cut { lead_len: l }
+    Verdict::Cut { leading_fragment_len: l }
 }
 
 /// An IPv4 header of up to 60 bytes held inline (no allocation per packet).
@@ -148,19 +148,19 @@ impl Split {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SplitError {
     NotIpv4,
-    /// `lead_len` not a positive multiple of 8 strictly inside the payload,
+    /// `leading_fragment_len` not a positive multiple of 8 strictly inside the payload,
     /// or the packet is a non-leading fragment or has DF set.
     BadLength,
 }
 
-/// Cut `packet` so its leading fragment carries `lead_len` payload bytes.
-pub fn split(packet: &[u8], lead_len: usize) -> Result<Split, SplitError> {
+/// Cut `packet` so its leading fragment carries `leading_fragment_len` payload bytes.
+pub fn split(packet: &[u8], leading_fragment_len: usize) -> Result<Split, SplitError> {
     let p = Packet::new_checked(packet).map_err(|_| SplitError::NotIpv4)?;
     let hl = p.header_len();
     let payload = p.payload_len();
-    if lead_len == 0
-        || lead_len % FRAGMENT_UNIT != 0
-        || lead_len >= payload
+    if leading_fragment_len == 0
+        || leading_fragment_len % FRAGMENT_UNIT != 0
+        || leading_fragment_len >= payload
         || p.dont_frag()
         || p.frag_offset() != 0
     {
@@ -177,24 +177,24 @@ pub fn split(packet: &[u8], lead_len: usize) -> Result<Split, SplitError> {
     let mut rest = lead;
     {
         let mut h = Packet::new_unchecked(&mut lead.bytes[..hl]);
-        h.set_total_len((hl + lead_len) as u16);
+        h.set_total_len((hl + leading_fragment_len) as u16);
         h.set_frag(false, true, orig_offset);
         h.fill_checksum();
     }
     {
         options_fragment(&mut rest.bytes[MIN_HEADER_LEN..hl]);
         let mut h = Packet::new_unchecked(&mut rest.bytes[..hl]);
-        h.set_total_len((hl + payload - lead_len) as u16);
+        h.set_total_len((hl + payload - leading_fragment_len) as u16);
         // The last piece keeps MF when what we cut was itself a leading
         // fragment: more of the datagram follows from upstream.
-        h.set_frag(false, orig_mf, orig_offset + lead_len);
+        h.set_frag(false, orig_mf, orig_offset + leading_fragment_len);
         h.fill_checksum();
     }
     Ok(Split {
         lead,
-        lead_payload: hl..hl + lead_len,
+        lead_payload: hl..hl + leading_fragment_len,
         rest,
-        rest_payload: hl + lead_len..hl + payload,
+        rest_payload: hl + leading_fragment_len..hl + payload,
     })
 }
 
@@ -298,7 +298,7 @@ mod tests {
     #[test]
     fn decisions() {
         let full = udp_like(1500, false, false, 0, vec![]);
-        assert_eq!(classify(&full, Some(880)), Verdict::Cut { lead_len: 880 });
+        assert_eq!(classify(&full, Some(880)), Verdict::Cut { leading_fragment_len: 880 });
         assert_eq!(classify(&full, None), Verdict::Pass(Pass::NotMarking));
         assert_eq!(
             classify(&full, Some(1480)),
@@ -317,7 +317,7 @@ mod tests {
             classify(&lead, Some(1000)),
             Verdict::Pass(Pass::LeadingFragmentShortEnough)
         );
-        assert_eq!(classify(&lead, Some(872)), Verdict::Cut { lead_len: 872 });
+        assert_eq!(classify(&lead, Some(872)), Verdict::Cut { leading_fragment_len: 872 });
         let tail = udp_like(1500, false, false, 880, vec![]);
         assert_eq!(
             classify(&tail, Some(24)),

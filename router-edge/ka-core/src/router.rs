@@ -115,7 +115,8 @@ pub struct Sample {
     pub output_rate_bps: f64,
     pub queue_bytes: usize,
     pub queue_packets: usize,
-    pub mode: &'static str,
+    /// Kick-Ass marking or TCP mode (paper section III); "droptail" for the baseline.
+    pub marking_mode: &'static str,
     /// d, the average of the RTT indicators (or the default).
     pub rtt_ms: f64,
     pub interval_ms: f64,
@@ -279,7 +280,7 @@ impl Router {
             _ => None,
         };
         let split = match fragment::classify(&packet, marking) {
-            Verdict::Cut { lead_len } => fragment::split(&packet, lead_len).ok(),
+            Verdict::Cut { leading_fragment_len } => fragment::split(&packet, leading_fragment_len).ok(),
             Verdict::Pass(_) => None,
         };
         let wire = match &split {
@@ -347,7 +348,7 @@ impl Router {
             output_rate_bps: output,
             queue_bytes: self.queue.bytes(),
             queue_packets: self.queue.len(),
-            mode: mode.as_str(),
+            marking_mode: mode.as_str(),
             rtt_ms: self.rtt.rtt_ms(),
             interval_ms: interval_s * 1e3,
             mode_switches: self.mode.switches(),

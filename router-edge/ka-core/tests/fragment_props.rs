@@ -117,21 +117,21 @@ proptest! {
         let l = encoding::leading_fragment_len(c.rate_bytes_per_ms);
         let p = Packet::new_checked(&c.packet[..]).expect("well-formed");
         match fragment::classify(&c.packet, l) {
-            Verdict::Cut { lead_len } => {
+            Verdict::Cut { leading_fragment_len } => {
                 // Only DF-clear packets with offset 0 that are full-size or
                 // already leading fragments longer than L are cut.
                 prop_assert!(!p.dont_frag() && p.frag_offset() == 0);
                 prop_assert!(p.total_len() == 1500 || p.more_frags());
                 let want = (encoding::leading_fragment_len_exact(c.rate_bytes_per_ms) / 8.0 + 1e-9).floor() as usize * 8;
-                prop_assert_eq!(Some(lead_len), l);
-                prop_assert_eq!(lead_len, want.min(1480));
-                let s = fragment::split(&c.packet, lead_len).expect("cut");
+                prop_assert_eq!(Some(leading_fragment_len), l);
+                prop_assert_eq!(leading_fragment_len, want.min(1480));
+                let s = fragment::split(&c.packet, leading_fragment_len).expect("cut");
                 let frags = s.to_packets(&c.packet);
                 let a = Packet::new_checked(&frags[0][..]).expect("lead");
                 let b = Packet::new_checked(&frags[1][..]).expect("rest");
-                prop_assert_eq!(a.payload_len(), lead_len);
+                prop_assert_eq!(a.payload_len(), leading_fragment_len);
                 prop_assert!(a.more_frags() && a.frag_offset() == 0);
-                prop_assert_eq!(b.frag_offset(), lead_len);
+                prop_assert_eq!(b.frag_offset(), leading_fragment_len);
                 prop_assert_eq!(b.more_frags(), p.more_frags());
                 prop_assert!(a.verify_checksum() && b.verify_checksum());
                 prop_assert!(!a.dont_frag() && !b.dont_frag());

@@ -96,7 +96,7 @@ fn serves_exactly_at_capacity_in_order() {
         "{}",
         s.input_rate_bps
     );
-    assert_eq!(s.mode, "droptail");
+    assert_eq!(s.marking_mode, "droptail");
     assert_eq!(s.leading_fragment_len, None);
 }
 
@@ -181,7 +181,7 @@ fn unresponsive_flood_switches_to_tcp_mode_and_back() {
     assert_eq!(cut_late, 0, "fragments left in TCP mode");
     assert!(samples
         .iter()
-        .any(|s| s.mode == "tcp" && s.leading_fragment_len.is_none()));
+        .any(|s| s.marking_mode == "tcp" && s.leading_fragment_len.is_none()));
     // Flood stops; a light flow of full packets follows for 3 s.
     let stop = now;
     while now < stop + 3 * SEC {
