@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import signal
 import socket
@@ -41,10 +42,16 @@ def _positive_int(value: str | int) -> int:
     return n
 
 
-def _flag(value: str | bool) -> bool:
-    if isinstance(value, bool):
-        return value
-    return value.strip().lower() not in ("", "0", "false", "no", "off")
+def _trusted_proxy(value: str) -> str | None:
+    """The reverse proxy's address; "1"/"true" mean one on this host, "0"/"" none."""
+    v = value.strip().lower()
+    if v in ("", "0", "false", "no", "off"):
+        return None
+    if v in ("1", "true", "yes", "on"):
+        return "127.0.0.1"
+    if v != "*":
+        ipaddress.ip_address(v)  # ValueError names the bad value
+    return v
 
 
 # (setting, default, parser): every option is a flag, a KICKASS_<SETTING>
@@ -57,7 +64,7 @@ SETTINGS: tuple[tuple[str, object, Callable[[str], object] | None], ...] = (
     ("probe_bind", "0.0.0.0", str),
     ("probe_host", None, str),
     ("database_url", None, str),
-    ("trust_proxy", False, _flag),
+    ("trust_proxy", None, _trusted_proxy),
     ("http_threads", 8, _positive_int),
     ("log_level", "info", str.lower),
     ("instance_id", None, str),
@@ -89,9 +96,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--database-url", help="postgresql:// URL (env KICKASS_DATABASE_URL)")
     p.add_argument(
         "--trust-proxy",
-        action="store_const",
-        const=True,
-        help="take the client address from X-Forwarded-For (behind a reverse proxy)",
+        nargs="?",
+        const="127.0.0.1",
+        metavar="PROXY_ADDR",
+        help="behind a reverse proxy at PROXY_ADDR (default 127.0.0.1): take the client "
+        "address from the X-Forwarded-For entry that proxy appended; requests from any "
+        "other address have the header removed (env KICKASS_TRUST_PROXY)",
     )
     p.add_argument(
         "--threads", dest="http_threads", help="HTTP worker threads (env KICKASS_HTTP_THREADS; 8)"
@@ -142,10 +152,10 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> int:
     from kickass_db.store import Store
-    from waitress import create_server
 
     from .api import create_app
     from .engine import ProbeEngine
+    from .front import create_front
     from .policy import Policy
 
     args = resolve_settings(args)
@@ -184,11 +194,13 @@ def run(args: argparse.Namespace) -> int:
             len(orphans),
             args.instance_id,
         )
-    app = create_app(
-        engine, store, {"PROBE_HOST": args.probe_host or None, "TRUST_PROXY": args.trust_proxy}
-    )
+    app = create_app(engine, store, {"PROBE_HOST": args.probe_host or None})
     try:
-        http = create_server(app, host=host, port=port, threads=args.http_threads, ident="kickass")
+        # The front resolves X-Forwarded-For itself (only from the trusted
+        # proxy), so the app reads the client address from REMOTE_ADDR alone.
+        http = create_front(
+            app, host, port, threads=args.http_threads, trusted_proxy=args.trust_proxy
+        )
     except OSError as exc:
         engine.stop()
         raise KickassError(f"cannot listen on {args.listen}: {exc}") from None
@@ -212,10 +224,12 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     try:
+        # waitress's run() swallows the KeyboardInterrupt our SIGTERM handler
+        # raises and returns: log after it, not in an except clause.
         http.run()
-    except KeyboardInterrupt:
-        log.info("shutting down: live sessions are recorded as incomplete")
     finally:
+        log.info("shutting down: live sessions are recorded as incomplete")
         http.close()
         engine.stop()
+        log.info("stopped")
     return 0

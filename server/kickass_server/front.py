@@ -1,0 +1,141 @@
+"""The HTTP front: waitress, bounded against hostile clients before Flask sees a byte.
+
+waitress's defaults suit a trusted network, not a server that anyone on the
+Internet may talk to:
+
+* it spools request bodies of up to 1 GiB to disk before the app's own limit
+  applies, so the body limit is set here (``max_body``) and a larger request
+  gets 413 while its headers are parsed;
+* one address may hold all of its 100 connections (slowloris), so connections
+  are capped per address (``per_address``) and a request must be complete
+  within ``request_timeout`` seconds of its first byte, however slowly it trickles;
+* it ignores ``X-Forwarded-For`` unless told which proxy to trust; with
+  ``trusted_proxy`` set it takes the client address from the entry that proxy
+  appended (the rightmost), never the leftmost the client wrote itself.
+
+Behind a reverse proxy, the per-address cap sees only the proxy's address:
+the proxy must bound connections per client itself (docker/README.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from waitress.adjustments import Adjustments
+from waitress.channel import HTTPChannel
+from waitress.parser import HTTPRequestParser
+from waitress.server import TcpWSGIServer
+from waitress.task import ThreadedTaskDispatcher
+
+log = logging.getLogger("kickass.http")
+
+
+@dataclass(frozen=True)
+class FrontLimits:
+    max_body: int = 16 * 1024
+    max_header: int = 16 * 1024
+    per_address: int = 8
+    total: int = 200
+    request_timeout: float = 10.0
+    idle_timeout: int = 30
+    # How often slow requests are looked for (waitress's maintenance tick).
+    sweep_interval: int = 1
+
+
+class _TimedParser(HTTPRequestParser):
+    """Remembers when a request's first byte arrived."""
+
+    def __init__(self, adj: Adjustments) -> None:
+        super().__init__(adj)
+        self.started = time.monotonic()
+
+
+class _Channel(HTTPChannel):
+    parser_class = _TimedParser
+
+
+class FrontServer(TcpWSGIServer):
+    channel_class = _Channel
+
+    def __init__(self, *args: Any, limits: FrontLimits, **kwargs: Any) -> None:
+        self.limits = limits
+        self.refused: Counter[str] = Counter()
+        super().__init__(*args, **kwargs)
+
+    def handle_accept(self) -> None:
+        try:
+            pair = self.accept()
+        except OSError:
+            return
+        if pair is None:
+            return
+        conn, addr = pair
+        host = addr[0]
+        same = sum(1 for ch in self.active_channels.values() if ch.addr[0] == host)
+        if same >= self.limits.per_address:
+            # Closed before a byte is read: costs the server one accept.
+            self.refused[host] += 1
+            if self.refused[host] in (1, 10, 100, 1000):
+                log.warning(
+                    "refused a connection from %s: %d open (limit %d per address; %d refused)",
+                    host,
+                    same,
+                    self.limits.per_address,
+                    self.refused[host],
+                )
+            conn.close()
+            return
+        self.set_socket_options(conn)
+        self.channel_class(self, conn, self.fix_addr(addr), self.adj, map=self._map)
+
+    def maintenance(self, now: float) -> None:
+        super().maintenance(now)
+        cutoff = time.monotonic() - self.limits.request_timeout
+        for channel in list(self.active_channels.values()):
+            partial = channel.request
+            if partial is not None and not channel.requests and partial.started < cutoff:
+                log.info(
+                    "closed a connection from %s: request not complete in time", channel.addr[0]
+                )
+                channel.will_close = True
+
+
+def create_front(
+    app: Any,
+    host: str,
+    port: int,
+    *,
+    threads: int = 8,
+    trusted_proxy: str | None = None,
+    limits: FrontLimits | None = None,
+) -> FrontServer:
+    limits = limits or FrontLimits()
+    kw: dict[str, Any] = {
+        "host": host,
+        "port": port,
+        "threads": threads,
+        "ident": "kickass",
+        "max_request_body_size": limits.max_body,
+        "max_request_header_size": limits.max_header,
+        "connection_limit": limits.total,
+        "channel_timeout": limits.idle_timeout,
+        "cleanup_interval": limits.sweep_interval,
+        # Bodies are tiny: never spool them to a temporary file.
+        "inbuf_overflow": limits.max_body * 2,
+    }
+    if trusted_proxy:
+        kw.update(
+            trusted_proxy=trusted_proxy,
+            trusted_proxy_count=1,
+            trusted_proxy_headers={"x-forwarded-for"},
+            clear_untrusted_proxy_headers=True,
+        )
+    adj = Adjustments(**kw)
+    dispatcher = ThreadedTaskDispatcher()
+    dispatcher.set_thread_count(adj.threads)
+    (sockinfo,) = adj.listen[:1]
+    return FrontServer(app, {}, dispatcher=dispatcher, adj=adj, sockinfo=sockinfo, limits=limits)
