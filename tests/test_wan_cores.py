@@ -1,0 +1,92 @@
+"""Pure cores of the wide-area trials: workload, schedule, spool (no sockets, no clock)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from kickass_wan.schedule import KICKASS, TCP, interleaved
+from kickass_wan.spool import Spool
+from kickass_wan.workload import Workload, flows
+
+
+def test_paper_workload_has_the_papers_moments() -> None:
+    w = Workload(seed=7, mean_gap_s=0.01)
+    sizes = [f.size_packets for f in flows(w, duration_s=400.0)]
+    assert len(sizes) > 30_000
+    assert min(sizes) >= 1 and max(sizes) <= 2000
+    # Heavy tail: the mean is ~100 packets though most flows are small.
+    assert 90 <= statistics.fmean(sizes) <= 110, statistics.fmean(sizes)
+    # Pareto's median is x_m * 2^(1/shape), rounded up to whole packets.
+    want = math.ceil(w.scale() * 2 ** (1 / w.shape))
+    assert abs(statistics.median(sizes) - want) <= 2, (statistics.median(sizes), want)
+    assert statistics.median(sizes) < statistics.fmean(sizes)  # right-skewed
+    assert max(sizes) == 2000  # the bound is reached
+
+
+def test_gaps_are_exponential_with_the_configured_mean() -> None:
+    w = Workload(seed=3, mean_gap_s=0.5)
+    starts = [f.start_s for f in flows(w, duration_s=5000.0)]
+    gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    assert 0.47 <= statistics.fmean(gaps) <= 0.53
+    # Exponential: the standard deviation equals the mean.
+    assert 0.9 <= statistics.pstdev(gaps) / statistics.fmean(gaps) <= 1.1
+
+
+def test_workload_is_reproducible_per_seed_and_stream() -> None:
+    w = Workload(seed=11)
+    assert list(flows(w, 60.0, stream=2)) == list(flows(w, 60.0, stream=2))
+    assert list(flows(w, 60.0, stream=1)) != list(flows(w, 60.0, stream=2))
+
+
+@pytest.mark.parametrize(
+    "bad", [dict(shape=1.0), dict(min_packets=0), dict(mean_packets=5000), dict(mean_gap_s=0)]
+)
+def test_bad_workloads_are_refused(bad: dict) -> None:
+    with pytest.raises(ValueError):
+        Workload(**bad)
+
+
+@given(
+    dests=st.lists(st.sampled_from(["a", "b", "c", "d"]), min_size=1, max_size=4, unique=True),
+    pairs=st.integers(1, 20),
+    seed=st.integers(0, 1000),
+)
+def test_schedule_interleaves_every_destination_in_pairs(
+    dests: list[str], pairs: int, seed: int
+) -> None:
+    sched = interleaved(dests, pairs=pairs, period_s=120.0, seed=seed)
+    assert len(sched) == 2 * pairs * len(dests)
+    # Back to back, in time order.
+    for a, b in zip(sched, sched[1:], strict=False):
+        assert b.start_s == pytest.approx(a.start_s + 120.0)
+    for dest in dests:
+        mine = [p for p in sched if p.destination == dest]
+        for pair in range(pairs):
+            assert sorted(p.protocol for p in mine if p.pair == pair) == [KICKASS, TCP]
+
+
+def test_schedule_order_is_randomised_but_reproducible() -> None:
+    firsts = [interleaved(["a"], pairs=1, seed=s)[0].protocol for s in range(200)]
+    assert 70 <= firsts.count(KICKASS) <= 130
+    assert interleaved(["a", "b"], pairs=5, seed=4) == interleaved(["a", "b"], pairs=5, seed=4)
+
+
+def test_spool_keeps_records_until_confirmed(tmp_path: Path) -> None:
+    spool = Spool(tmp_path / "out")
+    spool.put("trial", "t1", {"x": 1})
+    for i in range(5):
+        spool.put("flow", f"f{i}", {"i": i})
+    assert spool.count() == 6
+    again = Spool(tmp_path / "out")  # a restarted runner sees the same outbox
+    assert [r["id"] for r in again.pending("flow")] == [f"f{i}" for i in range(5)]
+    again.done("flow", ["f0", "f1", "nope"])
+    assert [r["id"] for r in again.pending()] == ["t1", "f2", "f3", "f4"]
+    spool.put("flow", "f2", {"i": 2, "again": True})  # re-put replaces, never duplicates
+    assert sum(r["id"] == "f2" for r in spool.pending()) == 1
+    with pytest.raises(ValueError):
+        spool.put("flow", "../evil", {})
