@@ -27,7 +27,10 @@ REPO = Path(__file__).resolve().parents[1]
 _VERSIONS = sorted(p.name.split("_", 1)[0] for p in (REPO / "db/migrations/versions").glob("0*.py"))
 HEAD, PREVIOUS = _VERSIONS[-1], _VERSIONS[-2]
 STUDY_TABLES = {"clients", "sessions", "probe_outcomes"}
-TABLES = STUDY_TABLES | {"router_runs", "router_telemetry"}
+ROUTER_TABLES = {"router_runs", "router_telemetry"}
+TRIAL_TABLES = {"runners", "trials", "trial_periods", "flows"}
+TABLES = STUDY_TABLES | ROUTER_TABLES | TRIAL_TABLES
+TRIAL_VIEWS = {"flow_results", "flow_summary"}
 # The contract with dashboards and notebooks: names and order.
 VIEW_COLUMNS = {
     "v_session_summary": [
@@ -63,6 +66,16 @@ VIEW_COLUMNS = {
         # 0004: the new names, added at the end (views add, never drop)
         "router_kind", "marking_mode",
     ],
+    "flow_results": [
+        "trial_id", "destination", "protocol", "congestion_control", "access_capacity_bps",
+        "size_packets", "fct_ms", "ka_mode_fraction", "mode_switches", "retransmissions",
+        "started_at", "flow_id", "period_index", "handshake", "size_bytes", "completed",
+        "srtt_ms", "min_rtt_ms", "advertised_rate_last_bps", "error", "size_bucket",
+    ],
+    "flow_summary": [
+        "destination", "access_capacity_bps", "protocol", "size_bucket", "flows", "completed",
+        "fct_ms_mean", "fct_ms_p50", "fct_ms_p95", "ka_mode_fraction_mean", "speedup",
+    ],
 }  # fmt: skip
 
 
@@ -90,8 +103,13 @@ def test_upgrade_downgrade_upgrade(empty_database_url: str) -> None:
     url = empty_database_url
     assert kickass("db", "upgrade", "--database-url", url) == 0
     assert schema(url) == (TABLES, set(VIEW_COLUMNS))
+    assert kickass("db", "downgrade", "0004", "--database-url", url) == 0
+    assert schema(url) == (STUDY_TABLES | ROUTER_TABLES, set(VIEW_COLUMNS) - TRIAL_VIEWS)
     assert kickass("db", "downgrade", "0002", "--database-url", url) == 0
-    assert schema(url) == (STUDY_TABLES, set(VIEW_COLUMNS) - {"v_router_telemetry"})
+    assert schema(url) == (
+        STUDY_TABLES,
+        set(VIEW_COLUMNS) - TRIAL_VIEWS - {"v_router_telemetry"},
+    )
     assert kickass("db", "downgrade", "0001", "--database-url", url) == 0
     assert schema(url) == (STUDY_TABLES, set())
     assert kickass("db", "downgrade", "base", "--database-url", url) == 0

@@ -153,9 +153,7 @@ class RouterRun(Base):
     """One ka-router process: its metadata line (options, capacity, mode)."""
 
     __tablename__ = "router_runs"
-    __table_args__ = (
-        CheckConstraint(_in("router_kind", ROUTER_KINDS), name="router_kind"),
-    )
+    __table_args__ = (CheckConstraint(_in("router_kind", ROUTER_KINDS), name="router_kind"),)
 
     id: Mapped[int] = mapped_column(BigInteger, Identity(always=False), primary_key=True)
     run_name: Mapped[str | None] = mapped_column(Text)
@@ -174,9 +172,7 @@ class RouterTelemetry(Base):
     """One control interval of a ka-router run (its NDJSON sample line)."""
 
     __tablename__ = "router_telemetry"
-    __table_args__ = (
-        CheckConstraint(_in("marking_mode", MARKING_MODES), name="marking_mode"),
-    )
+    __table_args__ = (CheckConstraint(_in("marking_mode", MARKING_MODES), name="marking_mode"),)
 
     run_id: Mapped[int] = mapped_column(
         BigInteger, ForeignKey("router_runs.id", ondelete="CASCADE"), primary_key=True
@@ -197,3 +193,8 @@ class RouterTelemetry(Base):
     fragmented: Mapped[int] = mapped_column(BigInteger)
     mode_switches: Mapped[int | None] = mapped_column(BigInteger)
     extra: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+
+
+# Models of other subsystems live in their own modules on the same Base:
+# importing them here puts every table in Base.metadata (Alembic, tests).
+from . import trial_models  # noqa: E402, F401

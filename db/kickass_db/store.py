@@ -343,7 +343,9 @@ class Store:
         its live sessions.
         """
         owner = _sessions.c.server_instance
-        mine = owner.is_(None) if self.instance is None else (owner == self.instance) | owner.is_(None)
+        mine = (
+            owner.is_(None) if self.instance is None else (owner == self.instance) | owner.is_(None)
+        )
 
         def work(conn: Connection) -> list[str]:
             orphans = conn.execute(

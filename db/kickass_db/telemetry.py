@@ -34,7 +34,8 @@ log = logging.getLogger("kickass.telemetry")
 BATCH = 200
 _SAMPLE_COLUMNS = (
     "advertised_rate_bps", "leading_fragment_len", "input_rate_bps", "output_rate_bps",
-    "queue_bytes", "queue_packets", "marking_mode", "rtt_ms", "drops", "fragmented", "mode_switches",
+    "queue_bytes", "queue_packets", "marking_mode", "rtt_ms", "drops", "fragmented",
+    "mode_switches",
 )  # fmt: skip
 
 

@@ -1,0 +1,129 @@
+"""Wide-area trials (paper section IV): trials, their interleaved periods, and flows.
+
+A *trial* is one run of `kickass trials run` towards one destination agent; it
+holds its schedule of *periods* (alternating Kick-Ass and TCP, 120 s each by
+default) and every *flow* started in them. Flow ids come from the runner, so
+re-sent uploads are no-ops (nothing counted twice).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    REAL,
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    DateTime,
+    Float,
+    ForeignKey,
+    Identity,
+    Index,
+    Integer,
+    LargeBinary,
+    Text,
+    func,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import Mapped, mapped_column
+
+from .models import Base, _in
+
+PROTOCOLS = ("kickass", "tcp")
+TRIAL_ID_PATTERN = "^[0-9a-f]{32}$"
+
+
+class Runner(Base):
+    """A trial runner allowed to upload results; only its token's hash is kept."""
+
+    __tablename__ = "runners"
+
+    id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
+    name: Mapped[str] = mapped_column(Text, unique=True)
+    token_hash: Mapped[bytes] = mapped_column(LargeBinary)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class TrialRow(Base):
+    __tablename__ = "trials"
+    __table_args__ = (
+        CheckConstraint(f"trial_id ~ '{TRIAL_ID_PATTERN}'", name="trial_id_format"),
+        Index(None, "destination", "started_at"),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
+    trial_id: Mapped[str] = mapped_column(Text, unique=True)
+    runner_id: Mapped[int | None] = mapped_column(
+        BigInteger, ForeignKey("runners.id", ondelete="SET NULL")
+    )
+    destination: Mapped[str] = mapped_column(Text)
+    access_capacity_bps: Mapped[float | None] = mapped_column(Float)
+    # The ka-router telemetry run the trial overlapped (router_runs.run_name).
+    router_run_name: Mapped[str | None] = mapped_column(Text)
+    # Workload, schedule, seeds, handshake mode: enough to re-create every flow.
+    parameters: Mapped[dict[str, Any]] = mapped_column(JSONB)
+    versions: Mapped[dict[str, Any]] = mapped_column(JSONB)
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    received_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.now()
+    )
+
+
+class TrialPeriodRow(Base):
+    __tablename__ = "trial_periods"
+    __table_args__ = (CheckConstraint(_in("protocol", PROTOCOLS), name="protocol"),)
+
+    trial_pk: Mapped[int] = mapped_column(
+        BigInteger, ForeignKey("trials.id", ondelete="CASCADE"), primary_key=True
+    )
+    period_index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    pair: Mapped[int] = mapped_column(Integer)
+    protocol: Mapped[str] = mapped_column(Text)
+    congestion_control: Mapped[str | None] = mapped_column(Text)
+    start_offset_s: Mapped[float] = mapped_column(Float)
+    duration_s: Mapped[float] = mapped_column(Float)
+
+
+class FlowRow(Base):
+    """One flow: the paper's per-flow record (FCT, time in Kick-Ass mode, switches...)."""
+
+    __tablename__ = "flows"
+    __table_args__ = (
+        CheckConstraint(_in("protocol", PROTOCOLS), name="protocol"),
+        CheckConstraint("size_packets >= 1 AND size_bytes >= 1", name="size"),
+        CheckConstraint(
+            "ka_mode_fraction IS NULL OR (ka_mode_fraction >= 0 AND ka_mode_fraction <= 1)",
+            name="ka_mode_fraction",
+        ),
+        Index(None, "trial_pk", "period_index"),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
+    flow_id: Mapped[str] = mapped_column(Text, unique=True)
+    trial_pk: Mapped[int] = mapped_column(BigInteger, ForeignKey("trials.id", ondelete="CASCADE"))
+    period_index: Mapped[int] = mapped_column(Integer)
+    protocol: Mapped[str] = mapped_column(Text)
+    congestion_control: Mapped[str | None] = mapped_column(Text)
+    handshake: Mapped[str | None] = mapped_column(Text)
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    size_packets: Mapped[int] = mapped_column(Integer)
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    completed: Mapped[bool] = mapped_column(Boolean)
+    # First handshake packet sent -> last byte acknowledged (NULL if not completed).
+    fct_ms: Mapped[float | None] = mapped_column(Float)
+    ka_mode_ms: Mapped[float | None] = mapped_column(Float)
+    ka_mode_fraction: Mapped[float | None] = mapped_column(REAL)
+    mode_switches: Mapped[int | None] = mapped_column(Integer)
+    retransmissions: Mapped[int | None] = mapped_column(Integer)
+    srtt_ms: Mapped[float | None] = mapped_column(REAL)
+    min_rtt_ms: Mapped[float | None] = mapped_column(REAL)
+    advertised_rate_min_bps: Mapped[float | None] = mapped_column(Float)
+    advertised_rate_max_bps: Mapped[float | None] = mapped_column(Float)
+    advertised_rate_last_bps: Mapped[float | None] = mapped_column(Float)
+    advertised_rates_seen: Mapped[int | None] = mapped_column(Integer)
+    error: Mapped[str | None] = mapped_column(Text)
+    extra: Mapped[dict[str, Any] | None] = mapped_column(JSONB)

@@ -1,0 +1,116 @@
+"""Trial results in PostgreSQL: idempotent uploads and the flow_results / flow_summary views."""
+
+from __future__ import annotations
+
+import secrets
+from datetime import UTC, datetime, timedelta
+
+import kickass_db as db
+import pytest
+from kickass_db.trials import BadRecord, TrialStore, flow_id
+from sqlalchemy import create_engine, text
+
+T0 = datetime(2026, 11, 22, 12, 0, tzinfo=UTC)
+
+
+@pytest.fixture
+def trials(database_url: str):  # noqa: ANN201
+    s = TrialStore(database_url)
+    yield s
+    s.close()
+
+
+def _trial(tid: str, dest: str = "agent-a") -> dict:
+    return {
+        "trial_id": tid,
+        "destination": dest,
+        "access_capacity_bps": 10e6,
+        "parameters": {"workload": {"seed": 1}},
+        "versions": {"ka-transport": "0.1.0"},
+        "started_at": T0.isoformat(),
+        "periods": [
+            {"index": 0, "pair": 0, "protocol": "tcp", "start_s": 0, "duration_s": 120,
+             "congestion_control": "cubic"},
+            {"index": 1, "pair": 0, "protocol": "kickass", "start_s": 120, "duration_s": 120},
+        ],
+    }  # fmt: skip
+
+
+def _flow(tid: str, i: int, proto: str, size: int, fct: float | None, frac: float | None) -> dict:
+    return {
+        "flow_id": flow_id(tid, i),
+        "period_index": 0 if proto == "tcp" else 1,
+        "protocol": proto,
+        "size_bytes": size * 1500,
+        "size_packets": size,
+        "started_at": (T0 + timedelta(seconds=i)).isoformat(),
+        "completed": fct is not None,
+        "fct_ms": fct,
+        "ka_mode_fraction": frac,
+    }
+
+
+def test_uploads_are_idempotent_and_the_summary_is_right(
+    trials: TrialStore, database_url: str
+) -> None:
+    runner = trials.authenticate(trials.add_runner("edge-1"))
+    assert runner is not None
+    tid = secrets.token_hex(16)
+    trials.put_trial(runner, _trial(tid))
+    trials.put_trial(runner, _trial(tid))  # a re-sent trial is a no-op
+    # 11-100 bucket: TCP 300, 500, 700 ms (mean 500); Kick-Ass 100, 150, 200 (mean 150).
+    flows = [_flow(tid, i, "tcp", 50, f, None) for i, f in enumerate((300.0, 500.0, 700.0))]
+    flows += [_flow(tid, 3 + i, "kickass", 50, f, 1.0) for i, f in enumerate((100.0, 150.0, 200.0))]
+    flows.append(_flow(tid, 6, "kickass", 5, None, 0.5))  # did not complete
+    assert trials.put_flows(runner, tid, flows) == [f["flow_id"] for f in flows]
+    trials.put_flows(runner, tid, flows[:4])  # a re-sent batch stores nothing twice
+    engine = create_engine(db.sqlalchemy_url(database_url))
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM flow_results")).scalar() == 7
+        rows = {
+            (r.protocol, r.size_bucket): r
+            for r in conn.execute(text("SELECT * FROM flow_summary")).mappings()
+        }
+    engine.dispose()
+    ka, tcp = rows[("kickass", "11-100")], rows[("tcp", "11-100")]
+    assert (ka["flows"], tcp["flows"]) == (3, 3)
+    assert ka["fct_ms_mean"] == pytest.approx(150.0) and tcp["fct_ms_mean"] == pytest.approx(500.0)
+    assert ka["fct_ms_p50"] == pytest.approx(150.0)
+    assert tcp["fct_ms_p95"] == pytest.approx(680.0)  # linear interpolation of 300, 500, 700
+    assert ka["speedup"] == pytest.approx(500.0 / 150.0)
+    assert tcp["speedup"] is None
+    small = rows[("kickass", "1-10")]
+    assert (small["flows"], small["completed"], small["speedup"]) == (1, 0, None)
+
+
+def test_runners_are_kept_apart(trials: TrialStore) -> None:
+    a = trials.authenticate(trials.add_runner("a"))
+    b = trials.authenticate(trials.add_runner("b"))
+    assert trials.authenticate("not-a-token") is None
+    tid = secrets.token_hex(16)
+    trials.put_trial(a, _trial(tid))
+    with pytest.raises(BadRecord):
+        trials.put_trial(b, _trial(tid))
+    with pytest.raises(BadRecord):
+        trials.put_flows(b, tid, [_flow(tid, 0, "tcp", 5, 10.0, None)])
+
+
+@pytest.mark.parametrize(
+    "patch",
+    [
+        {"protocol": "udp"},
+        {"size_packets": 0},
+        {"ka_mode_fraction": 1.5},
+        {"fct_ms": -1},
+        {"started_at": "yesterday"},
+        {"started_at": "2026-11-22T12:00:00"},  # no UTC offset
+        {"flow_id": "x-1"},
+        {"extra": [1, 2]},
+    ],
+)
+def test_bad_flows_are_refused_with_a_reason(trials: TrialStore, patch: dict) -> None:
+    runner = trials.authenticate(trials.add_runner("r"))
+    tid = secrets.token_hex(16)
+    trials.put_trial(runner, _trial(tid))
+    with pytest.raises(BadRecord):
+        trials.put_flows(runner, tid, [{**_flow(tid, 0, "tcp", 5, 10.0, None), **patch}])
