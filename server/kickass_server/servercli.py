@@ -152,7 +152,9 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> int:
     from kickass_db.store import Store
+    from kickass_db.trials import TrialStore
 
+    from . import trials_api
     from .api import create_app
     from .engine import ProbeEngine
     from .front import create_front
@@ -195,6 +197,8 @@ def run(args: argparse.Namespace) -> int:
             args.instance_id,
         )
     app = create_app(engine, store, {"PROBE_HOST": args.probe_host or None})
+    # Trial runners upload here; the same database, its own tables.
+    trials_api.register(app, TrialStore(args.database_url))
     try:
         # The front resolves X-Forwarded-For itself (only from the trusted
         # proxy), so the app reads the client address from REMOTE_ADDR alone.
