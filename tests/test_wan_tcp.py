@@ -1,0 +1,85 @@
+"""Flow tokens and the TCP baseline on loopback (real kernel TCP)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+
+import pytest
+from kickass_wan import token as tk
+from kickass_wan.tcpflow import MAGIC, TcpReceiver, send_flow
+
+VECTORS = Path(__file__).resolve().parents[1] / "wan-agents" / "vectors" / "flow_token.json"
+SECRET = b"s" * 32
+
+
+def test_token_bytes_match_the_shared_vectors() -> None:
+    doc = json.loads(VECTORS.read_text())
+    for case in doc["tokens"]:
+        secret = bytes.fromhex(case["secret_hex"])
+        t = tk.FlowToken(case["kind"], case["expires"], bytes.fromhex(case["nonce_hex"]))
+        assert t.encode(secret).hex() == case["token_hex"]
+        assert tk.verify(secret, bytes.fromhex(case["token_hex"]), now=0) == t
+
+
+def test_tokens_are_refused_when_forged_expired_or_replayed() -> None:
+    now = 1_000_000.0
+    good = tk.issue(SECRET, tk.KIND_TCP, now, lifetime_s=60)
+    assert tk.verify(SECRET, good, now) is not None
+    assert tk.verify(b"other", good, now) is None
+    assert tk.verify(SECRET, good, now + 61) is None
+    for i in range(len(good)):
+        bad = bytearray(good)
+        bad[i] ^= 0x40
+        assert tk.verify(SECRET, bytes(bad), now) is None, i
+    assert tk.verify(SECRET, good[:-1], now) is None
+    guard = tk.ReplayGuard(SECRET)
+    assert guard.accept(good, now, tk.KIND_TCP) is not None
+    assert guard.accept(good, now, tk.KIND_TCP) is None  # replay
+    other = tk.issue(SECRET, tk.KIND_KICKASS, now)
+    assert guard.accept(other, now, tk.KIND_TCP) is None  # wrong kind
+
+
+@pytest.fixture
+def receiver():  # noqa: ANN201
+    r = TcpReceiver(tk.ReplayGuard(SECRET), bind=("127.0.0.1", 0)).start()
+    yield r
+    r.stop()
+
+
+def test_tcp_flow_completes_and_reports_fct(receiver: TcpReceiver) -> None:
+    for cc in ("cubic", "reno"):
+        res = send_flow(receiver.address, tk.issue(SECRET, tk.KIND_TCP, time.time()), 150_000, cc)
+        assert res.completed, res.error
+        assert 0 < res.fct_ms < 5000
+        assert res.retransmissions == 0 and res.srtt_ms is not None
+    assert receiver.counts["completed"] == 2
+
+
+def test_unknown_congestion_control_is_a_clear_error(receiver: TcpReceiver) -> None:
+    res = send_flow(receiver.address, b"x" * 30, 1500, "no-such-cc")
+    assert not res.completed and "no-such-cc" in res.error
+
+
+@pytest.mark.parametrize("kind", ["no-token", "replay", "garbage"])
+def test_agent_sends_nothing_to_an_unproven_sender(receiver: TcpReceiver, kind: str) -> None:
+    tok = tk.issue(SECRET, tk.KIND_TCP, time.time())
+    if kind == "replay":
+        assert send_flow(receiver.address, tok, 1500).completed
+    elif kind == "no-token":
+        tok = bytes(30)
+    with socket.create_connection(receiver.address, timeout=5) as s:
+        head = MAGIC + tok + (1500).to_bytes(8, "big")
+        s.sendall(head if kind != "garbage" else b"GET / HTTP/1.1\r\n\r\n" + bytes(40))
+        s.sendall(bytes(1500))
+        s.settimeout(5)
+        got = b""
+        try:
+            while chunk := s.recv(100):
+                got += chunk
+        except ConnectionResetError:
+            pass
+    assert got == b""
+    assert receiver.counts["refused"] >= 1

@@ -1,0 +1,217 @@
+"""The TCP baseline: kernel TCP flows of the trial's sizes, FCT measured like Kick-Ass's.
+
+Protocol (one connection per flow): the sender writes a 42-byte header —
+magic ``KAT1``, a 30-byte flow token (``token.py``, kind tcp), the flow size as
+u64 — then the payload; the receiving agent answers with 8 bytes, the number
+of payload bytes it received, once it has them all. FCT runs from the
+``connect()`` call to that confirmation (as HKUST's TrafficGenerator measures
+at the client: request to last byte). A connection without a valid token gets
+nothing back and is closed: the agent never sends to an unproven sender.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import struct
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .token import KIND_TCP, TOKEN_LEN, ReplayGuard
+
+log = logging.getLogger("kickass.agent.tcp")
+
+MAGIC = b"KAT1"
+_HEADER = struct.Struct(f"!4s{TOKEN_LEN}sQ")
+_CONFIRM = struct.Struct("!Q")
+MAX_FLOW_BYTES = 2000 * 1500 * 16
+CHUNK = 256 * 1024
+# struct tcp_info offsets (linux/tcp.h): stable since 2.6 for these fields.
+_TCPI_RTT, _TCPI_TOTAL_RETRANS, _TCPI_MIN_RTT = 68, 100, 148
+
+
+@dataclass
+class TcpFlowResult:
+    protocol: str
+    congestion_control: str
+    size_bytes: int
+    completed: bool
+    fct_ms: float | None
+    retransmissions: int | None
+    srtt_ms: float | None
+    min_rtt_ms: float | None
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def available_congestion_controls() -> list[str]:
+    try:
+        with open("/proc/sys/net/ipv4/tcp_available_congestion_control") as f:
+            return f.read().split()
+    except OSError:
+        return []
+
+
+def _tcp_info(sock: socket.socket) -> tuple[float | None, int | None, float | None]:
+    try:
+        raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 232)
+    except OSError:
+        return None, None, None
+    rtt = struct.unpack_from("I", raw, _TCPI_RTT)[0] / 1000 if len(raw) >= 72 else None
+    retrans = struct.unpack_from("I", raw, _TCPI_TOTAL_RETRANS)[0] if len(raw) >= 104 else None
+    min_rtt = struct.unpack_from("I", raw, _TCPI_MIN_RTT)[0] / 1000 if len(raw) >= 152 else None
+    return rtt, retrans, min_rtt
+
+
+def send_flow(
+    addr: tuple[str, int],
+    token: bytes,
+    size_bytes: int,
+    congestion_control: str = "cubic",
+    timeout_s: float = 60.0,
+    source: str | None = None,
+) -> TcpFlowResult:
+    """One TCP flow of ``size_bytes`` to an agent; never raises for network failures."""
+    result = TcpFlowResult("tcp", congestion_control, size_bytes, False, None, None, None, None)
+    if not 0 < size_bytes <= MAX_FLOW_BYTES:
+        result.error = f"flow size {size_bytes} out of range"
+        return result
+    payload = memoryview(bytes(min(size_bytes, CHUNK)))
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, congestion_control.encode())
+        except OSError as exc:
+            result.error = f"congestion control {congestion_control!r} unavailable: {exc}"
+            return result
+        sock.settimeout(timeout_s)
+        if source:
+            sock.bind((source, 0))
+        start = time.monotonic()
+        deadline = start + timeout_s
+        try:
+            sock.connect(addr)
+            sock.sendall(_HEADER.pack(MAGIC, token, size_bytes))
+            left = size_bytes
+            while left:
+                n = min(left, len(payload))
+                sock.sendall(payload[:n])
+                left -= n
+                sock.settimeout(max(0.1, deadline - time.monotonic()))
+            got = _recv_exact(sock, _CONFIRM.size)
+            end = time.monotonic()
+        except (OSError, TimeoutError) as exc:
+            result.error = f"{type(exc).__name__}: {exc}"
+            result.srtt_ms, result.retransmissions, result.min_rtt_ms = _tcp_info(sock)
+            return result
+        if got is None:
+            result.error = "the agent closed the connection (token refused?)"
+        elif _CONFIRM.unpack(got)[0] != size_bytes:
+            result.error = f"the agent confirmed {_CONFIRM.unpack(got)[0]} of {size_bytes} bytes"
+        else:
+            result.completed = True
+            result.fct_ms = (end - start) * 1000
+        result.srtt_ms, result.retransmissions, result.min_rtt_ms = _tcp_info(sock)
+        return result
+    finally:
+        sock.close()
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+class TcpReceiver:
+    """The agent's TCP side: a thread per accepted flow, bounded in number and time."""
+
+    def __init__(
+        self,
+        guard: ReplayGuard,
+        bind: tuple[str, int] = ("0.0.0.0", 0),
+        max_flows: int = 64,
+        header_timeout_s: float = 5.0,
+        flow_timeout_s: float = 300.0,
+    ) -> None:
+        self.guard = guard
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(bind)
+        self.sock.listen(128)
+        self.address = self.sock.getsockname()
+        self.slots = threading.BoundedSemaphore(max_flows)
+        self.header_timeout_s = header_timeout_s
+        self.flow_timeout_s = flow_timeout_s
+        self.counts = {"accepted": 0, "completed": 0, "refused": 0, "busy": 0, "failed": 0}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept_loop, name="tcp-receiver", daemon=True)
+
+    def start(self) -> TcpReceiver:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        self._thread.join(5)
+
+    def _count(self, key: str) -> None:
+        with self._lock:
+            self.counts[key] += 1
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _peer = self.sock.accept()
+            except OSError:
+                return
+            if not self.slots.acquire(blocking=False):
+                self._count("busy")
+                conn.close()
+                continue
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(self.header_timeout_s)
+            head = _recv_exact(conn, _HEADER.size)
+            if head is None:
+                self._count("refused")
+                return
+            magic, token, size = _HEADER.unpack(head)
+            if (
+                magic != MAGIC
+                or not 0 < size <= MAX_FLOW_BYTES
+                or self.guard.accept(token, time.time(), KIND_TCP) is None
+            ):
+                self._count("refused")
+                return  # nothing is ever sent to an unproven sender
+            self._count("accepted")
+            conn.settimeout(self.flow_timeout_s)
+            left = size
+            while left:
+                chunk = conn.recv(min(left, CHUNK))
+                if not chunk:
+                    break
+                left -= len(chunk)
+            conn.sendall(_CONFIRM.pack(size - left))
+            self._count("completed" if left == 0 else "failed")
+        except (OSError, TimeoutError) as exc:
+            log.info("tcp flow failed: %s", exc)
+            self._count("failed")
+        finally:
+            conn.close()
+            self.slots.release()
