@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import secrets
 import struct
 import threading
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 VERSION = 1
 KIND_KICKASS = 1
@@ -63,13 +66,42 @@ def verify(secret: bytes, token: bytes, now: float) -> FlowToken | None:
 
 
 class ReplayGuard:
-    """Accepts each valid token once, remembering nonces until they expire."""
+    """Accepts each valid token once, remembering nonces until they expire.
 
-    def __init__(self, secret: bytes, max_live: int = 100_000) -> None:
+    With ``state_file`` the used nonces survive a restart of the agent (one
+    line each, appended and flushed before the flow is accepted), so a token
+    replayed after a restart is still refused.
+    """
+
+    def __init__(
+        self, secret: bytes, max_live: int = 100_000, state_file: str | Path | None = None
+    ) -> None:
         self.secret = secret
         self.max_live = max_live
         self._seen: dict[bytes, int] = {}
         self._lock = threading.Lock()
+        self._state: Path | None = Path(state_file) if state_file else None
+        if self._state is not None:
+            self._load(time.time())
+
+    def _load(self, now: float) -> None:
+        assert self._state is not None
+        try:
+            lines = self._state.read_text().split()
+        except FileNotFoundError:
+            lines = []
+        for line in lines:
+            nonce_hex, _, expires = line.partition(":")
+            try:
+                nonce, exp = bytes.fromhex(nonce_hex), int(expires)
+            except ValueError:
+                continue
+            if exp >= now:
+                self._seen[nonce] = exp
+        # Rewrite without the expired ones, so the file stays small.
+        tmp = self._state.with_suffix(".tmp")
+        tmp.write_text("".join(f"{n.hex()}:{e}\n" for n, e in self._seen.items()))
+        os.replace(tmp, self._state)
 
     def accept(self, token: bytes, now: float, kind: int | None = None) -> FlowToken | None:
         t = verify(self.secret, token, now)
@@ -83,4 +115,9 @@ class ReplayGuard:
             if t.nonce in self._seen:
                 return None
             self._seen[t.nonce] = t.expires
+            if self._state is not None:
+                with self._state.open("a") as f:
+                    f.write(f"{t.nonce.hex()}:{t.expires}\n")
+                    f.flush()
+                    os.fsync(f.fileno())
         return t

@@ -1,0 +1,89 @@
+"""`kickass-agent` as a real process: control API, tokens, TCP flows, restarts."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from kickass_wan.tcpflow import send_flow
+
+AGENT = str(Path(sys.executable).parent / "kickass-agent")
+SECRET = "ab" * 32
+
+
+@contextmanager
+def agent(state: Path) -> Iterator[tuple[int, subprocess.Popen]]:
+    env = {**os.environ, "KICKASS_AGENT_SECRET": SECRET}
+    proc = subprocess.Popen(
+        [AGENT, "--listen", "127.0.0.1:0", "--tcp-port", "0", "--kickass-receiver", "none",
+         "--state-dir", str(state), "--name", "far-1"],
+        env=env, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        port = None
+        for line in proc.stderr:
+            if m := re.search(r"ready on (\d+)", line):
+                port = int(m.group(1))
+                break
+        assert port, "agent did not start"
+        yield port, proc
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _call(
+    port: int, path: str, body: dict | None = None, secret: str | None = SECRET
+) -> tuple[int, dict]:
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", method="POST" if body is not None else "GET"
+    )
+    if body is not None:
+        req.data = json.dumps(body).encode()
+    if secret:
+        req.add_header("Authorization", f"Bearer {secret}")
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+
+
+def test_agent_serves_tcp_flows_to_token_holders_and_survives_restarts(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    with agent(state) as (port, proc):
+        status, health = _call(port, "/v1/health")
+        assert status == 200 and health["status"] == "ok" and health["name"] == "far-1"
+        assert _call(port, "/v1/version")[1]["agent"]
+        assert _call(port, "/v1/tokens", {"kind": "tcp"}, secret=None)[0] == 401
+        assert _call(port, "/v1/tokens", {"kind": "tcp"}, secret="wrong")[0] == 401
+        assert _call(port, "/v1/tokens", {"kind": "udp"})[0] == 400
+        assert _call(port, "/v1/tokens", {"kind": "tcp", "count": 10_000})[0] == 400
+        status, issued = _call(port, "/v1/tokens", {"kind": "tcp", "count": 2})
+        assert status == 200 and len(issued["tokens"]) == 2
+        tcp = ("127.0.0.1", issued["port"])
+        first = bytes.fromhex(issued["tokens"][0])
+        assert send_flow(tcp, first, 30_000).completed
+    # Restarted on the same state: the used token stays used, the other still works.
+    with agent(state) as (port, proc):
+        status, health = _call(port, "/v1/health")
+        tcp = ("127.0.0.1", health["receivers"]["tcp"]["port"])
+        assert not send_flow(tcp, first, 30_000).completed
+        assert send_flow(tcp, bytes.fromhex(issued["tokens"][1]), 30_000).completed
+        assert _call(port, "/v1/health")[1]["receivers"]["tcp"]["refused"] == 1
+
+
+def test_agent_refuses_to_start_without_a_secret(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "KICKASS_AGENT_SECRET"}
+    proc = subprocess.run(
+        [AGENT, "--state-dir", str(tmp_path)], env=env, capture_output=True, text=True, timeout=30
+    )
+    assert proc.returncode == 2 and proc.stderr.startswith("ERROR: no agent secret")

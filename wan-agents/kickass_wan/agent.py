@@ -1,0 +1,318 @@
+"""`kickass-agent`: the remote receiver of the wide-area trials.
+
+It runs at far-away sites and serves both kinds of flows:
+
+* TCP flows (the baseline) on ``--tcp-port`` (``tcpflow.TcpReceiver``);
+* Kick-Ass flows on ``--kickass-port`` through the Rust receiver
+  (``ka-agent-recv``, which reads each datagram's leading fragment before
+  reassembly), supervised here and restarted if it dies;
+
+and a small control API on ``--listen`` (HTTP, JSON):
+
+    GET  /v1/health    {"status", "receivers": {...}, "uptime_s"}
+    GET  /v1/version   {"agent": version, "name"}
+    POST /v1/tokens    {"kind": "tcp"|"kickass", "count": N}  ->  {"tokens": [hex], ...}
+                       needs ``Authorization: Bearer <agent secret>``
+
+Flows are refused without a valid, unexpired, unused token. The secret comes
+from ``--secret-file`` or ``KICKASS_AGENT_SECRET``; used tokens are kept in
+``--state-dir`` so a restart does not let a replayed token in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from kickass_core import config
+from kickass_core.errors import KickassError
+
+from . import __version__
+from . import token as tk
+from .tcpflow import TcpReceiver
+
+log = logging.getLogger("kickass.agent")
+
+MAX_TOKENS_PER_CALL = 200
+MAX_BODY = 4096
+
+
+class Agent:
+    def __init__(
+        self,
+        name: str,
+        secret: bytes,
+        state_dir: Path,
+        listen: tuple[str, int],
+        tcp_port: int,
+        kickass_port: int | None,
+        kickass_receiver: str | None,
+        token_lifetime_s: float = 600.0,
+    ) -> None:
+        if len(secret) < 16:
+            raise KickassError("the agent secret is too short", hint="use at least 16 bytes")
+        state_dir.mkdir(parents=True, exist_ok=True)
+        self.name = name
+        self.secret = secret
+        self.started = time.monotonic()
+        self.token_lifetime_s = token_lifetime_s
+        self.guard = tk.ReplayGuard(secret, state_file=state_dir / "used-tokens")
+        self.tcp = TcpReceiver(self.guard, bind=(listen[0], tcp_port))
+        self.kickass_port = kickass_port
+        self.kickass_receiver = kickass_receiver
+        self.kickass_restarts = 0
+        self._proc: subprocess.Popen | None = None
+        self._stop = threading.Event()
+        handler = type("Handler", (_Handler,), {"agent": self})
+        self.http = ThreadingHTTPServer(listen, handler)
+        self.http.daemon_threads = True
+
+    # -- life cycle -------------------------------------------------------
+
+    def start(self) -> Agent:
+        self.tcp.start()
+        if self.kickass_receiver and self.kickass_port is not None:
+            threading.Thread(target=self._supervise, name="ka-recv", daemon=True).start()
+        threading.Thread(target=self.http.serve_forever, name="control", daemon=True).start()
+        log.info(
+            "agent %s %s: control http://%s:%s, tcp %s, kickass udp %s",
+            self.name,
+            __version__,
+            *self.http.server_address,
+            self.tcp.address[1],
+            self.kickass_port,
+        )
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.http.shutdown()
+        self.http.server_close()
+        self.tcp.stop()
+        if self._proc and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+
+    def _supervise(self) -> None:
+        """Keep the Rust Kick-Ass receiver running; it checks tokens with the same secret."""
+        assert self.kickass_receiver is not None
+        env = {**os.environ, "KICKASS_AGENT_SECRET_HEX": self.secret.hex()}
+        delay = 0.5
+        while not self._stop.is_set():
+            cmd = [self.kickass_receiver, "--port", str(self.kickass_port)]
+            self._proc = subprocess.Popen(cmd, env=env)
+            started = time.monotonic()
+            rc = self._proc.wait()
+            if self._stop.is_set():
+                return
+            self.kickass_restarts += 1
+            log.warning("Kick-Ass receiver exited %s; restarting in %.1fs", rc, delay)
+            delay = 0.5 if time.monotonic() - started > 30 else min(delay * 2, 10.0)
+            self._stop.wait(delay)
+
+    # -- control API ------------------------------------------------------
+
+    def health(self) -> dict[str, Any]:
+        ka = None
+        if self.kickass_receiver:
+            alive = self._proc is not None and self._proc.poll() is None
+            ka = {"running": alive, "restarts": self.kickass_restarts, "port": self.kickass_port}
+        return {
+            "status": "ok" if ka is None or ka["running"] else "degraded",
+            "name": self.name,
+            "uptime_s": round(time.monotonic() - self.started, 1),
+            "receivers": {"tcp": {"port": self.tcp.address[1], **self.tcp.counts}, "kickass": ka},
+        }
+
+    def issue(self, kind: str, count: int) -> dict[str, Any]:
+        kinds = {"tcp": tk.KIND_TCP, "kickass": tk.KIND_KICKASS}
+        if kind not in kinds:
+            raise ValueError("kind must be 'tcp' or 'kickass'")
+        if not 1 <= count <= MAX_TOKENS_PER_CALL:
+            raise ValueError(f"count must be within 1..{MAX_TOKENS_PER_CALL}")
+        now = time.time()
+        tokens = [
+            tk.issue(self.secret, kinds[kind], now, self.token_lifetime_s).hex()
+            for _ in range(count)
+        ]
+        port = self.tcp.address[1] if kind == "tcp" else self.kickass_port
+        return {"kind": kind, "tokens": tokens, "port": port, "expires_in_s": self.token_lifetime_s}
+
+    def authorized(self, header: str | None) -> bool:
+        scheme, _, value = (header or "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            value.strip().encode(), self.secret
+        )
+
+
+class _Handler(BaseHTTPRequestHandler):
+    agent: Agent
+    server_version = f"kickass-agent/{__version__}"
+    timeout = 10  # a slow client cannot hold a thread
+
+    def _reply(self, status: int, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        if self.path == "/v1/health":
+            self._reply(200, self.agent.health())
+        elif self.path == "/v1/version":
+            self._reply(200, {"agent": __version__, "name": self.agent.name})
+        else:
+            self._reply(404, {"error": "not-found"})
+
+    def do_POST(self) -> None:  # noqa: N802
+        if self.path != "/v1/tokens":
+            self._reply(404, {"error": "not-found"})
+            return
+        if not self.agent.authorized(self.headers.get("Authorization")):
+            self._reply(401, {"error": "unauthorized", "message": "Bearer <agent secret> needed"})
+            return
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            length = -1
+        if not 0 <= length <= MAX_BODY:
+            self._reply(413, {"error": "too-large"})
+            return
+        try:
+            body = json.loads(self.rfile.read(length) or b"{}")
+            if not isinstance(body, dict):
+                raise ValueError("expected a JSON object")
+            count = body.get("count", 1)
+            if not isinstance(count, int) or isinstance(count, bool):
+                raise ValueError("count must be an integer")
+            self._reply(200, self.agent.issue(str(body.get("kind")), count))
+        except (ValueError, UnicodeDecodeError) as exc:
+            self._reply(400, {"error": "bad-request", "message": str(exc)})
+
+    def log_message(self, fmt: str, *args: Any) -> None:
+        log.debug("%s " + fmt, self.client_address[0], *args)
+
+
+def _secret(args: argparse.Namespace) -> bytes:
+    if args.secret_file:
+        try:
+            raw = Path(args.secret_file).read_text().strip()
+        except OSError as exc:
+            raise KickassError(f"cannot read the secret file: {exc}") from None
+    else:
+        raw = os.environ.get("KICKASS_AGENT_SECRET", "")
+    if not raw:
+        raise KickassError(
+            "no agent secret",
+            hint="pass --secret-file FILE or set KICKASS_AGENT_SECRET "
+            "(make one: python3 -c 'import secrets; print(secrets.token_hex(32))')",
+        )
+    return raw.encode()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kickass-agent",
+        description="Remote receiver for Kick-Ass vs TCP trials: serves TCP and Kick-Ass "
+        "flows to runners holding a token from its control API. Settings: flag > "
+        "KICKASS_AGENT_* environment > [agent] table of the --config TOML file.",
+    )
+    p.add_argument("--config", help="TOML configuration file (env KICKASS_CONFIG)")
+    p.add_argument("--name", help="this agent's name in results (default: the host name)")
+    p.add_argument("--listen", help="control API HOST:PORT (default 0.0.0.0:8700)")
+    p.add_argument("--tcp-port", type=int, help="TCP flow port (default 8701)")
+    p.add_argument("--kickass-port", type=int, help="Kick-Ass UDP port (default 8702)")
+    p.add_argument(
+        "--kickass-receiver",
+        help="path of the ka-agent-recv binary (default: found next to this program or on "
+        "PATH; 'none' serves TCP flows only)",
+    )
+    p.add_argument("--secret-file", help="file holding the agent secret (env KICKASS_AGENT_SECRET)")
+    p.add_argument(
+        "--state-dir", help="where used tokens are kept (default /var/lib/kickass-agent)"
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--version", action="version", version=f"kickass-agent {__version__}")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(message)s",
+    )
+    try:
+        file = config.load_file(args.config)
+
+        def get(name: str, default: Any, parse: Any = None) -> Any:
+            return config.resolve(
+                name,
+                getattr(args, name),
+                default=default,
+                file=file,
+                section="agent",
+                parse=parse,
+                prefix="KICKASS_AGENT_",
+            )
+
+        listen = str(get("listen", "0.0.0.0:8700"))
+        host, _, port = listen.rpartition(":")
+        receiver = get("kickass_receiver", None)
+        if receiver is None:
+            here = Path(sys.executable).parent / "ka-agent-recv"
+            receiver = str(here) if here.exists() else shutil.which("ka-agent-recv")
+        if receiver == "none":
+            receiver = None
+        agent = Agent(
+            name=str(get("name", os.uname().nodename)),
+            secret=_secret(args),
+            state_dir=Path(get("state_dir", "/var/lib/kickass-agent")),
+            listen=(host or "0.0.0.0", int(port)),
+            tcp_port=int(get("tcp_port", 8701, int)),
+            kickass_port=int(get("kickass_port", 8702, int)),
+            kickass_receiver=receiver,
+        )
+    except KickassError as exc:
+        print(exc.render(), file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as exc:
+        print(f"ERROR: cannot start the agent: {exc}", file=sys.stderr)
+        return 2
+    if receiver is None:
+        log.warning("no Kick-Ass receiver (ka-agent-recv): serving TCP flows only")
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    signal.signal(signal.SIGINT, lambda *_: done.set())
+    agent.start()
+    print(
+        f"kickass-agent {agent.name} ready on {agent.http.server_address[1]}",
+        file=sys.stderr,
+        flush=True,
+    )
+    done.wait()
+    log.info("stopping")
+    agent.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
