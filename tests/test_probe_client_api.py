@@ -14,12 +14,14 @@ import urllib.error
 from typing import Any
 
 import pytest
+from kickass_core.plan import ProbePlan
 from kickass_probe import api
 from kickass_probe.api import ApiClient, ApiError, normalize_server_url, parse_retry_after
 from kickass_probe.errors import EXIT_USAGE, ProbeError
 
 SID = "0123456789abcdef"
 COOKIE = "00112233445566778899aabbccddeeff"
+PLAN = ProbePlan.quick()
 
 
 class _Resp:
@@ -71,8 +73,8 @@ def created_body(**over: Any) -> bytes:
         "cookie": COOKIE,
         "probe_host": None,
         "probe_port": 9000,
-        "plan": {"version": 1},
-        "total_probes": 10,
+        "plan": PLAN.to_json(),
+        "total_probes": PLAN.total_probes,
         "expires_in_s": 30,
     }
     body.update(over)
@@ -103,6 +105,19 @@ def test_end_sends_the_cookie_header(monkeypatch: pytest.MonkeyPatch) -> None:
     assert res["state"] == "ended" and res["whole"] == [] and res["split"] == []
     assert seen[0].get_header("X-kickass-cookie") == COOKIE
     assert seen[0].full_url.endswith(f"/api/v1/sessions/{SID}/end")
+
+
+def test_poll_sends_the_cookie_header_like_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    body = json.dumps({"state": "probing", "sent": 3}).encode()
+    seen = scripted(monkeypatch, [_Resp(200, body), _Resp(200, body)])
+    c, _ = client()
+    assert c.get_session(SID, cookie=COOKIE)["state"] == "probing"
+    assert seen[0].get_method() == "GET"
+    assert seen[0].get_header("X-kickass-cookie") == COOKIE
+    assert api.COOKIE_HEADER == "X-Kickass-Cookie"
+    # Without a cookie (a third party reading a session) no header is sent.
+    c.get_session(SID)
+    assert seen[1].get_header("X-kickass-cookie") is None
 
 
 def test_dns_failure_is_not_retried(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -187,17 +202,34 @@ def test_non_json_replies(monkeypatch: pytest.MonkeyPatch, body: bytes, message:
         ({"probe_port": 0}, "probe_port"),
         ({"probe_port": True}, "probe_port"),
         ({"probe_host": ""}, "probe_host"),
+        ({"probe_host": "a\x1b]0;x\x07"}, "probe_host"),
         ({"plan": None}, "no plan"),
+        ({"total_probes": "lots"}, "total_probes is not a whole number"),
+        ({"total_probes": -5}, "total_probes is not a whole number"),
+        ({"total_probes": 1.5}, "total_probes is not a whole number"),
+        ({"total_probes": True}, "total_probes is not a whole number"),
+        ({"total_probes": 7}, "total_probes 7 does not match its plan"),
+        ({"expires_in_s": "soon"}, "expires_in_s"),
     ],
 )
 def test_created_reply_is_validated(
     monkeypatch: pytest.MonkeyPatch, over: dict[str, Any], message: str
 ) -> None:
-    scripted(monkeypatch, [_Resp(201, created_body(**over))])
+    ended = _Resp(200, json.dumps({"state": "ended"}).encode())
+    seen = scripted(monkeypatch, [_Resp(201, created_body(**over)), ended])
     c, _ = client()
     with pytest.raises(ProbeError) as info:
         c.create_session({"quick": True}, platform="Linux")
     assert message in info.value.message
+    assert info.value.message.startswith("the server sent a malformed reply: ")
+    assert info.value.exit_code == 1
+    if "session_id" in over or "cookie" in over:
+        assert len(seen) == 1  # no session we could name
+    else:
+        # The server made a session this client cannot use: released at once.
+        assert [r.get_method() for r in seen] == ["POST", "POST"]
+        assert seen[1].full_url.endswith(f"/sessions/{SID}/end")
+        assert seen[1].get_header("X-kickass-cookie") == COOKIE
 
 
 def test_result_without_state_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:

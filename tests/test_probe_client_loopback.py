@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import resource
 import secrets
 import signal
 import socket
@@ -32,6 +33,7 @@ from kickass_core.verdict import decide, drop_rate
 from kickass_probe import cli, runner
 from kickass_probe.api import ApiClient
 from kickass_probe.errors import ProbeError
+from kickass_probe.session import MAX_PLAN_PROBES
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -81,6 +83,8 @@ class ScriptedServer:
         self.echoes = 0
         self.requests: list[tuple[str, str]] = []
         self.end_cookies: list[str | None] = []
+        # X-Kickass-Cookie of every GET of the session (the client's polls).
+        self.poll_cookies: list[str | None] = []
         self.create_bodies: list[dict[str, Any]] = []
         self.lock = threading.Lock()
         self._stop = threading.Event()
@@ -196,6 +200,7 @@ class ScriptedServer:
                 peer.requests.append(("GET", self.path))
                 time.sleep(peer.http_delay)
                 if self.path == f"/api/v1/sessions/{peer.sid}":
+                    peer.poll_cookies.append(self.headers.get("X-Kickass-Cookie"))
                     self._reply(200, peer.result())
                 elif self.path == "/api/v1/health":
                     self._reply(200, {"status": "ok", "server_version": "scripted"})
@@ -398,6 +403,20 @@ def test_happy_path_summary(make_peer: Any, capsys: pytest.CaptureFixture[str]) 
     assert whole_line.split()[2:4] == [f"{n_whole:,}", f"{n_whole - 2:,}"]
 
 
+def test_polls_carry_the_session_cookie(
+    make_peer: Any, capsys: pytest.CaptureFixture[str], monkeypatch: Any
+) -> None:
+    # The server counts a GET as the client's sign of life only with the
+    # cookie; the client sends it the way it authenticates /end.
+    monkeypatch.setattr(runner, "POLL_INTERVAL_S", 0.1)
+    plan = ProbePlan.build(repetitions=10, step=256, window=2)
+    peer = make_peer(plan=plan, probe_gap=0.01)
+    code, out, err = run_cli(capsys, "--server", peer.url, "-y", "--json", "--timeout", "2")
+    assert code == 0, err
+    assert len(peer.poll_cookies) >= 2
+    assert peer.poll_cookies == [peer.cookie] * len(peer.poll_cookies)
+
+
 def test_duplicates_and_reordering_all_acked(
     make_peer: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -519,6 +538,75 @@ def test_non_json_reply(make_peer: Any, capsys: pytest.CaptureFixture[str]) -> N
     assert code == 1
     assert "is not JSON" in err and "captive portal" in err
     assert "Traceback" not in err
+
+
+def _created(peer: ScriptedServer, **over: Any) -> bytes:
+    """The peer's own create reply with some fields replaced."""
+    body = {
+        "session_id": peer.sid,
+        "cookie": peer.cookie,
+        "probe_host": None,
+        "probe_port": peer.udp.getsockname()[1],
+        "plan": peer.plan.to_json(),
+        "total_probes": peer.plan.total_probes,
+        "expires_in_s": 600,
+    }
+    body.update(over)
+    return json.dumps(body).encode()
+
+
+@pytest.mark.parametrize("total", ["lots", -5, 2.5, [1]])
+def test_malformed_total_probes_is_a_clear_error(
+    make_peer: Any, capsys: pytest.CaptureFixture[str], total: Any
+) -> None:
+    # "lots" used to end in "ERROR: internal error: ValueError".
+    peer = make_peer()
+    peer.create_replies.append((201, {}, _created(peer, total_probes=total)))
+    code, out, err = run_cli(capsys, "--server", peer.url, "-y", "--json", "--timeout", "2")
+    assert code == 1, err
+    assert "ERROR: the server sent a malformed reply: total_probes is not a whole number" in err
+    assert "hint:" in err
+    assert "internal error" not in err and "Traceback" not in err
+    assert out == ""
+    assert peer.end_cookies == [peer.cookie]  # the unusable session was released
+    assert peer.hellos == 0  # nothing was measured
+
+
+# Enough for the client (threads included), far less than a byte per probe
+# of a billion-probe plan.
+CLIENT_DATA_LIMIT = 256 << 20
+
+
+def test_huge_plan_is_refused_without_allocating_it(make_peer: Any) -> None:
+    # A plan of a billion probes used to take a gigabyte of the volunteer's
+    # memory (a byte per probe). Under a 256 MB data limit the old client
+    # died of MemoryError ("internal error"); it must refuse the plan.
+    peer = make_peer()
+    n_sizes = len(peer.plan.whole) + len(peer.plan.split)
+    reps = 10**9 // n_sizes + 1
+    total = reps * n_sizes
+    plan = {**peer.plan.to_json(), "repetitions": reps, "total_probes": total}
+    peer.create_replies.append((201, {}, _created(peer, plan=plan, total_probes=total)))
+
+    def limit_memory() -> None:
+        resource.setrlimit(resource.RLIMIT_DATA, (CLIENT_DATA_LIMIT, CLIENT_DATA_LIMIT))
+
+    proc = subprocess.run(
+        [_console_script(), "--server", peer.url, "--yes", "--json", "--timeout", "2"],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=limit_memory,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert (
+        f"ERROR: the server's plan has {total:,} probes, more than this client accepts "
+        f"({MAX_PLAN_PROBES:,})"
+    ) in proc.stderr
+    assert "internal error" not in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stdout == ""
+    assert peer.end_cookies == [peer.cookie]
 
 
 def test_rate_limited_shows_server_message(

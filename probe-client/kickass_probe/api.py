@@ -7,8 +7,10 @@ message says what happened and whose hint says what to do.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
+import math
 import re
 import socket
 import time
@@ -18,8 +20,12 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
+from kickass_core.plan import MIN_IP_LEN, PHASES, PLAN_VERSION, ProbePlan
+from kickass_core.rate import FRAGMENT_UNIT, FULL_PACKET_LEN
+
 from . import __version__
 from .errors import EXIT_USAGE, ProbeError
+from .session import MAX_PLAN_PROBES
 
 API_PREFIX = "/api/v1"
 DEFAULT_TRIES = 3
@@ -31,11 +37,19 @@ MAX_RETRY_AFTER_S = 60.0
 RETRYABLE_STATUS = frozenset({502, 504})
 MAX_REPLY_BYTES = 8 << 20
 USER_AGENT = f"kickass-probe/{__version__}"
+# The session's secret cookie (32 hex digits, from POST /sessions) travels in
+# this header on every request about the session: /end needs it, and the
+# server counts a GET as a sign of life only when it carries it.
 COOKIE_HEADER = "X-Kickass-Cookie"
+# Server text shown on the terminal (error messages, reasons) is cut to this.
+MAX_TEXT_CHARS = 300
+# A host name is at most 253 characters; the probe host is one, or an address.
+_HOST = re.compile(r"^[A-Za-z0-9._-]{1,253}$")
 
 
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
+_UPGRADE_HINT = "upgrade kickass-probe: pip install -U kickass-probe"
 
 _SERVER_HINT = "check --server (or KICKASS_SERVER) and that the measurement server is running"
 
@@ -125,12 +139,40 @@ class ApiClient:
             "install_id": None,
         }
         reply = self._request("POST", "/sessions", body, honour_retry_after=True)
-        return validate_created(reply)
+        try:
+            return validate_created(reply)
+        except ProbeError:
+            # The server did create a session we cannot use: release it now
+            # rather than leave it to the server's expiry.
+            sid, cookie = reply.get("session_id"), reply.get("cookie")
+            if (
+                isinstance(sid, str)
+                and _HEX16.match(sid)
+                and isinstance(cookie, str)
+                and _HEX32.match(cookie)
+            ):
+                with contextlib.suppress(ProbeError):
+                    self.end_session(sid, cookie, tries=1, timeout=min(self.timeout, 5.0))
+            raise
 
     def get_session(
-        self, session_id: str, *, tries: int | None = None, timeout: float | None = None
+        self,
+        session_id: str,
+        *,
+        cookie: str | None = None,
+        tries: int | None = None,
+        timeout: float | None = None,
     ) -> dict[str, Any]:
-        reply = self._request("GET", f"/sessions/{session_id}", tries=tries, timeout=timeout)
+        """The session's state and results; ``cookie`` marks the poll as ours.
+
+        The server treats a GET as the client's liveness only when it carries
+        the session cookie (anyone may read a session by its id), so the
+        runner's polls pass it, in the same header as ``end_session``.
+        """
+        headers = {COOKIE_HEADER: cookie} if cookie else None
+        reply = self._request(
+            "GET", f"/sessions/{session_id}", headers=headers, tries=tries, timeout=timeout
+        )
         return validate_result(reply)
 
     def end_session(
@@ -219,7 +261,8 @@ class ApiClient:
         self._log(f"{method} {url}")
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
-                raw = resp.read(MAX_REPLY_BYTES)
+                # One byte more than allowed tells "too large" from "exactly the limit".
+                raw = resp.read(MAX_REPLY_BYTES + 1)
                 status = resp.status
         except urllib.error.HTTPError as exc:
             raise _http_error(exc) from None
@@ -270,11 +313,33 @@ class _Transient(Exception):
         )
 
 
-def _parse_json(raw: bytes, status: int) -> dict[str, Any]:
+def _reject_constant(name: str) -> Any:
+    # Python's json accepts NaN and Infinity, which are not JSON: a count of
+    # Infinity would crash int(), and NaN would leak into our own --json.
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def loads_strict(raw: bytes) -> Any:
+    """JSON from the server, or ValueError (never RecursionError or NaN)."""
     try:
-        value = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        snippet = raw[:60].decode("utf-8", "replace").strip()
+        return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+    except RecursionError:
+        # A deeply nested document exhausts the parser's stack.
+        raise ValueError("nested too deeply") from None
+    # UnicodeDecodeError, JSONDecodeError and the digit limit of huge
+    # integers are all ValueError.
+
+
+def _parse_json(raw: bytes, status: int) -> dict[str, Any]:
+    if len(raw) > MAX_REPLY_BYTES:
+        raise ProbeError(
+            f"the server's reply (HTTP {status}) is larger than {MAX_REPLY_BYTES >> 20} MB",
+            hint="is --server the Kick-Ass measurement server (not a download or proxy)?",
+        )
+    try:
+        value = loads_strict(raw)
+    except ValueError:
+        snippet = printable(raw[:60].decode("utf-8", "replace").strip(), 60)
         raise ProbeError(
             f"the server's reply (HTTP {status}) is not JSON: {snippet!r}",
             hint="is --server the Kick-Ass measurement server (not a web page or proxy)?",
@@ -296,14 +361,16 @@ def _http_error(exc: urllib.error.HTTPError) -> ApiError:
     code: str | None = None
     message = ""
     try:
-        body = json.loads(raw.decode("utf-8"))
-        if isinstance(body, dict):
-            code = body.get("error") if isinstance(body.get("error"), str) else None
-            message = str(body.get("message") or code or "")
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        pass
+        body = loads_strict(raw[:MAX_REPLY_BYTES])
+    except ValueError:
+        body = None
+    if isinstance(body, dict):
+        code = printable(body["error"], 64) if isinstance(body.get("error"), str) else None
+        text = body.get("message")
+        message = printable(text if isinstance(text, str) else code or "")
     retry_after = parse_retry_after(exc.headers.get("Retry-After") if exc.headers else None)
-    detail = message or (exc.reason if isinstance(exc.reason, str) else "") or "no details"
+    reason = printable(exc.reason) if isinstance(exc.reason, str) else ""
+    detail = message or reason or "no details"
     when = f"in about {retry_after:g} s" if retry_after is not None else "later"
     if status == 429:
         return ApiError(
@@ -334,10 +401,125 @@ def _http_error(exc: urllib.error.HTTPError) -> ApiError:
     return ApiError(status, code, f"the server answered HTTP {status}: {detail}")
 
 
-def _unexpected(what: str) -> ProbeError:
+def printable(text: str, limit: int = MAX_TEXT_CHARS) -> str:
+    """Server text made safe for a terminal: no control characters, bounded.
+
+    A server (or whatever answers at --server) could otherwise move the
+    cursor, retitle the window or flood the screen through an error message.
+    """
+    out = "".join(c if c.isprintable() else "?" for c in text[: limit + 1])
+    return out if len(out) <= limit else out[: limit - 3] + "..."
+
+
+# -- what the server's replies must look like ------------------------------------------
+#
+# Every field the client uses is checked here, once, so that no later code
+# meets a string where it expects a count: a malformed reply is a ProbeError
+# ("the server sent a malformed reply: ..."), never a traceback.
+
+
+def malformed(what: str) -> ProbeError:
     return ProbeError(
-        f"unexpected reply from the server: {what}",
-        hint="the server may be a different version; try upgrading kickass-probe",
+        f"the server sent a malformed reply: {what}",
+        hint="the server may be a different version or misconfigured; try upgrading "
+        "kickass-probe, or try again later",
+    )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _show_int(value: int) -> str:
+    # Python refuses to print integers of more than 4300 digits; a hostile
+    # reply may carry one.
+    return f"{value:,}" if abs(value) < 10**18 else "an absurdly large number"
+
+
+def _count(d: dict[str, Any], key: str, where: str, *, minimum: int = 0) -> int:
+    value = d.get(key)
+    if not _is_int(value) or value < minimum:
+        raise malformed(f"{where}{key} is not a whole number of at least {minimum}")
+    return int(value)
+
+
+def _optional_count(d: dict[str, Any], key: str, where: str = "") -> None:
+    if d.get(key) is not None:
+        _count(d, key, where)
+
+
+def _optional_str(d: dict[str, Any], key: str, where: str = "") -> None:
+    if d.get(key) is not None and not isinstance(d.get(key), str):
+        raise malformed(f"{where}{key} is neither null nor text")
+
+
+def _sizes(d: dict[str, Any], key: str, low: int, high: int) -> tuple[int, ...]:
+    value = d.get(key)
+    if not isinstance(value, list):
+        raise malformed(f"plan.{key} is not a list of sizes")
+    if len(value) > high - low + 1 or not all(_is_int(v) and low <= v <= high for v in value):
+        raise malformed(f"plan.{key} has sizes outside {low}..{high} bytes")
+    if len(set(value)) != len(value):
+        raise malformed(f"plan.{key} lists a size twice")
+    return tuple(value)
+
+
+def parse_plan(value: Any) -> ProbePlan:
+    """The server's probe plan, checked before anything is allocated for it.
+
+    The client keeps a byte per probe and counters per size, so a plan is
+    refused when it is malformed or larger than MAX_PLAN_PROBES (a plan of a
+    billion probes would otherwise take a gigabyte of the volunteer's memory).
+    """
+    if value is None:
+        raise malformed("no plan")
+    if not isinstance(value, dict):
+        raise malformed("plan is not an object")
+    version = value.get("version")
+    if version != PLAN_VERSION:
+        shown = printable(repr(version), 40)
+        raise ProbeError(
+            f"this client cannot follow the server's probe plan (plan version {shown})",
+            hint=_UPGRADE_HINT,
+        )
+    repetitions = _count(value, "repetitions", "plan.", minimum=1)
+    step = _count(value, "step", "plan.", minimum=1)
+    window = _count(value, "window", "plan.", minimum=1)
+    phases = value.get("phases")
+    if (
+        not isinstance(phases, list)
+        or not phases
+        or not all(isinstance(p, str) for p in phases)
+        or len(set(phases)) != len(phases)
+    ):
+        raise malformed("plan.phases is not a list of phase names")
+    unknown = [p for p in phases if p not in PHASES]
+    if unknown:
+        raise ProbeError(
+            f"this client cannot follow the server's probe plan (unknown phase "
+            f"{printable(unknown[0], 40)!r})",
+            hint=_UPGRADE_HINT,
+        )
+    whole = _sizes(value, "whole", MIN_IP_LEN, FULL_PACKET_LEN)
+    # A leading fragment leaves at least 8 bytes for the second one.
+    split = _sizes(value, "split", MIN_IP_LEN, FULL_PACKET_LEN - FRAGMENT_UNIT)
+    total = repetitions * (len(whole) + len(split))
+    if total == 0:
+        raise malformed("the plan has no probes")
+    if total > MAX_PLAN_PROBES:
+        raise ProbeError(
+            f"the server's plan has {_show_int(total)} probes, more than this client "
+            f"accepts ({MAX_PLAN_PROBES:,})",
+            hint="the server is misconfigured or not the Kick-Ass measurement server; "
+            "try again later or tell its operators",
+        )
+    return ProbePlan(
+        repetitions=repetitions,
+        step=step,
+        window=window,
+        phases=tuple(phases),
+        whole=whole,
+        split=split,
     )
 
 
@@ -345,27 +527,62 @@ def validate_created(reply: dict[str, Any]) -> dict[str, Any]:
     sid = reply.get("session_id")
     cookie = reply.get("cookie")
     if not isinstance(sid, str) or not _HEX16.match(sid):
-        raise _unexpected("session_id is not 16 hex digits")
+        raise malformed("session_id is not 16 hex digits")
     if not isinstance(cookie, str) or not _HEX32.match(cookie):
-        raise _unexpected("cookie is not 32 hex digits")
+        raise malformed("cookie is not 32 hex digits")
     port = reply.get("probe_port")
-    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
-        raise _unexpected("probe_port is not a port number")
+    if not _is_int(port) or not 0 < port < 65536:
+        raise malformed("probe_port is not a port number")
     host = reply.get("probe_host")
-    if host is not None and (not isinstance(host, str) or not host):
-        raise _unexpected("probe_host is neither null nor a host name")
-    if not isinstance(reply.get("plan"), dict):
-        raise _unexpected("no plan")
+    if host is not None and (not isinstance(host, str) or not _HOST.match(host)):
+        raise malformed("probe_host is neither null nor a host name")
+    plan = parse_plan(reply.get("plan"))
+    total = reply.get("total_probes")
+    if total is not None:
+        _count(reply, "total_probes", "")
+        if total != plan.total_probes:
+            raise malformed(
+                f"total_probes {_show_int(total)} does not match its plan "
+                f"({plan.total_probes:,} probes)"
+            )
+    expires = reply.get("expires_in_s")
+    if expires is not None and (
+        not isinstance(expires, int | float) or isinstance(expires, bool) or expires < 0
+    ):
+        raise malformed("expires_in_s is not a number of seconds")
     return reply
 
 
 def validate_result(reply: dict[str, Any]) -> dict[str, Any]:
-    if not isinstance(reply.get("state"), str):
-        raise _unexpected("session has no state")
-    for phase in ("whole", "split"):
+    """A session's state and results (GET and /end replies)."""
+    state = reply.get("state")
+    if not isinstance(state, str) or not state:
+        raise malformed("session has no state")
+    for key in ("verdict", "verdict_reason", "end_reason", "url", "server_version"):
+        _optional_str(reply, key)
+    for key in ("sent", "acked", "total_probes"):
+        _optional_count(reply, key)
+    if reply.get("plan") is not None and not isinstance(reply.get("plan"), dict):
+        raise malformed("plan is not an object")
+    for phase, size_key in (("whole", "ip_len"), ("split", "leading_ip_len")):
         rows = reply.get(phase)
         if rows is None:
             reply[phase] = []
-        elif not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-            raise _unexpected(f"{phase!r} is not a list of rows")
+            continue
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise malformed(f"{phase!r} is not a list of rows")
+        for i, row in enumerate(rows):
+            where = f"{phase}[{i}]."
+            # Split rows may name their size ip_len (output.phase_rows).
+            key = size_key if size_key in row or phase == "whole" else "ip_len"
+            _count(row, key, where)
+            _optional_count(row, "sent", where)
+            _optional_count(row, "acked", where)
+            rate = row.get("drop_rate")
+            if rate is not None and (
+                not isinstance(rate, int | float)
+                or isinstance(rate, bool)
+                or not math.isfinite(rate)
+            ):
+                raise malformed(f"{where}drop_rate is neither null nor a number")
     return reply

@@ -2,7 +2,8 @@
 
 Argument parsing, the consent question, and printing; the measurement
 itself is runner.Runner. Failures are ProbeError, printed as ``ERROR: ...``
-plus a hint, never as a traceback (exit codes in errors.py).
+plus a hint, never as a traceback (exit codes in errors.py). Ctrl-C and
+SIGTERM are signals.StopSignals: the result is always printed, in one piece.
 """
 
 from __future__ import annotations
@@ -19,16 +20,16 @@ from kickass_core.plan import PlanError, ProbePlan
 from kickass_core.rate import FULL_PACKET_LEN, IPV4_HEADER_LEN
 
 from . import __version__
-from .api import ApiClient, normalize_server_url
+from .api import ApiClient, normalize_server_url, printable
 from .errors import (
     EXIT_ERROR,
     EXIT_INCOMPLETE,
-    EXIT_INTERRUPTED,
     EXIT_USAGE,
     ProbeError,
 )
 from .output import format_summary, make_progress, result_json
 from .runner import Runner
+from .signals import WRITING, StopSignals
 
 ENV_SERVER = "KICKASS_SERVER"
 DEFAULT_REPETITIONS = 100  # the paper's N
@@ -51,6 +52,10 @@ exit codes:
   3    measurement incomplete (server vanished, ended the session early or
        made no progress); partial results printed
   130  interrupted by Ctrl-C; the session was ended and partial results printed
+  143  the same, for SIGTERM
+
+Ctrl-C (or SIGTERM) ends the session with the server and prints the partial
+result; pressing it twice more stops waiting for the server.
 """
 
 
@@ -205,6 +210,23 @@ def os_name() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    stop = StopSignals()
+    # Until the runner owns a session, the first Ctrl-C simply stops the
+    # client (also out of the consent prompt): there is nothing to save.
+    stop.raise_now = True
+    stop.install()
+    try:
+        return _main(args, stop)
+    finally:
+        # Called as a function (argv given: tests, embedding), give the
+        # caller its handlers back. As the program itself, keep ours until
+        # the process exits, so a late Ctrl-C cannot print a traceback after
+        # the result.
+        if argv is not None:
+            stop.restore()
+
+
+def _main(args: argparse.Namespace, stop: StopSignals) -> int:
     stderr = sys.stderr
     progress = make_progress(stderr)
 
@@ -231,19 +253,25 @@ def main(argv: list[str] | None = None) -> int:
             platform_name=os_name(),
             progress=progress,
             log=log,
+            stop=stop,
         )
+        # From here on a signal is only counted; the runner stops cleanly.
+        stop.raise_now = False
         result = runner.run()
     except ProbeError as exc:
+        stop.raise_now = False
         progress.close()
         print(f"ERROR: {exc.message}", file=stderr)
         if exc.hint:
             print(f"hint: {exc.hint}", file=stderr)
         return exc.exit_code
     except KeyboardInterrupt:
+        stop.raise_now = False
         progress.close()
         print("\ninterrupted before the measurement started", file=stderr)
-        return EXIT_INTERRUPTED
+        return stop.exit_code
     except Exception as exc:  # a bug: say so plainly, traceback on request
+        stop.raise_now = False
         progress.close()
         if args.verbose:
             traceback.print_exc()
@@ -251,17 +279,59 @@ def main(argv: list[str] | None = None) -> int:
         print("hint: please report this; --verbose shows the traceback", file=stderr)
         return EXIT_ERROR
 
+    # Signals from here on only add a note: the result is written whole.
+    stop.stage = WRITING
     if result.exit_code == EXIT_INCOMPLETE and result.note:
         print(f"WARNING: measurement incomplete: {result.note}", file=stderr)
+    if args.json:
+        text = json.dumps(result_json(result)) + "\n"
+    else:
+        text = format_summary(result, verbose=args.verbose)
     try:
-        if args.json:
-            sys.stdout.write(json.dumps(result_json(result)) + "\n")
-        else:
-            sys.stdout.write(format_summary(result, verbose=args.verbose))
-        sys.stdout.flush()
-    except BrokenPipeError:
-        pass  # `kickass-probe | head`: the reader left, the result is stored
+        write_result(text, sys.stdout)
+    except OSError as exc:  # e.g. EIO: the terminal went away; not a bug
+        print(f"ERROR: cannot write the result: {exc.strerror or exc}", file=stderr)
+        print(f"hint: it is stored on the server: {printable(result.session_url)}", file=stderr)
+        return EXIT_ERROR
     return result.exit_code
+
+
+def write_result(text: str, stream: TextIO) -> None:
+    """Write the whole result, built beforehand, and never only part of it.
+
+    Signals no longer raise during the write (they are counted), but that is
+    not enough: on a pipe, CPython 3.11's BufferedWriter drops the rest of a
+    large write when a signal interrupts it after a partial write (seen with
+    strace: one write() returning 4096 of 60,001 bytes, then none, while
+    stdout.write reported everything written). So the encoded text goes out
+    through os.write in a loop, which resumes after every partial write.
+    A reader that left (``kickass-probe --json | head -c 10``) is not an
+    error: the result is stored on the server.
+    """
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        fd = None  # not a real file (a test's StringIO): nothing can cut it
+    try:
+        if fd is None:
+            stream.write(text)
+            stream.flush()
+            return
+        stream.flush()  # whatever was printed before goes first
+        data = memoryview(text.encode(getattr(stream, "encoding", None) or "utf-8", "replace"))
+        while data:
+            data = data[os.write(fd, data) :]
+    except BrokenPipeError:
+        if fd is None:
+            return
+        # Point the descriptor at /dev/null: otherwise the interpreter's
+        # final flush of stdout fails again and prints "Exception ignored
+        # ... BrokenPipeError" on stderr.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, fd)
+        finally:
+            os.close(devnull)
 
 
 if __name__ == "__main__":

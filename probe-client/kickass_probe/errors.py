@@ -17,7 +17,10 @@ EXIT_USAGE = 2
 # expired or was ended by the server): partial results were printed.
 EXIT_INCOMPLETE = 3
 # Ctrl-C: the session was ended early and partial results were printed.
+# Like shells, the client reports a stop by signal N as 128 + N.
 EXIT_INTERRUPTED = 130
+# SIGTERM (kill, a service manager): handled exactly like Ctrl-C.
+EXIT_TERMINATED = 143
 
 
 class ProbeError(KickassError):

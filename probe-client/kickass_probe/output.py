@@ -16,6 +16,7 @@ from kickass_core.plan import ProbePlan
 from kickass_core.verdict import drop_rate, pool
 
 from . import __version__
+from .api import printable
 from .runner import RunResult
 from .session import LocalCounts
 
@@ -149,19 +150,24 @@ def format_summary(result: RunResult, verbose: bool = False) -> str:
     whole = phase_rows(result, "whole")
     split = phase_rows(result, "split")
     lines: list[str] = []
+    # Text that came from the server goes through printable(): the summary
+    # lands on a terminal, where control characters would act.
+    state = printable(result.last_state, 40)
     head = "Kick-Ass fragment viability"
     if result.incomplete:
-        head += f" - INCOMPLETE ({result.outcome}, state {result.last_state})"
+        head += f" - INCOMPLETE ({result.outcome}, state {state})"
     lines.append(head)
     if result.note:
         lines.append(
-            textwrap.fill(result.note, width=96, initial_indent="  ", subsequent_indent="  ")
+            textwrap.fill(
+                printable(result.note), width=96, initial_indent="  ", subsequent_indent="  "
+            )
         )
     verdict = srv.get("verdict")
     if verdict:
-        lines.append(f"  Verdict: {verdict}")
+        lines.append(f"  Verdict: {printable(verdict, 40)}")
         if srv.get("verdict_reason"):
-            lines.append(f"           {srv['verdict_reason']}")
+            lines.append(f"           {printable(srv['verdict_reason'])}")
     else:
         lines.append("  Verdict: none (no result from the server)")
     lines.append("")
@@ -207,7 +213,8 @@ def format_summary(result: RunResult, verbose: bool = False) -> str:
     )
     if result.server_result is None:
         lines.append("  (Server unreachable: 'sent' counts up to the last probe received.)")
-    lines.append(f"  Session {result.session_id} ({result.last_state}): {result.session_url}")
+    url = printable(result.session_url)
+    lines.append(f"  Session {result.session_id} ({state}): {url}")
     return "\n".join(lines) + "\n"
 
 
@@ -359,5 +366,5 @@ def make_progress(stream: TextIO | None = None, enabled: bool = True) -> Any:
 def _int(value: Any) -> int:
     try:
         return int(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return 0

@@ -2,24 +2,34 @@
 
 The main thread polls the server over HTTP and drives the progress display;
 the UdpShell thread answers probes. Every way a run can end (complete,
-Ctrl-C, server vanished, session expired) returns a RunResult, so the CLI
-always has something to print; only failures before any measurement raise
-ProbeError.
+Ctrl-C or SIGTERM, server vanished, session expired) returns a RunResult, so
+the CLI always has something to print; only failures before any measurement
+raise ProbeError.
+
+Stopping (signals.py): the signal handler only counts, and this loop looks
+at the count every tick. Each HTTP exchange runs in a short-lived helper
+thread while the main thread waits in small slices, so a signal is noticed
+within a tick even when the server is slow to answer, and an exchange can be
+abandoned without an exception landing in the middle of urllib.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar, cast
 
-from kickass_core.plan import PlanError, ProbePlan
+from kickass_core.plan import ProbePlan
 from kickass_core.states import LIVE_STATES
 
-from .api import ApiClient, ApiError, server_host
-from .errors import EXIT_INCOMPLETE, EXIT_INTERRUPTED, EXIT_OK, ProbeError
+from .api import ApiClient, ApiError, parse_plan, printable, server_host
+from .errors import EXIT_INCOMPLETE, EXIT_OK, ProbeError
 from .session import Failure, LocalCounts, ProbeSession, UdpShell, resolve_ipv4
+from .signals import HARD_STOP_PRESSES, STOPPING, StopSignals
+
+T = TypeVar("T")
 
 # The contract asks clients to poll about every 2 s; after the server's DONE
 # we poll faster, since only the final state is missing.
@@ -34,8 +44,15 @@ STALL_TIMEOUTS = 3
 # seconds, so a live session never pauses anywhere near this long.
 STUCK_MIN_S = 120.0
 STUCK_TIMEOUTS = 12
-# Bound on the end request after Ctrl-C: the user wants out.
+# Bound on each end request after Ctrl-C: the user wants out.
 END_TIMEOUT_S = 5.0
+# Bound on the whole of ending the session after Ctrl-C/SIGTERM (retries
+# included); after it the client prints what it received itself. A service
+# manager's SIGTERM usually escalates to SIGKILL after 10 s or more.
+END_BUDGET_S = 8.0
+# How often the main thread looks at the signal count while an HTTP request
+# is in flight.
+WAIT_SLICE_S = 0.05
 
 
 class Progress(Protocol):
@@ -77,6 +94,7 @@ class Runner:
         log: Callable[[str], None],
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        stop: StopSignals | None = None,
     ) -> None:
         self.api = api
         self.plan_request = plan_request
@@ -88,26 +106,27 @@ class Runner:
         self.log = log
         self._clock = clock
         self._sleep = sleep
+        # Not installed (tests, embedding) it only fires through trigger().
+        self.stop = stop or StopSignals()
         self._last_result: dict[str, Any] | None = None
         self._server_sent = 0
 
     def run(self) -> RunResult:
-        created = self.api.create_session(self.plan_request, platform=self.platform_name)
+        # Interrupted here (abandoned create): nothing measured yet. The
+        # server expires a session whose HELLO never comes.
+        created = self._call(
+            lambda: self.api.create_session(self.plan_request, platform=self.platform_name),
+            abandon_at=1,
+        )
         sid: str = created["session_id"]
         cookie: str = created["cookie"]
-        try:
-            plan = ProbePlan.from_json(created["plan"])
-        except (PlanError, KeyError, TypeError, ValueError) as exc:
-            self._end_quietly(sid, cookie)
-            raise ProbeError(
-                f"this client cannot follow the server's probe plan ({exc})",
-                hint="upgrade kickass-probe: pip install -U kickass-probe",
-            ) from None
-        total = int(created.get("total_probes") or plan.total_probes)
         host = created.get("probe_host") or server_host(self.api.base_url)
         port = int(created["probe_port"])
         try:
-            addr = resolve_ipv4(host, port)
+            # Checked by api.validate_created already; parsed again here
+            # rather than passed around inside the reply dict.
+            plan = parse_plan(created["plan"])
+            addr = self._call(lambda: resolve_ipv4(host, port), abandon_at=1)
             shell = UdpShell(
                 lambda frag_ok: ProbeSession(
                     bytes.fromhex(sid),
@@ -119,11 +138,12 @@ class Runner:
                 ),
                 addr,
             )
-        except (ProbeError, OSError) as exc:
+        except (ProbeError, OSError, KeyboardInterrupt) as exc:
             self._end_quietly(sid, cookie)
-            if isinstance(exc, ProbeError):
-                raise
-            raise ProbeError(f"cannot open a UDP socket: {exc.strerror or exc}") from None
+            if isinstance(exc, OSError):
+                raise ProbeError(f"cannot open a UDP socket: {exc.strerror or exc}") from None
+            raise
+        total = plan.total_probes
         self.log(f"session {sid}: probes from {addr[0]}:{addr[1]} to UDP port {shell.local_port}")
         self.progress.note(
             f"Session {sid}: {total:,} probes (repetitions {plan.repetitions}, "
@@ -154,6 +174,14 @@ class Runner:
         done_seen_at: float | None = None
         warned_unreachable = False
         while True:
+            if self.stop.requested:
+                raise self.stop.interrupted()
+            if ctx.shell.error is not None:
+                err = ctx.shell.error
+                raise ProbeError(
+                    f"internal error in the UDP receiver: {type(err).__name__}: {err}",
+                    hint="please report this (with --verbose output)",
+                )
             phase, failure, counts = ctx.shell.snapshot()
             if failure is Failure.NO_CHALLENGE:
                 raise self._no_challenge(ctx, counts)
@@ -170,7 +198,12 @@ class Runner:
                 next_poll = now
             if now >= next_poll:
                 try:
-                    res = self.api.get_session(ctx.sid, tries=1, timeout=self.timeout)
+                    res = self._call(
+                        lambda: self.api.get_session(
+                            ctx.sid, cookie=ctx.cookie, tries=1, timeout=self.timeout
+                        ),
+                        abandon_at=1,
+                    )
                 except ApiError as exc:
                     if exc.status == 404:
                         return self._vanished(ctx, "the server no longer knows this session")
@@ -224,43 +257,56 @@ class Runner:
         if state == "complete":
             self.progress.update(ctx.total, ctx.total, "done")
             return self._result(ctx, res, state, "complete", None, EXIT_OK)
-        reason = res.get("end_reason") or "no reason given"
+        reason = printable(res.get("end_reason") or "no reason given", 120)
         return self._result(
             ctx,
             res,
             state,
             "server-ended",
-            f"the server ended the session early ({state}: {reason})",
+            f"the server ended the session early ({printable(state, 40)}: {reason})",
             EXIT_INCOMPLETE,
         )
 
     def _interrupted(self, ctx: _Ctx) -> RunResult:
-        self.progress.note("Interrupted: ending the session and fetching the partial result...")
+        """End the session after Ctrl-C/SIGTERM: bounded, and always a result.
+
+        Further signals do not unwind this (signals.py); at the third press,
+        or after END_BUDGET_S, the client stops waiting for the server and
+        reports what it received itself.
+        """
+        self.stop.stage = STOPPING
+        label = self.stop.label
+        self.progress.note(
+            f"Interrupted ({label}): ending the session and fetching the partial result..."
+        )
+        deadline = self._clock() + END_BUDGET_S
+        each = min(self.timeout, END_TIMEOUT_S)
         res: dict[str, Any] | None = None
         try:
             try:
-                res = self.api.end_session(
-                    ctx.sid, ctx.cookie, tries=2, timeout=min(self.timeout, END_TIMEOUT_S)
+                res = self._call(
+                    lambda: self.api.end_session(ctx.sid, ctx.cookie, tries=2, timeout=each),
+                    abandon_at=HARD_STOP_PRESSES,
+                    deadline=deadline,
                 )
             except ApiError as exc:
-                # e.g. the session finished a moment before Ctrl-C.
+                # e.g. the session finished a moment before the signal.
                 self.log(f"end refused: {exc.message}")
-                res = self.api.get_session(
-                    ctx.sid, tries=1, timeout=min(self.timeout, END_TIMEOUT_S)
+                res = self._call(
+                    lambda: self.api.get_session(ctx.sid, cookie=ctx.cookie, tries=1, timeout=each),
+                    abandon_at=HARD_STOP_PRESSES,
+                    deadline=deadline,
                 )
         except ProbeError as exc:
-            self.progress.note(f"Could not reach the server to end the session: {exc.message}")
+            self.progress.note(f"Could not end the session on the server: {exc.message}")
         except KeyboardInterrupt:
-            pass  # a second Ctrl-C: print what we have, now
+            # The third press: the handler said so; print what we have, now.
+            self.log("stopped waiting for the server")
+        note = f"interrupted by {label}: partial result"
+        if res is None:
+            note += "; the counts are what this client received"
         state = res["state"] if res else self._last_state()
-        return self._result(
-            ctx,
-            res,
-            state,
-            "interrupted",
-            "interrupted by Ctrl-C: partial result",
-            EXIT_INTERRUPTED,
-        )
+        return self._result(ctx, res, state, "interrupted", note, self.stop.exit_code)
 
     def _vanished(self, ctx: _Ctx, why: str) -> RunResult:
         return self._result(
@@ -314,11 +360,50 @@ class Runner:
         return str(self._last_result["state"]) if self._last_result else "unknown"
 
     def _end_quietly(self, sid: str, cookie: str) -> dict[str, Any] | None:
-        """Release the server's session after a failure; never raises."""
+        """Release the server's session after a failure; never raises.
+
+        One more Ctrl-C abandons it: the run is failing anyway.
+        """
         try:
-            return self.api.end_session(sid, cookie, tries=1, timeout=min(self.timeout, 5.0))
+            return self._call(
+                lambda: self.api.end_session(sid, cookie, tries=1, timeout=min(self.timeout, 5.0)),
+                abandon_at=self.stop.presses + 1,
+                deadline=self._clock() + END_BUDGET_S,
+            )
         except (ProbeError, KeyboardInterrupt):
             return None
+
+    def _call(self, fn: Callable[[], T], *, abandon_at: int, deadline: float | None = None) -> T:
+        """Run one blocking exchange (HTTP, DNS) in a helper thread and wait for it.
+
+        Raises ``Interrupted`` once ``abandon_at`` signal presses have arrived
+        and ProbeError after ``deadline``; the abandoned thread is a daemon
+        and finishes (or times out) on its own. Otherwise returns what ``fn``
+        returned or raises what it raised.
+        """
+        if self.stop.presses >= abandon_at:
+            raise self.stop.interrupted()
+        box: list[tuple[bool, Any]] = []
+        done = threading.Event()
+
+        def work() -> None:
+            try:
+                box.append((True, fn()))
+            except BaseException as exc:  # handed to the main thread below
+                box.append((False, exc))
+            finally:
+                done.set()
+
+        threading.Thread(target=work, name="kickass-probe-http", daemon=True).start()
+        while not done.wait(WAIT_SLICE_S):
+            if self.stop.presses >= abandon_at:
+                raise self.stop.interrupted()
+            if deadline is not None and self._clock() >= deadline:
+                raise ProbeError(f"no answer from the server within {END_BUDGET_S:g} s")
+        ok, value = box[0]
+        if ok:
+            return cast(T, value)
+        raise value
 
     def _no_challenge(self, ctx: _Ctx, counts: LocalCounts) -> ProbeError:
         host, port = ctx.addr
@@ -365,5 +450,5 @@ def describe_position(plan: ProbePlan, highest_seq: int, phase: str) -> str:
 def _int(value: Any) -> int:
     try:
         return int(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return 0

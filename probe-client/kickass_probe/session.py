@@ -46,7 +46,12 @@ RECV_BUFSIZE = 4096
 # Probes arrive in windows; a larger receive buffer keeps a busy moment on a
 # small machine from turning into losses the path did not cause.
 SOCKET_RCVBUF = 1 << 20
-_ACK_FRAG_MAX = 0xFFFF  # observed_frag_size is 16 bits on the wire
+_ACK_U16_MAX = 0xFFFF  # received_len and observed_frag_size are 16 bits on the wire
+# The largest plan this client follows. The paper's plan is 36,600 probes and
+# the reference server allows at most 200 repetitions (73,200 probes); the
+# client keeps one byte per probe, so this bounds what a misconfigured or
+# hostile server can make it allocate to about a megabyte.
+MAX_PLAN_PROBES = 1_000_000
 
 
 class Phase(enum.Enum):
@@ -128,6 +133,10 @@ class ProbeSession:
             raise ValueError(f"session tag must be {wire.SESSION_TAG_LEN} bytes")
         if len(cookie) != wire.COOKIE_LEN:
             raise ValueError(f"cookie must be {wire.COOKIE_LEN} bytes")
+        if plan.total_probes > MAX_PLAN_PROBES:
+            # api.parse_plan refuses such plans with a clear error; this is the
+            # guard for any other caller, before the allocation below.
+            raise ValueError(f"plan of {plan.total_probes} probes exceeds {MAX_PLAN_PROBES}")
         self.session_tag = session_tag
         self.cookie = cookie
         self.plan = plan
@@ -229,7 +238,14 @@ class ProbeSession:
     def _on_probe(self, seq: int, data: bytes, frag_size: int, now: float) -> bytes:
         c = self.counts
         # Acknowledge every copy, duplicates included: the server counts them.
-        ack = wire.Ack(self.session_tag, seq, len(data), min(frag_size, _ACK_FRAG_MAX)).encode()
+        # Both lengths are 16-bit fields; a larger value (only a malformed or
+        # oversized datagram can have one) is reported as the maximum.
+        ack = wire.Ack(
+            self.session_tag,
+            seq,
+            min(len(data), _ACK_U16_MAX),
+            min(max(frag_size, 0), _ACK_U16_MAX),
+        ).encode()
         if self.phase in (Phase.HELLO, Phase.ECHOED):
             self.phase = Phase.PROBING
             self._note("first probe received")
@@ -306,6 +322,12 @@ def resolve_ipv4(host: str, port: int) -> tuple[str, int]:
             f"cannot resolve the probe host {host!r} to an IPv4 address ({exc.strerror})",
             hint="this measurement needs IPv4; check your DNS and the server's probe_host",
         ) from None
+    except (UnicodeError, ValueError):
+        # e.g. a label longer than 63 characters fails in the IDNA codec.
+        raise ProbeError(
+            f"the server's probe_host {host[:80]!r} is not a usable host name",
+            hint="the server is misconfigured; tell its operators",
+        ) from None
     ip, p = infos[0][4][:2]
     return str(ip), int(p)
 
@@ -333,8 +355,13 @@ class UdpShell:
         self.session = make_session(frag_ok)
         self.lock = threading.Lock()
         self.last_send_error: str | None = None
+        # A bug in the receive loop must not end it silently: the probes
+        # would go unacknowledged and look like losses. The runner checks this.
+        self.error: BaseException | None = None
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kickass-probe-udp", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run_guarded, name="kickass-probe-udp", daemon=True
+        )
 
     @property
     def local_port(self) -> int:
@@ -400,5 +427,13 @@ class UdpShell:
                     out = self.session.on_timer(self._clock())
                 self._send(out)
         except (OSError, ValueError):
+            if not self._stop.is_set():
+                raise
             # The socket was closed under us by stop(): nothing left to do.
             return
+
+    def _run_guarded(self) -> None:
+        try:
+            self._run()
+        except Exception as exc:
+            self.error = exc
