@@ -84,7 +84,9 @@ pub fn classify(packet: &[u8], leading_fragment_len: Option<usize>) -> Verdict {
         if payload <= l {
             return Verdict::Pass(Pass::LeadingFragmentShortEnough);
         }
-        return Verdict::Cut { leading_fragment_len: l };
+        return Verdict::Cut {
+            leading_fragment_len: l,
+        };
     }
     if p.total_len() as usize != FULL_PACKET_LEN {
         return Verdict::Pass(Pass::NotFullSize);
@@ -92,7 +94,9 @@ pub fn classify(packet: &[u8], leading_fragment_len: Option<usize>) -> Verdict {
     if payload <= l {
         return Verdict::Pass(Pass::PayloadShortEnough);
     }
-    Verdict::Cut { leading_fragment_len: l }
+    Verdict::Cut {
+        leading_fragment_len: l,
+    }
 }
 
 /// An IPv4 header of up to 60 bytes held inline (no allocation per packet).
@@ -298,7 +302,12 @@ mod tests {
     #[test]
     fn decisions() {
         let full = udp_like(1500, false, false, 0, vec![]);
-        assert_eq!(classify(&full, Some(880)), Verdict::Cut { leading_fragment_len: 880 });
+        assert_eq!(
+            classify(&full, Some(880)),
+            Verdict::Cut {
+                leading_fragment_len: 880
+            }
+        );
         assert_eq!(classify(&full, None), Verdict::Pass(Pass::NotMarking));
         assert_eq!(
             classify(&full, Some(1480)),
@@ -317,7 +326,12 @@ mod tests {
             classify(&lead, Some(1000)),
             Verdict::Pass(Pass::LeadingFragmentShortEnough)
         );
-        assert_eq!(classify(&lead, Some(872)), Verdict::Cut { leading_fragment_len: 872 });
+        assert_eq!(
+            classify(&lead, Some(872)),
+            Verdict::Cut {
+                leading_fragment_len: 872
+            }
+        );
         let tail = udp_like(1500, false, false, 880, vec![]);
         assert_eq!(
             classify(&tail, Some(24)),

@@ -280,7 +280,9 @@ impl Router {
             _ => None,
         };
         let split = match fragment::classify(&packet, marking) {
-            Verdict::Cut { leading_fragment_len } => fragment::split(&packet, leading_fragment_len).ok(),
+            Verdict::Cut {
+                leading_fragment_len,
+            } => fragment::split(&packet, leading_fragment_len).ok(),
             Verdict::Pass(_) => None,
         };
         let wire = match &split {

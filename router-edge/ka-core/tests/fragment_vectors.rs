@@ -35,7 +35,9 @@ fn fragment_outputs_match_the_vectors() {
             .collect();
         let got: Vec<Vec<u8>> = match fragment::classify(&input, l) {
             Verdict::Pass(_) => vec![input.clone()],
-            Verdict::Cut { leading_fragment_len } => fragment::split(&input, leading_fragment_len)
+            Verdict::Cut {
+                leading_fragment_len,
+            } => fragment::split(&input, leading_fragment_len)
                 .expect("cut")
                 .to_packets(&input)
                 .to_vec(),
