@@ -28,6 +28,18 @@ class PlanError(ValueError):
     """A plan the protocol cannot carry out (bad step, empty phase...)."""
 
 
+class UnsupportedPlan(PlanError):
+    """A well-formed plan from a newer version (unknown version or phase)."""
+
+
+class PlanTooLarge(PlanError):
+    def __init__(self, total: int, limit: int) -> None:
+        shown = f"{total:,}" if total < 10**18 else "an absurdly large number of"
+        super().__init__(f"the plan has {shown} probes, more than {limit:,}")
+        self.total = total
+        self.limit = limit
+
+
 def whole_ip_lens(step: int) -> list[int]:
     sizes = list(range(MIN_IP_LEN, FULL_PACKET_LEN + 1, step))
     for must in (PAPER_WHOLE_MAX, FULL_PACKET_LEN):
@@ -130,17 +142,69 @@ class ProbePlan:
         return d
 
     @staticmethod
-    def from_json(d: dict[str, Any]) -> ProbePlan:
+    def from_json(d: Any, max_probes: int | None = None) -> ProbePlan:
+        """A plan read back from JSON, checked field by field before anything is built.
+
+        Plans cross trust boundaries (the client follows the server's; the
+        database keeps them), so every count must be a real integer (not a
+        bool, a float or a string), sizes must be ones the protocol can send,
+        and ``max_probes`` bounds what a reader will allocate for the plan.
+        """
+        if not isinstance(d, dict):
+            raise PlanError("plan is not an object")
         if d.get("version") != PLAN_VERSION:
-            raise PlanError(f"unsupported plan version {d.get('version')}")
+            raise UnsupportedPlan(f"unsupported plan version {str(d.get('version'))[:40]}")
+        repetitions = _count(d, "repetitions")
+        step = _count(d, "step")
+        window = _count(d, "window")
+        phases = d.get("phases")
+        if (
+            not isinstance(phases, list)
+            or not phases
+            or not all(isinstance(p, str) for p in phases)
+            or len(set(phases)) != len(phases)
+        ):
+            raise PlanError("plan.phases is not a list of distinct phase names")
+        unknown = [p for p in phases if p not in PHASES]
+        if unknown:
+            raise UnsupportedPlan(f"unknown phase {unknown[0][:40]!r}")
+        whole = _sizes(d, "whole", MIN_IP_LEN, FULL_PACKET_LEN)
+        # A leading fragment leaves at least 8 bytes for the second one.
+        split = _sizes(d, "split", MIN_IP_LEN, FULL_PACKET_LEN - FRAGMENT_UNIT)
+        total = repetitions * (len(whole) + len(split))
+        if total == 0:
+            raise PlanError("the plan has no probes")
+        if max_probes is not None and total > max_probes:
+            raise PlanTooLarge(total, max_probes)
         return ProbePlan(
-            repetitions=int(d["repetitions"]),
-            step=int(d["step"]),
-            window=int(d["window"]),
-            phases=tuple(d["phases"]),
-            whole=tuple(int(x) for x in d["whole"]),
-            split=tuple(int(x) for x in d["split"]),
+            repetitions=repetitions,
+            step=step,
+            window=window,
+            phases=tuple(phases),
+            whole=whole,
+            split=split,
         )
+
+
+def _count(d: dict[str, Any], key: str) -> int:
+    value = d.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise PlanError(f"plan.{key} is not a whole number of at least 1")
+    return value
+
+
+def _sizes(d: dict[str, Any], key: str, low: int, high: int) -> tuple[int, ...]:
+    value = d.get(key)
+    if not isinstance(value, list):
+        raise PlanError(f"plan.{key} is not a list of sizes")
+    ok = len(value) <= high - low + 1 and all(
+        isinstance(v, int) and not isinstance(v, bool) and low <= v <= high for v in value
+    )
+    if not ok:
+        raise PlanError(f"plan.{key} has sizes outside {low}..{high} bytes")
+    if len(set(value)) != len(value):
+        raise PlanError(f"plan.{key} lists a size twice")
+    return tuple(value)
 
 
 def expected_max_fragment(leading_ip_len: int) -> int:

@@ -20,8 +20,7 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from kickass_core.plan import MIN_IP_LEN, PHASES, PLAN_VERSION, ProbePlan
-from kickass_core.rate import FRAGMENT_UNIT, FULL_PACKET_LEN
+from kickass_core.plan import PlanError, PlanTooLarge, ProbePlan, UnsupportedPlan
 
 from . import __version__
 from .errors import EXIT_USAGE, ProbeError
@@ -453,74 +452,32 @@ def _optional_str(d: dict[str, Any], key: str, where: str = "") -> None:
         raise malformed(f"{where}{key} is neither null nor text")
 
 
-def _sizes(d: dict[str, Any], key: str, low: int, high: int) -> tuple[int, ...]:
-    value = d.get(key)
-    if not isinstance(value, list):
-        raise malformed(f"plan.{key} is not a list of sizes")
-    if len(value) > high - low + 1 or not all(_is_int(v) and low <= v <= high for v in value):
-        raise malformed(f"plan.{key} has sizes outside {low}..{high} bytes")
-    if len(set(value)) != len(value):
-        raise malformed(f"plan.{key} lists a size twice")
-    return tuple(value)
-
-
 def parse_plan(value: Any) -> ProbePlan:
     """The server's probe plan, checked before anything is allocated for it.
 
     The client keeps a byte per probe and counters per size, so a plan is
     refused when it is malformed or larger than MAX_PLAN_PROBES (a plan of a
     billion probes would otherwise take a gigabyte of the volunteer's memory).
+    The checks are the core's (``ProbePlan.from_json``); this adds the wording.
     """
     if value is None:
         raise malformed("no plan")
-    if not isinstance(value, dict):
-        raise malformed("plan is not an object")
-    version = value.get("version")
-    if version != PLAN_VERSION:
-        shown = printable(repr(version), 40)
+    try:
+        return ProbePlan.from_json(value, max_probes=MAX_PLAN_PROBES)
+    except UnsupportedPlan as exc:
         raise ProbeError(
-            f"this client cannot follow the server's probe plan (plan version {shown})",
+            f"this client cannot follow the server's probe plan ({printable(str(exc), 80)})",
             hint=_UPGRADE_HINT,
-        )
-    repetitions = _count(value, "repetitions", "plan.", minimum=1)
-    step = _count(value, "step", "plan.", minimum=1)
-    window = _count(value, "window", "plan.", minimum=1)
-    phases = value.get("phases")
-    if (
-        not isinstance(phases, list)
-        or not phases
-        or not all(isinstance(p, str) for p in phases)
-        or len(set(phases)) != len(phases)
-    ):
-        raise malformed("plan.phases is not a list of phase names")
-    unknown = [p for p in phases if p not in PHASES]
-    if unknown:
+        ) from None
+    except PlanTooLarge as exc:
         raise ProbeError(
-            f"this client cannot follow the server's probe plan (unknown phase "
-            f"{printable(unknown[0], 40)!r})",
-            hint=_UPGRADE_HINT,
-        )
-    whole = _sizes(value, "whole", MIN_IP_LEN, FULL_PACKET_LEN)
-    # A leading fragment leaves at least 8 bytes for the second one.
-    split = _sizes(value, "split", MIN_IP_LEN, FULL_PACKET_LEN - FRAGMENT_UNIT)
-    total = repetitions * (len(whole) + len(split))
-    if total == 0:
-        raise malformed("the plan has no probes")
-    if total > MAX_PLAN_PROBES:
-        raise ProbeError(
-            f"the server's plan has {_show_int(total)} probes, more than this client "
+            f"the server's plan has {_show_int(exc.total)} probes, more than this client "
             f"accepts ({MAX_PLAN_PROBES:,})",
             hint="the server is misconfigured or not the Kick-Ass measurement server; "
             "try again later or tell its operators",
-        )
-    return ProbePlan(
-        repetitions=repetitions,
-        step=step,
-        window=window,
-        phases=tuple(phases),
-        whole=whole,
-        split=split,
-    )
+        ) from None
+    except PlanError as exc:
+        raise malformed(str(exc)) from None
 
 
 def validate_created(reply: dict[str, Any]) -> dict[str, Any]:
