@@ -120,3 +120,46 @@ def test_verdict_rule() -> None:
     # Fragments lost far beyond plain loss but not blocked: inconclusive.
     assert verdict.decide(2000, 1990, 2000, 1000).verdict == verdict.INCONCLUSIVE
     assert math.isclose(verdict.drop_rate(10, 7) or 0, 0.3)
+
+
+# -- plans read back from untrusted JSON -------------------------------------------
+
+
+def test_plan_json_round_trips() -> None:
+    from kickass_core.plan import ProbePlan
+
+    for plan in (ProbePlan.build(), ProbePlan.quick(), ProbePlan.build(phases=("split",))):
+        assert ProbePlan.from_json(plan.to_json()) == plan
+
+
+@pytest.mark.parametrize(
+    "patch",
+    [
+        {"repetitions": True},
+        {"repetitions": 2.0},
+        {"repetitions": float("inf")},
+        {"step": "8"},
+        {"window": 0},
+        {"phases": ["whole", "whole"]},
+        {"phases": []},
+        {"whole": [44, 44]},
+        {"whole": [43]},
+        {"split": [1500]},
+        {"split": [True]},
+        {"version": 99},
+        {"phases": ["sideways"]},
+    ],
+)
+def test_plan_from_json_refuses_bad_fields_with_plan_error(patch: dict) -> None:
+    from kickass_core.plan import PlanError, ProbePlan
+
+    with pytest.raises(PlanError):
+        ProbePlan.from_json({**ProbePlan.quick().to_json(), **patch})
+
+
+def test_plan_from_json_bounds_the_probe_count() -> None:
+    from kickass_core.plan import PlanTooLarge, ProbePlan
+
+    huge = {**ProbePlan.quick().to_json(), "repetitions": 10**30}
+    with pytest.raises(PlanTooLarge):
+        ProbePlan.from_json(huge, max_probes=1_000_000)
