@@ -5,6 +5,7 @@ cores; absolute numbers mean little, ratios measured together do).
     sudo .venv/bin/python bench/router_bench.py [--seconds 3]
 
 Path: gen (198.18.1.2) -- rtr -- sink (198.18.2.2), veth, offloads off.
+Path and programs come from kickass_testbed (edge.py spec, topology.build).
 Traffic: ka-blast, 1500-byte IP packets (1472-byte UDP payload), DF clear,
 sendmmsg batches of 32, as fast as it can, pinned to CPU 0. The router (when
 used) is pinned to CPU 1. The sink counts datagrams with an nftables counter
@@ -34,9 +35,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from router_netlib import Topology, binaries, stop  # noqa: E402
+from kickass_testbed.binaries import RUST_BINARIES, rust_binary
+from kickass_testbed.edge import RCV, edge_path, ka_router
+from kickass_testbed.topology import Built, build
 
 NFT_COUNT = """
 table ip kabench {
@@ -49,9 +50,9 @@ table ip kabench {
 """
 
 
-def nft_count(topo: Topology) -> tuple[int, int]:
+def nft_count(topo: Built) -> tuple[int, int]:
     """(datagrams, IP packets): offset-0 packets, and all packets."""
-    out = topo.ns["rcv"].run(["nft", "-j", "list", "table", "ip", "kabench"]).stdout
+    out = topo["rcv"].run(["nft", "-j", "list", "table", "ip", "kabench"]).stdout
     counts = [
         int(e["counter"]["packets"])
         for item in json.loads(out)["nftables"]
@@ -71,41 +72,27 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
     return int(fields[11]) / ticks, int(fields[12]) / ticks
 
 
-def child_pid(p: subprocess.Popen[bytes]) -> int:
-    """The ka-router pid under `ip netns exec ... taskset ...`."""
-    for _ in range(50):
-        r = subprocess.run(
-            ["pgrep", "-s", str(p.pid), "-x", "ka-router"], capture_output=True, text=True
-        )
-        if r.stdout.strip():
-            return int(r.stdout.split()[0])
-        time.sleep(0.05)
-    return p.pid
-
-
-def blast_max(topo: Topology, seconds: float) -> dict:
-    exe = str(binaries()["ka-blast"])
-    r = topo.ns["snd"].run(
+def blast_max(topo: Built, seconds: float) -> dict:
+    exe = str(rust_binary("ka-blast"))
+    r = topo["snd"].run(
         [
-            "taskset",
-            "-c",
-            "0",
             exe,
             "send",
             "--dst",
-            f"{Topology.RCV}:9000",
+            f"{RCV}:9000",
             "--duration",
             f"{seconds}s",
             "--batch",
             "32",
         ],
         timeout=seconds + 30,
+        cpus=(0,),
     )
     return json.loads(r.stdout)
 
 
-def throughput(topo: Topology, seconds: float, router_pid: int | None) -> dict:
-    topo.ns["rcv"].nft(NFT_COUNT)
+def throughput(topo: Built, seconds: float, router_pid: int | None) -> dict:
+    topo["rcv"].nft(NFT_COUNT)
     try:
         before = nft_count(topo)
         cpu0 = cpu_seconds(router_pid) if router_pid else (0.0, 0.0)
@@ -117,7 +104,7 @@ def throughput(topo: Topology, seconds: float, router_pid: int | None) -> dict:
         got, packets = after[0] - before[0], after[1] - before[1]
         cpu1 = cpu_seconds(router_pid) if router_pid else None
     finally:
-        topo.ns["rcv"].run(["nft", "delete", "table", "ip", "kabench"], check=False)
+        topo["rcv"].run(["nft", "delete", "table", "ip", "kabench"], check=False)
     pps = got / sent["seconds"]
     out = {
         "offered_pps": round(sent["pps"]),
@@ -137,14 +124,14 @@ def throughput(topo: Topology, seconds: float, router_pid: int | None) -> dict:
     return out
 
 
-def latency(topo: Topology, pps: int = 1000, seconds: float = 2.0) -> dict:
-    exe = str(binaries()["ka-blast"])
-    rx = topo.ns["rcv"].popen(
+def latency(topo: Built, pps: int = 1000, seconds: float = 2.0) -> dict:
+    exe = str(rust_binary("ka-blast"))
+    rx = topo["rcv"].popen(
         [
             exe,
             "recv",
             "--bind",
-            f"{Topology.RCV}:9001",
+            f"{RCV}:9001",
             "--duration",
             f"{seconds + 5}s",
             "--idle",
@@ -153,12 +140,12 @@ def latency(topo: Topology, pps: int = 1000, seconds: float = 2.0) -> dict:
         stdout=subprocess.PIPE,
     )
     time.sleep(0.3)
-    topo.ns["snd"].run(
+    topo["snd"].run(
         [
             exe,
             "send",
             "--dst",
-            f"{Topology.RCV}:9001",
+            f"{RCV}:9001",
             "--pps",
             str(pps),
             "--duration",
@@ -177,7 +164,8 @@ def main() -> None:
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("ERROR: the benchmark builds network namespaces: run it as root")
-    binaries()
+    for name in RUST_BINARIES:  # fail before building anything if one is missing
+        rust_binary(name)
     result: dict = {
         "version": 1,
         "metadata": {
@@ -190,24 +178,26 @@ def main() -> None:
             "started_unix": time.time(),
         },
     }
-    with tempfile.TemporaryDirectory() as tmp, Topology() as topo:
-        tel = Path(tmp) / "tel.ndjson"
+    with tempfile.TemporaryDirectory() as tmp, build(edge_path()) as topo:
         result["kernel"] = throughput(topo, args.seconds, None)
         lat_kernel = latency(topo)
 
-        def with_router(*router_args: str) -> tuple[dict, dict | None]:
-            p = topo.start_router(*router_args, telemetry=tel, wrapper=("taskset", "-c", "1"))
+        def with_router(tel: Path, *router_args: str) -> tuple[dict, dict | None]:
+            p = topo.start(ka_router(*router_args, telemetry=tel, cpus=(1,)))
             try:
-                pid = child_pid(p)
-                t = throughput(topo, args.seconds, pid)
+                # `ip netns exec` execs in place: the Popen pid is ka-router's.
+                t = throughput(topo, args.seconds, p.pid)
                 lat = latency(topo) if "--mode" not in router_args else None
                 return t, lat
             finally:
-                code, err = stop(p)
+                code, err = p.stop()
                 if code != 0:
                     raise RuntimeError(f"ka-router failed: {err}")
 
+        tel = Path(tmp) / "fragment.ndjson"
+
         result["ka_fragment"], lat_ka = with_router(
+            tel,
             "--capacity",
             "100gbit",
             "--buffer",
@@ -223,6 +213,7 @@ def main() -> None:
         result["ka_fragment"]["leading_fragment_len"] = samples[-1]["leading_fragment_len"]
         result["ka_fragment"]["fragmented"] = samples[-1]["fragmented"]
         result["ka_pass"], _ = with_router(
+            Path(tmp) / "pass.ndjson",
             "--capacity",
             "100gbit",
             "--buffer",

@@ -1,93 +1,31 @@
-"""Helpers for the edge-router namespace tests and benchmark (ours, beside
-the lead's kickass_testbed.netns, which we only use).
+"""Packet helpers for the edge-router tests (test-only; the topology, the
+programs and namespace switching come from kickass_testbed: edge.py,
+binaries.py, netns.in_netns).
 
-- ``binaries()``: build router-edge once (cargo, release) and find ka-router,
-  ka-linkem, ka-blast.
-- ``in_netns(name)``: run a block inside a namespace *in this thread*, so a
-  socket created there stays there (Linux namespaces are per thread).
-- ``Topology``: sender -- router -- [link emulator] -- receiver, addresses
-  only in 198.18.0.0/15, all removed on exit.
-- AF_PACKET capture of IPv4 packets, with fragment fields parsed.
+- ``udp_socket(ns)``: a UDP socket living in a namespace, DF as asked.
+- ``Capture``: AF_PACKET capture of IPv4 packets, fragment fields parsed
+  (fragments are seen before reassembly).
+- ``read_ndjson``: telemetry files, tolerating a torn last line.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
-import os
-import shutil
 import socket
 import struct
-import subprocess
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from kickass_testbed import netns
+from kickass_testbed.netns import in_netns
 
-REPO = Path(__file__).resolve().parents[1]
-ROUTER_EDGE = REPO / "router-edge"
-CLONE_NEWNET = 0x40000000
 ETH_P_IP = 0x0800
 PACKET_OUTGOING = 4
 IP_MTU_DISCOVER = 10
 IP_PMTUDISC_DONT = 0
 IP_PMTUDISC_DO = 2
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_build_lock = threading.Lock()
-_built: dict[str, Path] | None = None
-
-
-def binaries() -> dict[str, Path]:
-    """Paths of ka-router, ka-linkem, ka-blast (cargo build --release once)."""
-    global _built
-    with _build_lock:
-        if _built is not None:
-            return _built
-        if shutil.which("cargo"):
-            subprocess.run(
-                [
-                    "cargo",
-                    "build",
-                    "--quiet",
-                    "--release",
-                    "--manifest-path",
-                    str(REPO / "Cargo.toml"),
-                ],
-                check=True,
-                timeout=900,
-            )
-            d = REPO / "target" / "release"
-        else:
-            d = REPO / ".venv" / "bin"
-        out = {n: d / n for n in ("ka-router", "ka-linkem", "ka-blast")}
-        for n, p in out.items():
-            if not p.exists():
-                raise FileNotFoundError(f"{n} not found at {p} (run `make install`)")
-        _built = out
-        return out
-
-
-@contextlib.contextmanager
-def in_netns(name: str) -> Iterator[None]:
-    """Switch this thread into namespace ``name`` for the block."""
-    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-    target = os.open(f"/run/netns/{name}", os.O_RDONLY)
-    try:
-        if _libc.setns(target, CLONE_NEWNET) != 0:
-            raise OSError(ctypes.get_errno(), f"setns({name}) failed")
-        try:
-            yield
-        finally:
-            if _libc.setns(own, CLONE_NEWNET) != 0:
-                raise OSError(ctypes.get_errno(), "setns back failed")
-    finally:
-        os.close(own)
-        os.close(target)
 
 
 def udp_socket(ns: str, bind: tuple[str, int] | None = None, *, df: bool = False) -> socket.socket:
@@ -191,109 +129,6 @@ class Capture:
         self.sock.close()
 
 
-@dataclass
-class Topology:
-    """snd (198.18.1.2) -- rtr (198.18.1.1 | 198.18.2.1) -- [lk] -- rcv (198.18.2.2).
-
-    With ``linkem=True`` a link-emulator namespace bridges rtr's WAN and the
-    receiver at layer 2 (same subnet on both sides of it).
-    """
-
-    linkem: bool = False
-    prefix: str = field(default_factory=lambda: netns.unique_prefix("kr"))
-    ns: dict[str, netns.Netns] = field(default_factory=dict)
-    _stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
-
-    SND = "198.18.1.2"
-    RTR_LAN = "198.18.1.1"
-    RTR_WAN = "198.18.2.1"
-    RCV = "198.18.2.2"
-
-    def name(self, role: str) -> str:
-        return self.ns[role].name
-
-    def __enter__(self) -> Topology:
-        roles = ["snd", "rtr", "rcv"] + (["lk"] if self.linkem else [])
-        try:
-            for r in roles:
-                self.ns[r] = self._stack.enter_context(netns.Netns(f"{self.prefix}{r}"))
-            snd, rtr, rcv = self.ns["snd"], self.ns["rtr"], self.ns["rcv"]
-            netns.veth(snd, "lan0", rtr, "lan")
-            if self.linkem:
-                lk = self.ns["lk"]
-                netns.veth(rtr, "wan", lk, "la")
-                netns.veth(lk, "lb", rcv, "wan0")
-                for i in ("la", "lb"):
-                    lk.sysctl(f"net.ipv6.conf.{i}.disable_ipv6", 1)
-            else:
-                netns.veth(rtr, "wan", rcv, "wan0")
-            netns.addr(snd, "lan0", f"{self.SND}/24")
-            netns.addr(rtr, "lan", f"{self.RTR_LAN}/24")
-            netns.addr(rtr, "wan", f"{self.RTR_WAN}/24")
-            netns.addr(rcv, "wan0", f"{self.RCV}/24")
-            netns.route(snd, "default", via=self.RTR_LAN)
-            netns.route(rcv, "default", via=self.RTR_WAN)
-            netns.make_router(rtr)
-            return self
-        except BaseException:
-            self._stack.close()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        self._stack.close()
-
-    def start_router(
-        self, *args: str, telemetry: Path, wrapper: tuple[str, ...] = ()
-    ) -> subprocess.Popen[bytes]:
-        cmd = [
-            *wrapper,
-            str(binaries()["ka-router"]),
-            "--lan",
-            "lan",
-            "--wan",
-            "wan",
-            "--telemetry",
-            str(telemetry),
-            *args,
-        ]
-        p = self.ns["rtr"].popen(cmd, stderr=subprocess.PIPE)
-        wait_router_up(p, telemetry)
-        return p
-
-    def start_linkem(self, *args: str) -> subprocess.Popen[bytes]:
-        cmd = [str(binaries()["ka-linkem"]), "--a", "la", "--b", "lb", *args]
-        p = self.ns["lk"].popen(cmd, stderr=subprocess.PIPE)
-        time.sleep(0.3)
-        if p.poll() is not None:
-            raise RuntimeError(f"ka-linkem exited: {p.stderr.read().decode() if p.stderr else ''}")
-        return p
-
-
-def wait_router_up(p: subprocess.Popen[bytes], telemetry: Path, timeout: float = 10) -> None:
-    """Ready when the metadata line is out: it is written after the TUN,
-    route and rule are installed."""
-
-    def up() -> bool:
-        if p.poll() is not None:
-            err = p.stderr.read().decode() if p.stderr else ""
-            raise RuntimeError(f"ka-router exited with {p.returncode}: {err}")
-        return telemetry.exists() and '"metadata"' in telemetry.read_text()
-
-    netns.wait_for(up, timeout, what="ka-router start-up")
-
-
-def stop(p: subprocess.Popen[bytes], timeout: float = 10) -> tuple[int, str]:
-    """SIGTERM the process (it runs in its own session) and collect stderr."""
-    if p.poll() is None:
-        os.killpg(p.pid, 15)
-    try:
-        _, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, 9)
-        _, err = p.communicate()
-    return p.returncode, (err or b"").decode()
-
-
 def read_ndjson(path: Path) -> list[dict]:
     out = []
     for line in path.read_text().splitlines():
@@ -302,16 +137,3 @@ def read_ndjson(path: Path) -> list[dict]:
             with contextlib.suppress(json.JSONDecodeError):
                 out.append(json.loads(line))
     return out
-
-
-def static_neighbors(
-    a: netns.Netns, a_if: str, a_ip: str, b: netns.Netns, b_if: str, b_ip: str
-) -> None:
-    """Permanent ARP entries both ways: lossy links must not eat the ARP."""
-
-    def mac(ns: netns.Netns, iface: str) -> str:
-        return json.loads(ns.run(["ip", "-j", "link", "show", iface]).stdout)[0]["address"]
-
-    ma, mb = mac(a, a_if), mac(b, b_if)
-    a.run(["ip", "neigh", "replace", b_ip, "lladdr", mb, "dev", a_if, "nud", "permanent"])
-    b.run(["ip", "neigh", "replace", a_ip, "lladdr", ma, "dev", b_if, "nud", "permanent"])

@@ -3,8 +3,9 @@ the leading fragment carries floor8(F(R)), senders obeying the advertised
 rate share the link fairly, an unresponsive flood flips the router into TCP
 mode and back, errors are clear and a crash needs no manual clean-up.
 
-Addresses only in 198.18.0.0/15, inside namespaces made here (prefix from
-netns.unique_prefix("kr")); everything is removed even on failure.
+The path is kickass_testbed.edge's spec (addresses only in 198.18.0.0/15),
+built by kickass_testbed.topology.build: everything is removed even on
+failure.
 """
 
 from __future__ import annotations
@@ -20,14 +21,10 @@ from pathlib import Path
 import pytest
 from kickass_core import rate as ka_rate
 from kickass_core import rtt as ka_rtt
-from router_netlib import (
-    Capture,
-    Topology,
-    binaries,
-    read_ndjson,
-    stop,
-    udp_socket,
-)
+from kickass_testbed.binaries import RUST_BINARIES, rust_binary
+from kickass_testbed.edge import RCV, SND, edge_path, ka_linkem, ka_router
+from kickass_testbed.topology import build
+from router_netlib import Capture, read_ndjson, udp_socket
 
 pytestmark = [
     pytest.mark.netns,
@@ -40,7 +37,8 @@ PORT = 9000
 
 @pytest.fixture(scope="module", autouse=True)
 def _built() -> None:
-    binaries()
+    for name in RUST_BINARIES:  # fail early, with the hint, if one is missing
+        rust_binary(name)
 
 
 def _datagram(seq: int, size: int = PAYLOAD) -> bytes:
@@ -57,45 +55,47 @@ def test_linux_reassembles_router_fragments(tmp_path: Path) -> None:
     want_len = ka_rate.leading_fragment_len(ka_rate.bps_to_bytes_per_ms(rate_bps))
     assert want_len == 584
     tel = tmp_path / "tel.ndjson"
-    with Topology() as topo:
-        router = topo.start_router(
-            "--capacity",
-            "100mbit",
-            "--alpha",
-            "0",
-            "--beta",
-            "0",
-            "--initial-rate",
-            "10mbit",
-            telemetry=tel,
+    with build(edge_path()) as topo:
+        router = topo.start(
+            ka_router(
+                "--capacity",
+                "100mbit",
+                "--alpha",
+                "0",
+                "--beta",
+                "0",
+                "--initial-rate",
+                "10mbit",
+                telemetry=tel,
+            )
         )
-        rx = udp_socket(topo.name("rcv"), ("0.0.0.0", PORT))
+        rx = udp_socket(topo.ns_name("rcv"), ("0.0.0.0", PORT))
         rx.settimeout(2)
-        tx = udp_socket(topo.name("snd"))
-        tx_df = udp_socket(topo.name("snd"), df=True)
+        tx = udp_socket(topo.ns_name("snd"))
+        tx_df = udp_socket(topo.ns_name("snd"), df=True)
         sent = {}
-        with Capture(topo.name("rcv"), "wan0") as cap:
+        with Capture(topo.ns_name("rcv"), "wan0") as cap:
             for seq in range(200):
                 d = _datagram(seq)
                 sent[seq] = d
-                tx.sendto(d, (Topology.RCV, PORT))
+                tx.sendto(d, (RCV, PORT))
                 time.sleep(0.002)
             for seq in range(200, 210):  # DF set: never cut
                 sent[seq] = _datagram(seq)
-                tx_df.sendto(sent[seq], (Topology.RCV, PORT))
+                tx_df.sendto(sent[seq], (RCV, PORT))
             for seq in range(210, 220):  # 1499 bytes: not full-size
                 sent[seq] = _datagram(seq, PAYLOAD - 1)
-                tx.sendto(sent[seq], (Topology.RCV, PORT))
+                tx.sendto(sent[seq], (RCV, PORT))
             got = {}
             while len(got) < len(sent):
                 data = rx.recv(65535)
                 got[struct.unpack("!I", data[:4])[0]] = data
             time.sleep(0.2)
-        code, err = stop(router)
+        code, err = router.stop()
         assert code == 0, err
 
     assert got == sent, "every datagram reassembled byte-for-byte"
-    ours = [p for p in cap.packets if p.src == Topology.SND and p.proto == 17]
+    ours = [p for p in cap.packets if p.src == SND and p.proto == 17]
     leads = [p for p in ours if p.is_leading_fragment]
     tails = [p for p in ours if p.offset > 0]
     whole = [p for p in ours if not p.mf and p.offset == 0]
@@ -118,19 +118,19 @@ def test_rcp_rate_drives_leading_fragment_len(tmp_path: Path) -> None:
     leading_fragment_len is floor8(F(advertised_rate)) by the Python core,
     and every leading fragment seen on the wire is one of them."""
     tel = tmp_path / "tel.ndjson"
-    with Topology() as topo:
-        router = topo.start_router("--capacity", "20mbit", telemetry=tel)
-        tx = udp_socket(topo.name("snd"))
-        rx = udp_socket(topo.name("rcv"), ("0.0.0.0", PORT))
-        with Capture(topo.name("rcv"), "wan0") as cap:
+    with build(edge_path()) as topo:
+        router = topo.start(ka_router("--capacity", "20mbit", telemetry=tel))
+        tx = udp_socket(topo.ns_name("snd"))
+        rx = udp_socket(topo.ns_name("rcv"), ("0.0.0.0", PORT))
+        with Capture(topo.ns_name("rcv"), "wan0") as cap:
             end = time.monotonic() + 3
             seq = 0
             while time.monotonic() < end:  # ~2.4 Mbit/s: R climbs towards C
-                tx.sendto(_datagram(seq), (Topology.RCV, PORT))
+                tx.sendto(_datagram(seq), (RCV, PORT))
                 seq += 1
                 time.sleep(0.005)
             time.sleep(0.2)
-        stop(router)
+        router.stop()
         rx.close()
     samples = [s for s in read_ndjson(tel) if s["type"] == "sample"]
     assert len(samples) > 100
@@ -141,7 +141,7 @@ def test_rcp_rate_drives_leading_fragment_len(tmp_path: Path) -> None:
             "leading_fragment_len",
             "input_rate_bps",
             "queue_bytes",
-            "mode",
+            "marking_mode",
             "drops",
             "fragmented",
             "rtt_ms",
@@ -220,10 +220,9 @@ def test_obeying_senders_converge_to_fair_share(tmp_path: Path) -> None:
     utilization stays above 85% and the queue small."""
     n, cap_bps = 3, 10e6
     tel = tmp_path / "tel.ndjson"
-    with Topology(linkem=True) as topo:
-        topo.start_linkem("--delay", "10ms")
-        router = topo.start_router("--capacity", "10mbit", "--buffer", "100p", telemetry=tel)
-        rcv_ns = topo.name("rcv")
+    with build(edge_path(linkem=True, processes=(ka_linkem("--delay", "10ms"),))) as topo:
+        router = topo.start(ka_router("--capacity", "10mbit", "--buffer", "100p", telemetry=tel))
+        rcv_ns = topo.ns_name("rcv")
         fb_tx = udp_socket(rcv_ns)
         sink = udp_socket(rcv_ns, ("0.0.0.0", PORT))
         sink.settimeout(0.05)
@@ -237,7 +236,7 @@ def test_obeying_senders_converge_to_fair_share(tmp_path: Path) -> None:
                 return
             last_fb[i] = p.t
             bps = ka_rate.bytes_per_ms_to_bps(ka_rate.advertised_rate(p.payload_len))
-            fb_tx.sendto(struct.pack("!d", bps), (Topology.SND, 6001 + i))
+            fb_tx.sendto(struct.pack("!d", bps), (SND, 6001 + i))
 
         got: list[tuple[float, int]] = []
         stop_rx = threading.Event()
@@ -254,13 +253,13 @@ def test_obeying_senders_converge_to_fair_share(tmp_path: Path) -> None:
         rx_thread.start()
         with (
             Capture(rcv_ns, "wan0", on_packet=on_packet),
-            _Pacer(topo.name("snd"), n, Topology.RCV, 20.0),
+            _Pacer(topo.ns_name("snd"), n, RCV, 20.0),
         ):
             t0 = time.monotonic()
             time.sleep(14)
         stop_rx.set()
         rx_thread.join(2)
-        code, err = stop(router)
+        code, err = router.stop()
         assert code == 0, err
 
     window = (t0 + 8, t0 + 14)
@@ -292,23 +291,23 @@ def test_unresponsive_flood_switches_to_tcp_mode_and_back(tmp_path: Path) -> Non
     50%: it enters TCP mode and no fragments leave while it lasts; after the
     flood stops it returns to Kick-Ass mode and fragments again."""
     tel = tmp_path / "tel.ndjson"
-    blast = binaries()["ka-blast"]
-    with Topology() as topo:
-        router = topo.start_router("--capacity", "10mbit", "--buffer", "100p", telemetry=tel)
-        tx = udp_socket(topo.name("snd"))
-        rx = udp_socket(topo.name("rcv"), ("0.0.0.0", PORT))
-        with Capture(topo.name("rcv"), "wan0") as cap:
+    blast = rust_binary("ka-blast")
+    with build(edge_path()) as topo:
+        router = topo.start(ka_router("--capacity", "10mbit", "--buffer", "100p", telemetry=tel))
+        tx = udp_socket(topo.ns_name("snd"))
+        rx = udp_socket(topo.ns_name("rcv"), ("0.0.0.0", PORT))
+        with Capture(topo.ns_name("rcv"), "wan0") as cap:
             t_start = time.monotonic()
             for seq in range(100):  # light: 1 Mbit/s for 1 s
-                tx.sendto(_datagram(seq), (Topology.RCV, PORT))
+                tx.sendto(_datagram(seq), (RCV, PORT))
                 time.sleep(0.01)
             t_flood = time.monotonic()
-            topo.ns["snd"].run(
+            topo["snd"].run(
                 [
                     str(blast),
                     "send",
                     "--dst",
-                    f"{Topology.RCV}:{PORT + 1}",
+                    f"{RCV}:{PORT + 1}",
                     "--pps",
                     "1667",
                     "--duration",
@@ -319,10 +318,10 @@ def test_unresponsive_flood_switches_to_tcp_mode_and_back(tmp_path: Path) -> Non
             t_flood_end = time.monotonic()
             t_light = time.monotonic()
             while time.monotonic() < t_light + 4:  # light again for 4 s
-                tx.sendto(_datagram(0), (Topology.RCV, PORT))
+                tx.sendto(_datagram(0), (RCV, PORT))
                 time.sleep(0.01)
             t_end = time.monotonic()
-        stop(router)
+        router.stop()
         rx.close()
     leads = [p for p in cap.packets if p.is_leading_fragment]
     before = [p for p in leads if t_start <= p.t < t_flood]
@@ -343,27 +342,27 @@ def test_unresponsive_flood_switches_to_tcp_mode_and_back(tmp_path: Path) -> Non
 
 def test_droptail_mode_never_fragments(tmp_path: Path) -> None:
     tel = tmp_path / "tel.ndjson"
-    with Topology() as topo:
-        router = topo.start_router("--capacity", "10mbit", "--mode", "droptail", telemetry=tel)
-        tx = udp_socket(topo.name("snd"))
-        rx = udp_socket(topo.name("rcv"), ("0.0.0.0", PORT))
+    with build(edge_path()) as topo:
+        router = topo.start(ka_router("--capacity", "10mbit", "--mode", "droptail", telemetry=tel))
+        tx = udp_socket(topo.ns_name("snd"))
+        rx = udp_socket(topo.ns_name("rcv"), ("0.0.0.0", PORT))
         rx.settimeout(2)
-        with Capture(topo.name("rcv"), "wan0") as cap:
+        with Capture(topo.ns_name("rcv"), "wan0") as cap:
             for seq in range(50):
-                tx.sendto(_datagram(seq), (Topology.RCV, PORT))
+                tx.sendto(_datagram(seq), (RCV, PORT))
                 time.sleep(0.002)
             for _ in range(50):
                 rx.recv(65535)
-        stop(router)
+        router.stop()
     assert not [p for p in cap.packets if p.mf or p.offset]
     samples = [s for s in read_ndjson(tel) if s["type"] == "sample"]
     assert samples and {s["marking_mode"] for s in samples} == {"droptail"}
 
 
 def test_errors_are_clear_and_crash_needs_no_cleanup(tmp_path: Path) -> None:
-    router_bin = str(binaries()["ka-router"])
-    with Topology() as topo:
-        rtr = topo.ns["rtr"]
+    router_bin = str(rust_binary("ka-router"))
+    with build(edge_path()) as topo:
+        rtr = topo["rtr"]
         # Bad rate string: usage error naming the problem, no panic.
         r = rtr.run([router_bin, "--lan", "lan", "--wan", "wan", "--capacity", "fast"], check=False)
         assert r.returncode == 2 and "bad rate" in r.stderr and "panicked" not in r.stderr
@@ -392,11 +391,11 @@ def test_errors_are_clear_and_crash_needs_no_cleanup(tmp_path: Path) -> None:
 
         # A crash (SIGKILL) leaves the ip rule behind; a restart cleans it.
         tel = tmp_path / "t1.ndjson"
-        p = topo.start_router("--capacity", "10mbit", telemetry=tel)
+        p = topo.start(ka_router("--capacity", "10mbit", telemetry=tel))
         os.killpg(p.pid, 9)
         p.wait(5)
         assert "lookup 100" in rtr.run(["ip", "rule"]).stdout
-        p2 = topo.start_router("--capacity", "10mbit", telemetry=tmp_path / "t2.ndjson")
+        p2 = topo.start(ka_router("--capacity", "10mbit", telemetry=tmp_path / "t2.ndjson"))
         assert rtr.run(["ip", "rule"]).stdout.count("lookup 100") == 1
         # A second router in the same namespace refuses clearly.
         r = rtr.run(
@@ -404,18 +403,18 @@ def test_errors_are_clear_and_crash_needs_no_cleanup(tmp_path: Path) -> None:
         )
         assert r.returncode == 1 and "ka0 already exists" in r.stderr
         # Traffic flows, then SIGTERM removes everything it created.
-        tx = udp_socket(topo.name("snd"))
-        rx = udp_socket(topo.name("rcv"), ("0.0.0.0", PORT))
+        tx = udp_socket(topo.ns_name("snd"))
+        rx = udp_socket(topo.ns_name("rcv"), ("0.0.0.0", PORT))
         rx.settimeout(2)
-        tx.sendto(_datagram(1), (Topology.RCV, PORT))
+        tx.sendto(_datagram(1), (RCV, PORT))
         assert rx.recv(65535) == _datagram(1)
-        code, err = stop(p2)
+        code, err = p2.stop()
         assert code == 0 and "stopped cleanly" in err, err
         assert "lookup 100" not in rtr.run(["ip", "rule"]).stdout
         assert "ka0" not in rtr.run(["ip", "link"]).stdout
         assert rtr.run(["ip", "route", "show", "table", "100"]).stdout.strip() == ""
         # Plain kernel forwarding still works after the router left.
-        tx.sendto(_datagram(2), (Topology.RCV, PORT))
+        tx.sendto(_datagram(2), (RCV, PORT))
         assert rx.recv(65535) == _datagram(2)
         lines = read_ndjson(tmp_path / "t2.ndjson")
         assert lines[-1]["type"] == "exit"

@@ -1,7 +1,8 @@
 """ka-linkem in real namespaces: the one-way delay, loss and rate are what
-was configured (bounds stated per test). Topology: a (198.18.3.1) -- lk
-(ka-linkem bridging la/lb at layer 2) -- b (198.18.3.2); static ARP so a
-lossy link cannot eat the neighbour resolution.
+was configured (bounds stated per test). Topology (a spec built by
+kickass_testbed.topology): a (198.18.3.1) -- lk (ka-linkem bridging la/lb at
+layer 2) -- b (198.18.3.2); static ARP so a lossy link cannot eat the
+neighbour resolution.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kickass_testbed import netns
-from router_netlib import binaries, static_neighbors, stop
+from kickass_testbed.binaries import rust_binary
+from kickass_testbed.edge import ka_linkem
+from kickass_testbed.netns import Netns
+from kickass_testbed.topology import End, Host, Link, Neighbor, Process, Topology, build
 
 pytestmark = [
     pytest.mark.netns,
@@ -24,39 +27,37 @@ pytestmark = [
 ]
 
 A, B = "198.18.3.1", "198.18.3.2"
+# Fixed (locally administered) MACs, so the static ARP entries are plain data.
+MAC_A, MAC_B = "02:00:00:00:03:01", "02:00:00:00:03:02"
+
+
+def emulated_path_spec(linkem: Process) -> Topology:
+    return Topology(
+        name="kr",
+        hosts=(Host("a"), Host("lk"), Host("b")),
+        links=(
+            Link(End("a", "e0", (f"{A}/24",), mac=MAC_A), End("lk", "la", ipv6=False)),
+            Link(End("lk", "lb", ipv6=False), End("b", "e0", (f"{B}/24",), mac=MAC_B)),
+        ),
+        neighbors=(Neighbor("a", "e0", B, MAC_B), Neighbor("b", "e0", A, MAC_A)),
+        processes=(linkem,),
+    )
 
 
 @contextlib.contextmanager
-def emulated_path(
-    *linkem_args: str, stats: Path | None = None
-) -> Iterator[tuple[netns.Netns, netns.Netns]]:
-    prefix = netns.unique_prefix("kr")
-    with netns.namespaces(f"{prefix}a", f"{prefix}lk", f"{prefix}b") as (a, lk, b):
-        netns.veth(a, "e0", lk, "la")
-        netns.veth(lk, "lb", b, "e0")
-        for i in ("la", "lb"):
-            lk.sysctl(f"net.ipv6.conf.{i}.disable_ipv6", 1)
-        netns.addr(a, "e0", f"{A}/24")
-        netns.addr(b, "e0", f"{B}/24")
-        static_neighbors(a, "e0", A, b, "e0", B)
-        p = lk.popen(
-            [str(binaries()["ka-linkem"]), "--a", "la", "--b", "lb", *linkem_args]
-            + (["--stats", str(stats)] if stats else []),
-            stderr=subprocess.PIPE,
-        )
-        time.sleep(0.3)
-        if p.poll() is not None:
-            raise RuntimeError(p.stderr.read().decode() if p.stderr else "ka-linkem died")
+def emulated_path(*linkem_args: str, stats: Path | None = None) -> Iterator[tuple[Netns, Netns]]:
+    args = [*linkem_args] + (["--stats", str(stats)] if stats else [])
+    with build(emulated_path_spec(ka_linkem(*args))) as net:
         try:
-            yield a, b
+            yield net["a"], net["b"]
         finally:
-            code, err = stop(p)
+            code, err = net.stop("ka-linkem")
             assert code == 0, err
 
 
-def blast(a: netns.Netns, b: netns.Netns, *send_args: str, recv_s: float = 10) -> dict:
+def blast(a: Netns, b: Netns, *send_args: str, recv_s: float = 10) -> dict:
     """ka-blast from a to b; returns the receiver's JSON report."""
-    exe = str(binaries()["ka-blast"])
+    exe = str(rust_binary("ka-blast"))
     rx = b.popen(
         [exe, "recv", "--bind", f"{B}:7000", "--duration", f"{recv_s}s", "--idle", "1s"],
         stdout=subprocess.PIPE,

@@ -13,8 +13,8 @@ from pathlib import Path
 import kickass_db as db
 import pytest
 from kickass_db.telemetry import TelemetryIngest
-from kickass_testbed.netns import addr, make_router, namespaces, unique_prefix, veth
-from router_netlib import binaries
+from kickass_testbed.edge import edge_path, ka_router
+from kickass_testbed.topology import build
 from sqlalchemy import text
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for namespaces")
@@ -22,21 +22,11 @@ KICKASS = Path(sys.executable).parent / "kickass"
 
 
 def test_router_telemetry_rows_appear_in_postgres(database_url: str) -> None:
-    ka_router = binaries()["ka-router"]
-    p = unique_prefix("kt")
-    with namespaces(p + "lan", p + "rtr", p + "wan") as (lan, rtr, wan):
-        veth(lan, "eth0", rtr, "lan0")
-        veth(rtr, "wan0", wan, "eth0")
-        addr(lan, "eth0", "198.18.40.2/24")
-        addr(rtr, "lan0", "198.18.40.1/24")
-        addr(rtr, "wan0", "198.18.41.1/24")
-        addr(wan, "eth0", "198.18.41.2/24")
-        make_router(rtr)
+    # Telemetry on the router's stdout, piped into `kickass telemetry ingest`.
+    router_spec = ka_router("--capacity", "10mbit", stderr="inherit")
+    with build(edge_path(processes=(router_spec,))) as net:
+        router = net.procs["ka-router"]
         env = {**os.environ, "KICKASS_DATABASE_URL": database_url}
-        router = rtr.popen(
-            [str(ka_router), "--lan", "lan0", "--wan", "wan0", "--capacity", "10mbit"],
-            stdout=subprocess.PIPE,
-        )
         ingest = subprocess.Popen(
             [str(KICKASS), "telemetry", "ingest", "-", "--run-name", "t1", "--json"],
             stdin=router.stdout,

@@ -1,9 +1,9 @@
 """`kickass demo`: the fragment-viability study on a namespace internet.
 
-Builds the internet of internet.py, starts an embedded PostgreSQL (unless
-KICKASS_DATABASE_URL is set), the measurement server, and runs the probe
-client from every client namespace at once; prints one results row per
-client and cleans everything up, also on Ctrl-C.
+Builds the study internet (internet.py, a topology spec), starts an
+embedded PostgreSQL (unless KICKASS_DATABASE_URL is set), the measurement
+server, and runs the probe client from every client namespace at once;
+prints one results row per client and cleans everything up, also on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from kickass_core.errors import KickassError
 from kickass_core.verdict import pool
 
 from .internet import CLIENT_KINDS, probe_internet
-from .netns import cleanup_on_signals, require_root
+from .netns import require_root
+from .topology import cleanup_on_signals
 
 DEMO_PLAN = {"repetitions": 30, "step": 16, "window": 16}
 EXPECTED = {
@@ -87,10 +88,15 @@ def run(args: argparse.Namespace) -> int:
     # The results table is the demo's output: stdout, unless --json owns it.
     out_console = console if args.json else Console(width=None if sys.stdout.isatty() else 110)
     kinds = args.clients or list(CLIENT_KINDS)
-    out_dir = Path(tempfile.mkdtemp(prefix="kickass-demo-"))
     results: dict[str, dict] = {}
     codes: dict[str, int] = {}
-    with cleanup_on_signals(), database(args.keep_db) as (url, where):
+    # Client outputs and server log; removed also when interrupted.
+    with (
+        cleanup_on_signals(),
+        tempfile.TemporaryDirectory(prefix="kickass-demo-") as tmp,
+        database(args.keep_db) as (url, where),
+    ):
+        out_dir = Path(tmp)
         console.print(f"[bold]database[/]: {where}")
         db.upgrade(url)
         from kickass_db.store import Store
@@ -189,7 +195,6 @@ def run(args: argparse.Namespace) -> int:
         out_console.print(table)
         if args.json:
             print(json.dumps({"version": 1, "clients": summary}))
-    shutil.rmtree(out_dir, ignore_errors=True)
     bad = [s for s in summary if s["verdict"] != s["expected"]]
     return 1 if bad or len(summary) != len(kinds) else 0
 

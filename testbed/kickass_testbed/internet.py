@@ -5,28 +5,30 @@
                                             ├── lossy     (198.18.3.2)  5% random loss each way
                                             └── nat box (198.18.4.2) ── natted (100.64.4.2)
 
-The middleboxes are single nftables rules in the router namespace (no
-conntrack there: it would reassemble fragments); the NAT box masquerades,
-and so reassembles and re-fragments like a home router does. Addresses come
-from documentation/benchmarking ranges and exist only inside these
-namespaces.
+``study_internet`` is the spec; ``probe_internet`` builds it (topology.build)
+with the measurement server running and yields a ``ProbeInternet`` to run
+clients in it. The middleboxes are single nftables rules in the router
+namespace (no conntrack there: it would reassemble fragments); the NAT box
+masquerades, and so reassembles and re-fragments like a home router does.
+Addresses come from documentation/benchmarking ranges and exist only inside
+these namespaces.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
-import os
+import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from kickass_core.errors import KickassError
-
-from .netns import Netns, addr, make_router, route, unique_prefix, veth
+from .netns import Netns
+from .topology import Built, End, Host, Link, NftRule, Process, Route, Topology, build
 
 SERVER_IP = "203.0.113.10"
 ROUTER_SERVER_SIDE = "203.0.113.1"
@@ -37,6 +39,119 @@ CLIENT_KINDS = ("clean", "fragdrop", "lossy", "natted")
 DEFAULT_LOSS_PERCENT = 5
 
 
+@dataclass(frozen=True)
+class ClientPlace:
+    """Where a client of ``kind`` sits: its host, its own address, and the
+    address the server sees (the NAT box's for "natted")."""
+
+    kind: str
+    host: str
+    address: str
+    public_address: str
+
+
+def client_places(kinds: Sequence[str] = CLIENT_KINDS) -> list[ClientPlace]:
+    """Client ``i`` (from 1) is host ``c<i>`` on 198.18.<i>.0/24, behind
+    100.64.<i>.0/24 if NATed."""
+    out = []
+    for i, kind in enumerate(kinds, start=1):
+        public = f"198.18.{i}.2"
+        own = f"100.64.{i}.2" if kind == "natted" else public
+        out.append(ClientPlace(kind, f"c{i}", own, public))
+    return out
+
+
+def study_internet(
+    kinds: Sequence[str] = CLIENT_KINDS,
+    loss_percent: int = DEFAULT_LOSS_PERCENT,
+    processes: tuple[Process, ...] = (),
+) -> Topology:
+    hosts = [Host("srv"), Host("rtr", router=True)]
+    links = [
+        Link(
+            End("srv", "uplink", (f"{SERVER_IP}/24",)),
+            End("rtr", "srv", (f"{ROUTER_SERVER_SIDE}/24",)),
+        )
+    ]
+    routes = [Route("srv", "default", via=ROUTER_SERVER_SIDE)]
+    nft: list[NftRule] = []
+    for i, place in enumerate(client_places(kinds), start=1):
+        net, iface, cl = f"198.18.{i}", f"c{i}", place.host
+        rtr_end = End("rtr", iface, (f"{net}.1/24",))
+        if place.kind == "natted":
+            nat = f"nat{i}"
+            hosts += [Host(nat, router=True), Host(cl)]
+            links += [
+                Link(End(nat, "wan", (f"{net}.2/24",)), rtr_end),
+                Link(
+                    End(cl, "uplink", (f"100.64.{i}.2/24",)), End(nat, "lan", (f"100.64.{i}.1/24",))
+                ),
+            ]
+            routes += [
+                Route(nat, "default", via=f"{net}.1"),
+                Route(cl, "default", via=f"100.64.{i}.1"),
+            ]
+            nft.append(
+                NftRule(
+                    nat,
+                    'oifname "wan" masquerade',
+                    hook="postrouting",
+                    kind="nat",
+                    priority="srcnat",
+                    family="ip",
+                    table="nat",
+                )
+            )
+            continue
+        hosts.append(Host(cl))
+        links.append(Link(End(cl, "uplink", (f"{net}.2/24",)), rtr_end))
+        routes.append(Route(cl, "default", via=f"{net}.1"))
+        if place.kind == "fragdrop":
+            nft.append(_middlebox(f'oifname "{iface}" ip frag-off & 0x3fff != 0 drop'))
+        elif place.kind == "lossy":
+            p = loss_percent
+            nft.append(_middlebox(f'oifname "{iface}" numgen random mod 100 < {p} drop'))
+            nft.append(_middlebox(f'iifname "{iface}" numgen random mod 100 < {p} drop'))
+    return Topology(
+        name="kd",
+        hosts=tuple(hosts),
+        links=tuple(links),
+        routes=tuple(routes),
+        nft=tuple(nft),
+        processes=processes,
+    )
+
+
+def _middlebox(rule: str) -> NftRule:
+    return NftRule("rtr", rule, hook="forward", table="middlebox")
+
+
+def server_process(
+    bin_dir: Path,
+    database_url: str,
+    env: dict[str, str] | None = None,
+    extra_args: Sequence[str] = (),
+) -> Process:
+    """`kickass server` in "srv", ready once it logs "listening http"."""
+    return Process(
+        name="server",
+        host="srv",
+        argv=(
+            str(bin_dir / "kickass"),
+            "server",
+            "--listen",
+            f"{SERVER_IP}:{HTTP_PORT}",
+            "--probe-port",
+            str(PROBE_PORT),
+            *extra_args,
+        ),
+        env={"KICKASS_DATABASE_URL": database_url, **(env or {})},
+        ready_text="listening http",
+        ready_timeout=30.0,
+        stop_timeout=15.0,
+    )
+
+
 @dataclass
 class Client:
     kind: str
@@ -45,137 +160,54 @@ class Client:
     public_address: str  # what the server sees
 
 
-@dataclass
 class ProbeInternet:
-    prefix: str
-    bin_dir: Path
-    database_url: str
-    loss_percent: int = DEFAULT_LOSS_PERCENT
-    kinds: Sequence[str] = CLIENT_KINDS
-    server_env: dict[str, str] = field(default_factory=dict)
-    log_dir: Path | None = None
-    namespaces: list[Netns] = field(default_factory=list)
-    clients: dict[str, Client] = field(default_factory=dict)
-    server_proc: subprocess.Popen | None = None
-    server_log: Path | None = None
-    router: Netns | None = None
-    server: Netns | None = None
+    """A built study internet: the server and the clients by kind."""
+
+    def __init__(
+        self,
+        built: Built,
+        kinds: Sequence[str],
+        bin_dir: Path,
+        database_url: str,
+        server_env: dict[str, str],
+    ) -> None:
+        self.built = built
+        self.prefix = built.prefix
+        self.bin_dir = bin_dir
+        self.database_url = database_url
+        self.server_env = server_env
+        self.server = built["srv"]
+        self.router = built["rtr"]
+        self.clients = {
+            p.kind: Client(p.kind, built[p.host], p.address, p.public_address)
+            for p in client_places(kinds)
+        }
 
     @property
     def server_url(self) -> str:
         return f"http://{SERVER_IP}:{HTTP_PORT}"
 
-    def _ns(self, name: str) -> Netns:
-        ns = Netns(f"{self.prefix}{name}").create()
-        self.namespaces.append(ns)
-        return ns
-
-    # -- topology ---------------------------------------------------------------
-    def build(self) -> None:
-        self.server = srv = self._ns("srv")
-        self.router = rtr = self._ns("rtr")
-        make_router(rtr)
-        veth(srv, "uplink", rtr, "srv")
-        addr(srv, "uplink", f"{SERVER_IP}/24")
-        addr(rtr, "srv", f"{ROUTER_SERVER_SIDE}/24")
-        route(srv, "default", via=ROUTER_SERVER_SIDE)
-        rules: list[str] = []
-        for i, kind in enumerate(self.kinds, start=1):
-            net = f"198.18.{i}"
-            iface = f"c{i}"
-            if kind == "natted":
-                nat = self._ns(f"nat{i}")
-                make_router(nat)
-                veth(nat, "wan", rtr, iface)
-                addr(nat, "wan", f"{net}.2/24")
-                addr(rtr, iface, f"{net}.1/24")
-                route(nat, "default", via=f"{net}.1")
-                cl = self._ns(f"c{i}")
-                veth(cl, "uplink", nat, "lan")
-                addr(nat, "lan", f"100.64.{i}.1/24")
-                addr(cl, "uplink", f"100.64.{i}.2/24")
-                route(cl, "default", via=f"100.64.{i}.1")
-                nat.nft(
-                    "table ip nat {\n"
-                    " chain post { type nat hook postrouting priority srcnat;"
-                    ' oifname "wan" masquerade; }\n}\n'
-                )
-                self.clients[kind] = Client(kind, cl, f"100.64.{i}.2", f"{net}.2")
-                continue
-            cl = self._ns(f"c{i}")
-            veth(cl, "uplink", rtr, iface)
-            addr(cl, "uplink", f"{net}.2/24")
-            addr(rtr, iface, f"{net}.1/24")
-            route(cl, "default", via=f"{net}.1")
-            self.clients[kind] = Client(kind, cl, f"{net}.2", f"{net}.2")
-            if kind == "fragdrop":
-                rules.append(f'oifname "{iface}" ip frag-off & 0x3fff != 0 drop')
-            elif kind == "lossy":
-                p = self.loss_percent
-                rules.append(f'oifname "{iface}" numgen random mod 100 < {p} drop')
-                rules.append(f'iifname "{iface}" numgen random mod 100 < {p} drop')
-        if rules:
-            body = "\n  ".join(rules)
-            rtr.nft(
-                "table inet middlebox {\n"
-                " chain forwarding {\n  type filter hook forward priority 0; policy accept;\n"
-                f"  {body}\n }}\n}}\n"
-            )
+    @property
+    def server_log(self) -> Path:
+        return self.built.log_dir / "server.log"
 
     # -- server -----------------------------------------------------------------
     def start_server(self, extra_args: Sequence[str] = (), timeout: float = 30.0) -> None:
-        assert self.server is not None
-        log_dir = self.log_dir or Path(os.environ.get("TMPDIR", "/tmp"))
-        self.server_log = log_dir / f"{self.prefix}-server.log"
-        env = {**os.environ, "KICKASS_DATABASE_URL": self.database_url, **self.server_env}
-        # A restart appends to the same log: only what this run writes counts.
-        start_at = self.server_log.stat().st_size if self.server_log.exists() else 0
-        with open(self.server_log, "ab") as logf:
-            self.server_proc = self.server.popen(
-                [
-                    str(self.bin_dir / "kickass"),
-                    "server",
-                    "--listen",
-                    f"{SERVER_IP}:{HTTP_PORT}",
-                    "--probe-port",
-                    str(PROBE_PORT),
-                    *extra_args,
-                ],
-                stdout=logf,
-                stderr=subprocess.STDOUT,
-                env=env,
-            )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.server_proc.poll() is not None:
-                raise KickassError(
-                    f"the measurement server exited ({self.server_proc.returncode}):\n"
-                    + self.server_log.read_text()[-2000:]
-                )
-            if b"listening http" in self.server_log.read_bytes()[start_at:]:
-                return
-            time.sleep(0.05)
-        raise KickassError(
-            "the measurement server did not start in time:\n" + self.server_log.read_text()[-2000:]
-        )
+        proc = server_process(self.bin_dir, self.database_url, self.server_env, extra_args)
+        self.built.start(dataclasses.replace(proc, ready_timeout=timeout))
 
-    def stop_server(self, sig: int = 15, timeout: float = 15.0) -> int | None:
-        p = self.server_proc
-        if p is None or p.poll() is not None:
-            return p.returncode if p else None
-        os.killpg(p.pid, sig)
-        try:
-            return p.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, 9)
-            return p.wait(5)
+    def stop_server(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int | None:
+        proc = self.built.procs.get("server")
+        if proc is None:
+            return None
+        return proc.stop(sig, timeout)[0]
 
     # -- clients ----------------------------------------------------------------
     def client_cmd(self, args: Sequence[str]) -> list[str]:
         return [str(self.bin_dir / "kickass-probe"), "--server", self.server_url, "--yes", *args]
 
     def run_client(
-        self, kind: str, args: Sequence[str], timeout: float = 300.0, **kwargs
+        self, kind: str, args: Sequence[str], timeout: float = 300.0, **kwargs: Any
     ) -> subprocess.CompletedProcess[str]:
         ns = self.clients[kind].ns
         return subprocess.run(
@@ -187,15 +219,8 @@ class ProbeInternet:
             **kwargs,
         )
 
-    def popen_client(self, kind: str, args: Sequence[str], **kwargs) -> subprocess.Popen:
+    def popen_client(self, kind: str, args: Sequence[str], **kwargs: Any) -> subprocess.Popen:
         return self.clients[kind].ns.popen(self.client_cmd(args), **kwargs)
-
-    def teardown(self) -> None:
-        with contextlib.suppress(Exception):
-            self.stop_server()
-        for ns in reversed(self.namespaces):
-            ns.delete()
-        self.namespaces.clear()
 
 
 @contextlib.contextmanager
@@ -210,22 +235,12 @@ def probe_internet(
     prefix: str | None = None,
     log_dir: Path | None = None,
 ) -> Iterator[ProbeInternet]:
-    net = ProbeInternet(
-        prefix=prefix or unique_prefix("kd"),
-        bin_dir=bin_dir or Path(sys.executable).parent,
-        database_url=database_url,
-        loss_percent=loss_percent,
-        kinds=kinds,
-        server_env=server_env or {},
-        log_dir=log_dir,
-    )
-    try:
-        net.build()
-        if start_server:
-            net.start_server()
-        yield net
-    finally:
-        net.teardown()
+    bin_dir = bin_dir or Path(sys.executable).parent
+    env = server_env or {}
+    server = (server_process(bin_dir, database_url, env),) if start_server else ()
+    spec = study_internet(kinds, loss_percent, processes=server)
+    with build(spec, prefix=prefix, log_dir=log_dir) as built:
+        yield ProbeInternet(built, kinds, bin_dir, database_url, env)
 
 
 def parse_json_output(proc: subprocess.CompletedProcess[str]) -> dict:

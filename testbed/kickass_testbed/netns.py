@@ -1,27 +1,31 @@
-"""Network namespaces as context managers: the building block of every
-emulated internet here (demo, tests, benchmarks).
+"""One network namespace, as a handle: run commands and start processes in
+it, or switch the calling thread into it.
 
-Everything created is torn down on exit, also when the body raises or the
-process gets SIGTERM/SIGINT (see ``cleanup_on_signals``): namespaces are
-deleted (which kills their veths) and processes started inside are killed.
-Names carry a per-process prefix so parallel runs never collide.
+This is the mechanism only; what namespaces exist and how they are wired is
+data (``topology.Topology``) and ``topology.build`` is the one place that
+creates and removes them. A namespace deleted here takes its veths with it
+and its processes are killed first (our own, then any straggler found by
+``ip netns pids``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
-import secrets
 import shutil
 import signal
 import subprocess
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from kickass_core.errors import KickassError
 
 NETNS_DIR = Path("/run/netns")
+CLONE_NEWNET = 0x40000000
+
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def require_root() -> None:
@@ -36,16 +40,22 @@ def require_root() -> None:
         )
 
 
-def unique_prefix(base: str = "ka") -> str:
-    """A short prefix unique to this run (interface names max 15 chars)."""
-    return f"{base}{secrets.token_hex(2)}"
-
-
-def _run(
-    cmd: Sequence[str], *, check: bool = True, input: str | None = None, timeout: float = 30
+def run_cmd(
+    cmd: Sequence[str],
+    *,
+    check: bool = True,
+    input: str | None = None,
+    timeout: float = 30,
+    cpus: Collection[int] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run(
-        list(cmd), capture_output=True, text=True, input=input, timeout=timeout, check=False
+        list(cmd),
+        capture_output=True,
+        text=True,
+        input=input,
+        timeout=timeout,
+        check=False,
+        preexec_fn=_pin(cpus),
     )
     if check and proc.returncode != 0:
         raise KickassError(
@@ -54,43 +64,71 @@ def _run(
     return proc
 
 
+def _pin(cpus: Collection[int] | None) -> Callable[[], None] | None:
+    """A pre-exec hook pinning the child to ``cpus``: the affinity survives
+    `ip netns exec` (it execs in place), so no `taskset` is needed."""
+    if not cpus:
+        return None
+    mask = set(cpus)
+    return lambda: os.sched_setaffinity(0, mask)
+
+
+@contextlib.contextmanager
+def in_netns(name: str) -> Iterator[None]:
+    """Switch the calling thread into namespace ``name`` for the block.
+
+    Namespaces are per thread in Linux: a socket created inside the block
+    stays in ``name`` after the thread switches back.
+    """
+    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    try:
+        target = os.open(NETNS_DIR / name, os.O_RDONLY)
+    except BaseException:
+        os.close(own)
+        raise
+    try:
+        if _libc.setns(target, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns({name}) failed")
+        try:
+            yield
+        finally:
+            if _libc.setns(own, CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), "setns back failed")
+    finally:
+        os.close(own)
+        os.close(target)
+
+
 class Netns:
-    """One network namespace. ``with Netns("x") as ns:`` creates and deletes it."""
+    """One network namespace; ``create()``/``delete()`` are called by the builder."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self._procs: list[subprocess.Popen[bytes]] = []
         self._created = False
 
-    # -- lifecycle -----------------------------------------------------------
     def create(self) -> Netns:
         require_root()
         if (NETNS_DIR / self.name).exists():
             # A crashed earlier run may have left it: a restart needs no manual clean-up.
-            _run(["ip", "netns", "del", self.name], check=False)
-        _run(["ip", "netns", "add", self.name])
+            run_cmd(["ip", "netns", "del", self.name], check=False)
+        run_cmd(["ip", "netns", "add", self.name])
         self._created = True
-        self.run(["ip", "link", "set", "lo", "up"])
+        self.ip("link set lo up")
         return self
 
     def delete(self) -> None:
         for p in reversed(self._procs):
-            _kill(p)
+            kill(p)
         self._procs.clear()
         if self._created:
             # Kill stragglers started by others inside this namespace.
-            pids = _run(["ip", "netns", "pids", self.name], check=False).stdout.split()
+            pids = run_cmd(["ip", "netns", "pids", self.name], check=False).stdout.split()
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError, ValueError):
                     os.kill(int(pid), signal.SIGKILL)
-            _run(["ip", "netns", "del", self.name], check=False)
+            run_cmd(["ip", "netns", "del", self.name], check=False)
             self._created = False
-
-    def __enter__(self) -> Netns:
-        return self.create()
-
-    def __exit__(self, *exc: object) -> None:
-        self.delete()
 
     # -- running things ------------------------------------------------------
     def cmd(self, cmd: Sequence[str]) -> list[str]:
@@ -103,21 +141,26 @@ class Netns:
         check: bool = True,
         input: str | None = None,
         timeout: float = 30,
+        cpus: Collection[int] | None = None,
     ) -> subprocess.CompletedProcess[str]:
-        return _run(self.cmd(cmd), check=check, input=input, timeout=timeout)
+        return run_cmd(self.cmd(cmd), check=check, input=input, timeout=timeout, cpus=cpus)
 
-    def sh(self, script: str, *, check: bool = True) -> subprocess.CompletedProcess[str]:
-        return self.run(["sh", "-c", script], check=check)
-
-    def popen(self, cmd: Sequence[str], **kwargs: object) -> subprocess.Popen[bytes]:
-        """Start a long-running process inside; killed when the namespace goes."""
+    def popen(
+        self, cmd: Sequence[str], *, cpus: Collection[int] | None = None, **kwargs: Any
+    ) -> subprocess.Popen[bytes]:
+        """Start a long-running process inside, in its own session (so a stop
+        signal reaches its children); killed when the namespace goes."""
         kwargs.setdefault("start_new_session", True)
-        p = subprocess.Popen(self.cmd(cmd), **kwargs)  # type: ignore[call-overload]
+        p: subprocess.Popen[bytes] = subprocess.Popen(
+            self.cmd(cmd), preexec_fn=_pin(cpus), **kwargs
+        )
         self._procs.append(p)
         return p
 
-    def sysctl(self, key: str, value: str | int) -> None:
-        self.run(["sysctl", "-q", "-w", f"{key}={value}"])
+    def ip(self, *lines: str) -> None:
+        """`ip` commands in this namespace, in one `ip -batch` (one exec, not one each)."""
+        if lines:
+            run_cmd(["ip", "-n", self.name, "-batch", "-"], input="\n".join(lines) + "\n")
 
     def nft(self, ruleset: str) -> None:
         """Load an nftables ruleset (text) into this namespace."""
@@ -125,15 +168,12 @@ class Netns:
             raise KickassError("nftables (`nft`) is missing", hint="apt-get install nftables")
         self.run(["nft", "-f", "-"], input=ruleset)
 
-    def ifaces_offloads_off(self, *ifaces: str) -> None:
-        """GRO/GSO/TSO off: fragments and packet sizes stay what was sent."""
-        if not shutil.which("ethtool"):
-            return
-        for i in ifaces:
-            self.run(["ethtool", "-K", i, "gro", "off", "gso", "off", "tso", "off"], check=False)
+    def in_netns(self) -> contextlib.AbstractContextManager[None]:
+        return in_netns(self.name)
 
 
-def _kill(p: subprocess.Popen[bytes], grace: float = 2.0) -> None:
+def kill(p: subprocess.Popen[bytes], grace: float = 2.0) -> None:
+    """SIGTERM the process group, SIGKILL after ``grace`` seconds."""
     if p.poll() is not None:
         return
     with contextlib.suppress(ProcessLookupError):
@@ -144,76 +184,3 @@ def _kill(p: subprocess.Popen[bytes], grace: float = 2.0) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGKILL)
         p.wait(5)
-
-
-def veth(
-    a: Netns, a_if: str, b: Netns, b_if: str, *, mtu: int = 1500, offloads: bool = False
-) -> None:
-    """A veth pair with one end in each namespace, both ends up."""
-    tmp = f"v{secrets.token_hex(5)}"
-    _run(["ip", "link", "add", tmp, "type", "veth", "peer", "name", f"{tmp}p"])
-    _run(["ip", "link", "set", tmp, "netns", a.name])
-    _run(["ip", "link", "set", f"{tmp}p", "netns", b.name])
-    a.run(["ip", "link", "set", "dev", tmp, "name", a_if])
-    b.run(["ip", "link", "set", f"{tmp}p", "name", b_if])
-    for ns, i in ((a, a_if), (b, b_if)):
-        ns.run(["ip", "link", "set", "dev", i, "mtu", str(mtu), "up"])
-        if not offloads:
-            ns.ifaces_offloads_off(i)
-
-
-def addr(ns: Netns, iface: str, cidr: str) -> None:
-    ns.run(["ip", "addr", "add", cidr, "dev", iface])
-
-
-def route(ns: Netns, dest: str, via: str | None = None, dev: str | None = None) -> None:
-    cmd = ["ip", "route", "add", dest]
-    if via:
-        cmd += ["via", via]
-    if dev:
-        cmd += ["dev", dev]
-    ns.run(cmd)
-
-
-def make_router(ns: Netns) -> None:
-    """Forward IPv4, no reverse-path filtering (spoof tests need it off)."""
-    ns.sysctl("net.ipv4.ip_forward", 1)
-    ns.sysctl("net.ipv4.conf.all.rp_filter", 0)
-    ns.sysctl("net.ipv4.conf.default.rp_filter", 0)
-
-
-@contextlib.contextmanager
-def namespaces(*names: str) -> Iterator[list[Netns]]:
-    """Several namespaces at once, all removed on exit."""
-    created: list[Netns] = []
-    try:
-        for n in names:
-            created.append(Netns(n).create())
-        yield created
-    finally:
-        for ns in reversed(created):
-            ns.delete()
-
-
-def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "condition") -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-
-
-@contextlib.contextmanager
-def cleanup_on_signals() -> Iterator[None]:
-    """Turn SIGTERM/SIGHUP into KeyboardInterrupt so `with` blocks unwind."""
-
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)

@@ -17,20 +17,17 @@ import argparse
 import contextlib
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kickass_core.errors import KickassError
 
-from .netns import Netns, addr, cleanup_on_signals, make_router, require_root, route, veth
-from .netns import unique_prefix as _unique_prefix
+from .edge import ka_linkem, ka_router
+from .topology import Bridge, Built, End, Host, Link, Route, Topology, build, cleanup_on_signals
 
 LAN_NET = "198.18.50"
 WAN_NET = "198.18.51"
@@ -63,139 +60,91 @@ class TestbedInfo:
     config: dict = field(default_factory=dict)
 
 
-def find_binary(name: str) -> Path:
-    here = Path(sys.executable).parent / name
-    if here.exists():
-        return here
-    found = shutil.which(name)
-    if found:
-        return Path(found)
-    raise KickassError(f"{name} not found", hint="run `make install` (builds router-edge/)")
+def sender_address(i: int) -> str:
+    return f"{LAN_NET}.{10 + i}"
+
+
+def receiver_address(i: int) -> str:
+    return f"{WAN_NET}.{10 + i}"
+
+
+def wan_topology(c: TestbedConfig) -> Topology:
+    """The testbed as a spec: hosts s1..sN on the router's LAN bridge, r1..rM
+    on the far bridge, ka-linkem between them, ka-router on the edge."""
+    hosts = [Host("rtr", router=True), Host("emu"), Host("far")]
+    links = [
+        Link(End("rtr", "wan0", (f"{WAN_NET}.1/24",)), End("emu", "a")),
+        Link(End("emu", "b"), End("far", "up0", master="sw")),
+    ]
+    routes: list[Route] = []
+    for kind, count, hub, bridge, net, address in (
+        ("s", c.senders, "rtr", "lan", LAN_NET, sender_address),
+        ("r", c.receivers, "far", "sw", WAN_NET, receiver_address),
+    ):
+        # End hosts net.11 and up, each with a port on the hub's bridge.
+        for i in range(1, count + 1):
+            name = f"{kind}{i}"
+            hosts.append(Host(name))
+            links.append(
+                Link(End(name, "eth0", (f"{address(i)}/24",)), End(hub, name, master=bridge))
+            )
+            routes.append(Route(name, "default", via=f"{net}.1"))
+    linkem_args = ["--delay", f"{c.rtt_ms / 2}ms", "--loss", str(c.loss)]
+    if c.bottleneck:
+        linkem_args += ["--rate", c.bottleneck, "--queue", c.bottleneck_queue]
+    router_args = ["--capacity", c.capacity, "--mode", c.mode, *c.router_args]
+    if c.buffer:
+        router_args += ["--buffer", c.buffer]
+    return Topology(
+        name="kw",
+        hosts=tuple(hosts),
+        bridges=(Bridge("rtr", "lan", (f"{LAN_NET}.1/24",)), Bridge("far", "sw")),
+        links=tuple(links),
+        routes=tuple(routes),
+        processes=(
+            ka_linkem(*linkem_args, a="a", b="b", host="emu", stdout="log", stderr="log"),
+            # Telemetry on stdout, read by Testbed._pump; ready when it survives 0.3 s.
+            ka_router(*router_args, lan="lan", wan="wan0", stderr="log", settle=0.3),
+        ),
+    )
 
 
 class Testbed:
-    def __init__(
-        self,
-        config: TestbedConfig,
-        prefix: str | None = None,
-        database_url: str | None = None,
-        log_dir: Path | None = None,
-        keep_logs: bool = False,
-    ) -> None:
+    """A built testbed: its info, and the router's telemetry pumped to a file
+    (and to PostgreSQL when a database is set)."""
+
+    def __init__(self, built: Built, config: TestbedConfig, database_url: str | None) -> None:
+        self.built = built
         self.config = config
-        self.prefix = prefix or _unique_prefix("kw")
+        self.prefix = built.prefix
+        self.log_dir = built.log_dir
         self.database_url = database_url
-        self.keep_logs = keep_logs
-        self._own_log_dir = log_dir is None
-        self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="kickass-testbed-"))
-        self.namespaces: list[Netns] = []
-        self.router_proc: subprocess.Popen | None = None
-        self.linkem_proc: subprocess.Popen | None = None
-        self._ingest_thread: threading.Thread | None = None
         self.ingest_summary: dict | None = None
-        self.info: TestbedInfo | None = None
-
-    def _ns(self, name: str) -> Netns:
-        ns = Netns(f"{self.prefix}{name}").create()
-        self.namespaces.append(ns)
-        return ns
-
-    def build(self) -> TestbedInfo:
-        require_root()
-        c = self.config
-        rtr = self._ns("rtr")
-        emu = self._ns("emu")
-        far = self._ns("far")
-        make_router(rtr)
-        rtr.run(["ip", "link", "add", "lan", "type", "bridge"])
-        rtr.run(["ip", "link", "set", "dev", "lan", "up"])
-        addr(rtr, "lan", f"{LAN_NET}.1/24")
-        senders = self._hosts("s", c.senders, rtr, "lan", LAN_NET)
-        veth(rtr, "wan0", emu, "a")
-        addr(rtr, "wan0", f"{WAN_NET}.1/24")
-        veth(emu, "b", far, "up0")
-        far.run(["ip", "link", "add", "sw", "type", "bridge"])
-        far.run(["ip", "link", "set", "dev", "sw", "up"])
-        far.run(["ip", "link", "set", "dev", "up0", "master", "sw"])
-        receivers = self._hosts("r", c.receivers, far, "sw", WAN_NET)
         self.info = TestbedInfo(
-            self.prefix, senders, receivers, rtr.name, emu.name, far.name, config=asdict(c)
+            self.prefix,
+            {built.ns_name(f"s{i}"): sender_address(i) for i in range(1, config.senders + 1)},
+            {built.ns_name(f"r{i}"): receiver_address(i) for i in range(1, config.receivers + 1)},
+            built.ns_name("rtr"),
+            built.ns_name("emu"),
+            built.ns_name("far"),
+            config=asdict(config),
         )
-        self._start_linkem(emu)
-        self._start_router(rtr)
-        return self.info
-
-    def _hosts(self, kind: str, count: int, hub: Netns, bridge: str, net: str) -> dict[str, str]:
-        """``count`` end hosts ``{kind}1..`` on ``bridge`` in ``hub``, addresses
-        net.11 and up, default route via net.1; returns namespace -> address."""
-        hosts = {}
-        for i in range(1, count + 1):
-            h = self._ns(f"{kind}{i}")
-            veth(h, "eth0", hub, f"{kind}{i}")
-            hub.run(["ip", "link", "set", "dev", f"{kind}{i}", "master", bridge])
-            a = f"{net}.{10 + i}"
-            addr(h, "eth0", f"{a}/24")
-            route(h, "default", via=f"{net}.1")
-            hosts[h.name] = a
-        return hosts
-
-    def _start_linkem(self, emu: Netns) -> None:
-        c = self.config
-        cmd = [
-            str(find_binary("ka-linkem")),
-            "--a",
-            "a",
-            "--b",
-            "b",
-            "--delay",
-            f"{c.rtt_ms / 2}ms",
-            "--loss",
-            str(c.loss),
-        ]
-        if c.bottleneck:
-            cmd += ["--rate", c.bottleneck, "--queue", c.bottleneck_queue]
-        with open(self.log_dir / "ka-linkem.log", "ab") as log:
-            self.linkem_proc = emu.popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-
-    def _start_router(self, rtr: Netns) -> None:
-        c = self.config
-        cmd = [
-            str(find_binary("ka-router")),
-            "--lan",
-            "lan",
-            "--wan",
-            "wan0",
-            "--capacity",
-            c.capacity,
-            "--mode",
-            c.mode,
-            *c.router_args,
-        ]
-        if c.buffer:
-            cmd += ["--buffer", c.buffer]
-        telemetry = self.log_dir / "router-telemetry.ndjson"
-        errlog = open(self.log_dir / "ka-router.log", "ab")  # noqa: SIM115
-        self.router_proc = rtr.popen(cmd, stdout=subprocess.PIPE, stderr=errlog)
-        errlog.close()
-        self._ingest_thread = threading.Thread(target=self._pump, args=(telemetry,), daemon=True)
+        self._ingest_thread = threading.Thread(
+            target=self._pump, args=(self.log_dir / "router-telemetry.ndjson",), daemon=True
+        )
         self._ingest_thread.start()
-        time.sleep(0.3)
-        if self.router_proc.poll() is not None:
-            raise KickassError(
-                "ka-router exited at start:\n"
-                + (self.log_dir / "ka-router.log").read_text()[-2000:]
-            )
 
     def _pump(self, path: Path) -> None:
         """Router telemetry to a file, and to PostgreSQL when a database is set."""
-        assert self.router_proc is not None and self.router_proc.stdout is not None
+        stdout = self.built.procs["ka-router"].stdout
+        assert stdout is not None
         ingest = None
         if self.database_url:
             from kickass_db.telemetry import TelemetryIngest
 
             ingest = TelemetryIngest(self.database_url, run_name=self.prefix)
         with open(path, "a", encoding="utf-8") as out:
-            for raw in self.router_proc.stdout:
+            for raw in stdout:
                 line = raw.decode("utf-8", "replace")
                 out.write(line)
                 if ingest is not None:
@@ -215,30 +164,29 @@ class Testbed:
                 rows.append(json.loads(line))
         return rows
 
-    def teardown(self) -> None:
-        for p in (self.router_proc, self.linkem_proc):
-            if p is not None and p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, 15)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    p.wait(10)
-        if self._ingest_thread is not None:
-            self._ingest_thread.join(10)
-        for ns in reversed(self.namespaces):
-            ns.delete()
-        self.namespaces.clear()
-        if self._own_log_dir and not self.keep_logs:
-            shutil.rmtree(self.log_dir, ignore_errors=True)
+    def stop(self) -> None:
+        """Stop the router first so its last telemetry (the exit line) is
+        stored before the namespaces go."""
+        self.built.stop("ka-router")
+        self._ingest_thread.join(10)
 
 
 @contextlib.contextmanager
-def testbed(config: TestbedConfig, **kwargs) -> Iterator[Testbed]:  # noqa: ANN003
-    tb = Testbed(config, **kwargs)
-    try:
-        tb.build()
-        yield tb
-    finally:
-        tb.teardown()
+def testbed(
+    config: TestbedConfig,
+    *,
+    database_url: str | None = None,
+    prefix: str | None = None,
+    log_dir: Path | None = None,
+    keep_logs: bool = False,
+) -> Iterator[Testbed]:
+    spec = wan_topology(config)
+    with build(spec, prefix=prefix, log_dir=log_dir, keep_logs=keep_logs) as built:
+        tb = Testbed(built, config, database_url)
+        try:
+            yield tb
+        finally:
+            tb.stop()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -257,7 +205,6 @@ def run(args: argparse.Namespace) -> int:
     )
     url = args.database_url or os.environ.get("KICKASS_DATABASE_URL")
     with cleanup_on_signals(), testbed(config, database_url=url, keep_logs=args.keep_logs) as tb:
-        assert tb.info is not None
         info_path = tb.log_dir / "testbed.json"
         info_path.write_text(json.dumps(asdict(tb.info), indent=1))
         print(
@@ -272,13 +219,12 @@ def run(args: argparse.Namespace) -> int:
             return 0
         full = list(cmd)
         if args.ns:
-            ns_name = f"{tb.prefix}{args.ns}"
-            if ns_name not in {n.name for n in tb.namespaces}:
+            if args.ns not in tb.built.hosts:
                 raise KickassError(
                     f"no namespace {args.ns!r} in this testbed",
                     hint="use s1..sN, r1..rM, rtr, emu or far",
                 )
-            full = ["ip", "netns", "exec", ns_name, *full]
+            full = tb.built[args.ns].cmd(full)
         rc = subprocess.run(full, env=env, check=False).returncode
     return rc
 
