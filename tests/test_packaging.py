@@ -30,6 +30,7 @@ ALL_PACKAGES = {
     "tcpdump",
     "iputils-ping",
     "procps",
+    "util-linux",
     "iperf3",
     "docker-compose",
     "postgresql",
@@ -76,7 +77,7 @@ def test_setup_lists_every_program_that_code_or_tests_start() -> None:
         *REPO.glob("bench/*.py"),
     ]:
         for m in re.finditer(
-            r'\[\s*"(ip|tc|nft|ethtool|tcpdump|ping|sysctl|iperf3|docker-compose)"',
+            r'\[\s*"(ip|tc|nft|ethtool|tcpdump|ping|sysctl|iperf3|docker-compose|setpriv)"',
             path.read_text(),
         ):
             started.add(m.group(1))

@@ -20,6 +20,7 @@ ethtool                              ethtool         offloads off on veths (test
 tcpdump                              tcpdump         ground-truth captures (tests)
 ping                                 iputils-ping    link-emulator delay test, Atlas-style echo requests
 sysctl                               procps          reassembly and forwarding knobs in namespaces
+setpriv                              util-linux      unprivileged runs in tests (router errors)
 iperf3                               iperf3          router benchmark sender
 docker-compose                       docker-compose  offline check of docker-compose.yml (tests)
 /usr/lib/postgresql/*/bin/postgres   postgresql      the real PostgreSQL the tests run against

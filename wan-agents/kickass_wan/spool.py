@@ -60,6 +60,23 @@ class Spool:
                 (self.dir / f"{kind}.{record_id}.json").unlink(missing_ok=True)
         self._sync_dir()
 
+    def reject(self, kind: str, ids: Iterable[str], reason: str) -> None:
+        """Move records the server refused for good to ``rejected/``, noting why."""
+        aside = self.dir / "rejected"
+        aside.mkdir(exist_ok=True)
+        for record_id in ids:
+            src = self.dir / f"{kind}.{record_id}.json"
+            if _ID.match(record_id) and src.exists():
+                data = json.loads(src.read_text())
+                data["rejected_because"] = reason
+                (aside / src.name).write_text(json.dumps(data))
+                src.unlink()
+        self._sync_dir()
+
+    def rejected(self) -> int:
+        aside = self.dir / "rejected"
+        return sum(1 for _ in aside.glob("*.json")) if aside.exists() else 0
+
     def count(self) -> int:
         return sum(1 for _ in self.dir.glob("*.json"))
 
