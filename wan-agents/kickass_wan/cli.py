@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 
 from kickass_core.errors import KickassError
 
-from .schedule import interleaved
+from .runner import AgentRef, TrialConfig, TrialRunner
+from .schedule import Period, interleaved
+from .spool import Spool
+from .uploader import Uploader
 from .workload import Workload, flows
 
 
@@ -35,6 +40,52 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_plan)
+
+    run = tsub.add_parser(
+        "run",
+        help="run an interleaved Kick-Ass vs TCP trial towards agents",
+        description="Alternating periods of Kick-Ass and TCP flows per agent (order shuffled per "
+        "pair), paper workload (Pareto sizes, exponential gaps). Agent secrets: --secret-dir "
+        "DIR/NAME files or KICKASS_AGENT_SECRET. Runner token: --runner-token-file or "
+        "KICKASS_RUNNER_TOKEN. Progress goes to stderr; --json prints the result to stdout.",
+    )
+    run.add_argument(
+        "--agent",
+        action="append",
+        required=True,
+        metavar="NAME=URL",
+        help="agent name and control URL with an IP literal (repeat)",
+    )
+    run.add_argument("--secret-dir", help="directory with one secret file per agent name")
+    run.add_argument("--pairs", type=int, default=3)
+    run.add_argument("--period", type=float, default=120.0, help="seconds per period (default 120)")
+    run.add_argument("--mean-gap", type=float, default=0.5, help="mean gap between flows, s")
+    run.add_argument("--mean-packets", type=float, default=100.0)
+    run.add_argument("--max-packets", type=int, default=2000)
+    run.add_argument("--shape", type=float, default=1.8)
+    run.add_argument("--seed", type=int, default=1)
+    run.add_argument("--cc", default="cubic", help="TCP congestion control (cubic, reno, bbr...)")
+    run.add_argument("--handshake", choices=["padded", "paper"], default="padded")
+    run.add_argument(
+        "--protocols", default="kickass,tcp", help="periods to run (default %(default)s)"
+    )
+    run.add_argument("--access-capacity", type=float, help="edge access link, bit/s (stored)")
+    run.add_argument("--router-run-name", help="ka-router telemetry run this trial overlaps")
+    run.add_argument("--ka-send", help="path of ka-send (default: next to this program or PATH)")
+    run.add_argument("--bind", help="source address for the flows")
+    run.add_argument("--server", help="measurement server URL for uploads (none: spool only)")
+    run.add_argument("--runner-token-file")
+    run.add_argument(
+        "--spool-dir", default=".kickass/spool", help="results outbox (default %(default)s)"
+    )
+    run.add_argument("--json", action="store_true")
+    run.set_defaults(func=cmd_run)
+
+    up = tsub.add_parser("upload", help="re-send spooled results to the server")
+    up.add_argument("--server", required=True)
+    up.add_argument("--runner-token-file")
+    up.add_argument("--spool-dir", default=".kickass/spool")
+    up.set_defaults(func=cmd_upload)
 
     r = tsub.add_parser("runners", help="manage the runners allowed to upload results")
     rsub = r.add_subparsers(dest="runners_command", metavar="RUNNERS_COMMAND")
@@ -93,3 +144,114 @@ def cmd_runner_add(args: argparse.Namespace) -> int:
     print(token)
     print(f"runner {args.name}: keep this token; it is shown only once", file=sys.stderr)
     return 0
+
+
+def _runner_token(path: str | None) -> str:
+    if path:
+        try:
+            return Path(path).read_text().strip()
+        except OSError as exc:
+            raise KickassError(f"cannot read the runner token: {exc}") from None
+    token = os.environ.get("KICKASS_RUNNER_TOKEN", "")
+    if not token:
+        raise KickassError(
+            "no runner token",
+            hint="pass --runner-token-file or set KICKASS_RUNNER_TOKEN "
+            "(make one on the server: kickass trials runners add NAME)",
+        )
+    return token
+
+
+def _agents(args: argparse.Namespace) -> list[AgentRef]:
+    out = []
+    for spec in args.agent:
+        name, sep, url = spec.partition("=")
+        if not sep or not name or not url.startswith("http"):
+            raise KickassError(f"bad --agent {spec!r}", hint="NAME=http://IP:PORT")
+        if args.secret_dir:
+            try:
+                secret = (Path(args.secret_dir) / name).read_text().strip()
+            except OSError as exc:
+                raise KickassError(f"no secret for agent {name}: {exc}") from None
+        else:
+            secret = os.environ.get("KICKASS_AGENT_SECRET", "")
+        if not secret:
+            raise KickassError(
+                f"no secret for agent {name}", hint="--secret-dir or KICKASS_AGENT_SECRET"
+            )
+        out.append(AgentRef(name, url, secret))
+    return out
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    try:
+        workload = Workload(
+            max_packets=args.max_packets,
+            shape=args.shape,
+            mean_packets=args.mean_packets,
+            mean_gap_s=args.mean_gap,
+            seed=args.seed,
+        )
+    except ValueError as exc:
+        raise KickassError(f"bad workload: {exc}") from None
+    cfg = TrialConfig(
+        agents=_agents(args),
+        pairs=args.pairs,
+        period_s=args.period,
+        workload=workload,
+        congestion_control=args.cc,
+        handshake=args.handshake,
+        access_capacity_bps=args.access_capacity,
+        router_run_name=args.router_run_name,
+        ka_send=args.ka_send,
+        source=args.bind,
+        protocols=tuple(p.strip() for p in args.protocols.split(",") if p.strip()),
+    )
+    spool = Spool(args.spool_dir)
+    uploader = (
+        Uploader(args.server, _runner_token(args.runner_token_file), spool) if args.server else None
+    )
+    runner = TrialRunner(cfg, spool, uploader)
+
+    def progress(p: Period) -> None:
+        print(
+            f"period {p.index + 1}: {p.destination} {p.protocol} for {p.duration_s:.0f}s",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    try:
+        result = runner.run(progress=progress)
+    except KeyboardInterrupt:
+        runner.stop.set()
+        print(f"interrupted: results so far are in {args.spool_dir}", file=sys.stderr)
+        return 130
+    if args.json:
+        print(json.dumps({"version": 1, **result}))
+    else:
+        for dest, by_proto in result["summary"].items():
+            for proto, fcts in sorted(by_proto.items()):
+                fcts = sorted(fcts)
+                print(
+                    f"{dest:<16} {proto:<8} flows {len(fcts):>5}  mean FCT "
+                    f"{sum(fcts) / len(fcts):8.1f} ms  p50 {fcts[len(fcts) // 2]:8.1f} ms"
+                )
+        if result["spooled"]:
+            print(
+                f"{result['spooled']} results wait in {args.spool_dir}: "
+                "run `kickass trials upload` when the server is back",
+                file=sys.stderr,
+            )
+    return 0 if result["failed_flows"] == 0 and not result["rejected"] else 1
+
+
+def cmd_upload(args: argparse.Namespace) -> int:
+    spool = Spool(args.spool_dir)
+    report = Uploader(args.server, _runner_token(args.runner_token_file), spool).flush()
+    print(
+        f"sent {report.sent}, rejected {report.rejected}, still spooled {report.pending}",
+        file=sys.stderr,
+    )
+    for err in report.errors[:5]:
+        print(f"  {err}", file=sys.stderr)
+    return 0 if report.ok else 1

@@ -36,8 +36,11 @@ def interleaved(
     period_s: float = 120.0,
     gap_s: float = 0.0,
     seed: int = 1,
+    protocols: tuple[str, ...] = PROTOCOLS,
 ) -> list[Period]:
     """Per destination, ``pairs`` pairs of (Kick-Ass, TCP) periods, back to back.
+
+    ``protocols`` narrows a run to one of them (a TCP-only baseline, say).
 
     Destinations take turns pair by pair, so every destination sees the same
     slow drift of the day.
@@ -46,12 +49,18 @@ def interleaved(
         raise ValueError("need pairs >= 1, period_s > 0, gap_s >= 0")
     if not destinations or len(set(destinations)) != len(destinations):
         raise ValueError("need distinct destinations")
+    if (
+        not protocols
+        or not set(protocols) <= set(PROTOCOLS)
+        or len(set(protocols)) != len(protocols)
+    ):
+        raise ValueError(f"protocols must be distinct names from {PROTOCOLS}")
     rng = random.Random(seed)
     out: list[Period] = []
     t = 0.0
     for pair in range(pairs):
         for dest in destinations:
-            order = list(PROTOCOLS)
+            order = list(protocols)
             rng.shuffle(order)
             for proto in order:
                 out.append(Period(len(out), pair, dest, proto, t, period_s))

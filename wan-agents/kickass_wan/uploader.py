@@ -1,0 +1,105 @@
+"""Sends spooled trial results to the measurement server, idempotently.
+
+Trials go before their flows (the server refuses flows of an unknown trial).
+A record leaves the spool only once the server has confirmed its id; a
+network error or a 5xx keeps it for the next attempt, a 4xx (the server
+will never take it) moves it aside to ``rejected/`` with the reason, so one
+bad record cannot block the rest and nothing disappears without a word.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+from .spool import Spool
+
+log = logging.getLogger("kickass.trials.upload")
+
+BATCH = 200
+
+
+@dataclass
+class UploadReport:
+    sent: int = 0
+    rejected: int = 0
+    pending: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.pending == 0 and self.rejected == 0
+
+
+class Uploader:
+    def __init__(self, server_url: str, runner_token: str, spool: Spool, timeout_s: float = 10.0):
+        self.base = server_url.rstrip("/") + "/api/v1/trials"
+        self.token = runner_token
+        self.spool = spool
+        self.timeout_s = timeout_s
+
+    def _call(self, method: str, url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        req = urllib.request.Request(url, data=json.dumps(body).encode(), method=method)
+        req.add_header("Content-Type", "application/json")
+        req.add_header("Authorization", f"Bearer {self.token}")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                return resp.status, json.loads(resp.read() or b"{}")
+        except urllib.error.HTTPError as exc:
+            try:
+                payload = json.loads(exc.read() or b"{}")
+            except ValueError:
+                payload = {}
+            return exc.code, payload if isinstance(payload, dict) else {}
+
+    def flush(self) -> UploadReport:
+        """One pass over the spool; never raises for network or server trouble."""
+        report = UploadReport()
+        try:
+            for rec in self.spool.pending("trial"):
+                status, body = self._call("PUT", f"{self.base}/{rec['id']}", rec["record"])
+                self._settle(report, "trial", [rec], status, body, [rec["id"]])
+            by_trial: dict[str, list[dict[str, Any]]] = {}
+            for rec in self.spool.pending("flow"):
+                by_trial.setdefault(rec["record"]["trial_id"], []).append(rec)
+            for trial_id, recs in by_trial.items():
+                for i in range(0, len(recs), BATCH):
+                    chunk = recs[i : i + BATCH]
+                    flows = [
+                        {k: v for k, v in r["record"].items() if k != "trial_id"} for r in chunk
+                    ]
+                    status, body = self._call(
+                        "POST", f"{self.base}/{trial_id}/flows", {"flows": flows}
+                    )
+                    self._settle(report, "flow", chunk, status, body, body.get("stored") or [])
+        except (OSError, ValueError) as exc:
+            # Server unreachable or answering garbage: everything stays spooled.
+            report.errors.append(f"{type(exc).__name__}: {exc}")
+        report.pending = self.spool.count()
+        return report
+
+    def _settle(
+        self,
+        report: UploadReport,
+        kind: str,
+        recs: list[dict[str, Any]],
+        status: int,
+        body: dict[str, Any],
+        stored: list[str],
+    ) -> None:
+        if status == 200:
+            confirmed = {s for s in stored if isinstance(s, str)}
+            self.spool.done(kind, [r["id"] for r in recs if r["id"] in confirmed])
+            report.sent += len(confirmed)
+        elif 400 <= status < 500 and status not in (401, 408, 429):
+            # The server will never accept these: keep them aside, with why.
+            reason = str(body.get("message") or body.get("error") or status)
+            self.spool.reject(kind, [r["id"] for r in recs], reason)
+            report.rejected += len(recs)
+            report.errors.append(f"{kind} refused ({status}): {reason}")
+        else:
+            report.errors.append(f"{kind} upload: HTTP {status} {body.get('error', '')}".strip())
