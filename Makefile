@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 PKGS := -e core -e db -e probe-client -e server -e testbed -e wan-agents
 PYPROJECTS := core/pyproject.toml db/pyproject.toml probe-client/pyproject.toml \
 	server/pyproject.toml testbed/pyproject.toml wan-agents/pyproject.toml requirements-dev.txt
-RUST_BINS := ka-router ka-linkem ka-blast
+RUST_BINS := ka-router ka-linkem ka-blast ka-agent-recv ka-send
 
 .PHONY: system install demo test lint bench router clean
 

@@ -1,4 +1,4 @@
-"""Where the Rust programs (ka-router, ka-linkem, ka-blast) are found: one place.
+"""Where the Rust programs (RUST_BINARIES) are found: one place.
 
 First the virtualenv's bin directory, where `make install` copies them;
 else ``target/release`` of the repository's Cargo workspace (a source
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from kickass_core.errors import KickassError
 
-RUST_BINARIES = ("ka-router", "ka-linkem", "ka-blast")
+RUST_BINARIES = ("ka-router", "ka-linkem", "ka-blast", "ka-agent-recv", "ka-send")
 
 # testbed/kickass_testbed/binaries.py -> the repository root, in a source checkout.
 _REPO = Path(__file__).resolve().parents[2]

@@ -68,7 +68,10 @@ class Agent:
         self.secret = secret
         self.started = time.monotonic()
         self.token_lifetime_s = token_lifetime_s
-        self.guard = tk.ReplayGuard(secret, state_file=state_dir / "used-tokens")
+        # Shared with ka-agent-recv (it appends in the same format), so a token
+        # used for either kind of flow stays used across restarts of both.
+        self.used_tokens = state_dir / "used-tokens"
+        self.guard = tk.ReplayGuard(secret, state_file=self.used_tokens)
         self.tcp = TcpReceiver(self.guard, bind=(listen[0], tcp_port))
         self.kickass_port = kickass_port
         self.kickass_receiver = kickass_receiver
@@ -114,7 +117,13 @@ class Agent:
         env = {**os.environ, "KICKASS_AGENT_SECRET_HEX": self.secret.hex()}
         delay = 0.5
         while not self._stop.is_set():
-            cmd = [self.kickass_receiver, "--port", str(self.kickass_port)]
+            cmd = [
+                self.kickass_receiver,
+                "--port",
+                str(self.kickass_port),
+                "--state-file",
+                str(self.used_tokens),
+            ]
             self._proc = subprocess.Popen(cmd, env=env)
             started = time.monotonic()
             rc = self._proc.wait()

@@ -1,0 +1,643 @@
+//! The trial sender as a process: flows of the sans-IO [`Connection`], each
+//! on its own connected UDP socket (the kernel demultiplexes the replies),
+//! driven by one `ppoll` loop. The shell only moves bytes and time:
+//!
+//! * every datagram leaves with the DF bit the core asks for
+//!   (`Transmit::dont_fragment`): the socket is switched between
+//!   `IP_PMTUDISC_DONT` (DF clear: Kick-Ass data and the padded handshake,
+//!   which a router may cut) and `IP_PMTUDISC_DO` (DF set: RTT indicators,
+//!   FIN, the TCP baseline) only when the bit changes, i.e. around each RTT
+//!   indicator, one setsockopt per 100 ms;
+//! * pacing: the core's pacer says when the next burst may leave
+//!   (`poll_timeout`); the loop sleeps in `ppoll` with a nanosecond
+//!   timeout and 1 ns timer slack (an hrtimer, not a millisecond tick), and
+//!   the core releases about 2 ms worth of packets per wake-up.
+
+use std::collections::HashSet;
+use std::io::Write;
+use std::net::{Ipv4Addr, SocketAddrV4};
+
+use ka_transport::wire::MAX_TOKEN_LEN;
+use ka_transport::{Config, Connection, Event, FlowRecord, Nanos, Payload};
+use serde::Serialize;
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+use crate::sys::{self, Error, Fd, Result};
+use crate::token::unhex;
+
+/// One flow to run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FlowSpec {
+    /// The caller's name for the flow (the schedule's `flow_id`).
+    pub label: String,
+    /// The transport's 64-bit flow id.
+    pub wire_id: u64,
+    /// Start, counted from the process start.
+    pub start: Nanos,
+    pub size: u64,
+    pub token: Vec<u8>,
+}
+
+#[derive(Debug, Clone)]
+pub struct SendOptions {
+    pub agent: SocketAddrV4,
+    pub bind: Ipv4Addr,
+    pub cfg: Config,
+    /// Per flow, from its start.
+    pub timeout: Nanos,
+    /// After completion, how long the FIN exchange may take.
+    pub linger: Nanos,
+}
+
+/// How one flow ended, as printed.
+#[derive(Debug, Clone, Serialize)]
+pub struct FlowResult {
+    pub flow_id: String,
+    pub record: Option<FlowRecord>,
+    pub error: Option<String>,
+}
+
+impl FlowResult {
+    pub fn completed(&self) -> bool {
+        self.error.is_none() && self.record.as_ref().is_some_and(|r| r.completed)
+    }
+}
+
+/// The wire flow id of a schedule's flow id: the first 8 bytes of its
+/// SHA-256 (stable, and independent of how the runner names flows).
+pub fn wire_flow_id(label: &str) -> u64 {
+    let d = Sha256::digest(label.as_bytes());
+    let mut b = [0u8; 8];
+    b.copy_from_slice(&d[..8]);
+    u64::from_be_bytes(b)
+}
+
+/// Largest flow a schedule line may ask for (1 TiB: a typo guard).
+pub const MAX_FLOW_SIZE: u64 = 1 << 40;
+
+/// Parse one schedule line
+/// `{"flow_id": str, "start_s": float, "size_bytes": int, "token_hex": str}`.
+pub fn parse_schedule_line(line: &str) -> std::result::Result<FlowSpec, String> {
+    let v: Value = serde_json::from_str(line).map_err(|e| format!("not JSON: {e}"))?;
+    let o = v.as_object().ok_or("not a JSON object")?;
+    let label = match o.get("flow_id") {
+        Some(Value::String(s)) if !s.is_empty() && s.len() <= 200 => s.clone(),
+        Some(Value::Number(n)) => n.to_string(),
+        _ => return Err("flow_id must be a non-empty string (at most 200 characters)".into()),
+    };
+    let start_s = o
+        .get("start_s")
+        .and_then(Value::as_f64)
+        .filter(|s| s.is_finite() && *s >= 0.0 && *s <= 1e6)
+        .ok_or_else(|| format!("{label}: start_s must be a number of seconds >= 0"))?;
+    let size = o
+        .get("size_bytes")
+        .and_then(Value::as_u64)
+        .filter(|&s| (1..=MAX_FLOW_SIZE).contains(&s))
+        .ok_or_else(|| {
+            format!("{label}: size_bytes must be an integer from 1 to {MAX_FLOW_SIZE}")
+        })?;
+    let token = o
+        .get("token_hex")
+        .and_then(Value::as_str)
+        .ok_or_else(|| format!("{label}: token_hex must be a hex string"))
+        .and_then(|s| parse_token(s).map_err(|e| format!("{label}: {e}")))?;
+    Ok(FlowSpec {
+        wire_id: wire_flow_id(&label),
+        label,
+        start: (start_s * 1e9).round() as Nanos,
+        size,
+        token,
+    })
+}
+
+/// A flow token in hex: 1 to 64 bytes.
+pub fn parse_token(s: &str) -> std::result::Result<Vec<u8>, String> {
+    let t = unhex(s).ok_or("token_hex is not hex (an even number of 0-9a-f digits)")?;
+    if t.is_empty() || t.len() > MAX_TOKEN_LEN {
+        return Err(format!(
+            "the token must be 1 to {MAX_TOKEN_LEN} bytes, got {}",
+            t.len()
+        ));
+    }
+    Ok(t)
+}
+
+struct Running {
+    label: String,
+    conn: Connection,
+    sock: Fd,
+    df: Option<bool>,
+    deadline: Nanos,
+    reported: bool,
+    linger_until: Option<Nanos>,
+    finished: bool,
+}
+
+/// The sender loop: flows are added (at any time, with their start
+/// offsets), results come out as flows end.
+pub struct Runner {
+    opts: SendOptions,
+    epoch: Nanos,
+    pending: Vec<FlowSpec>,
+    running: Vec<Running>,
+    results: Vec<FlowResult>,
+    labels: HashSet<String>,
+    buf: Vec<u8>,
+    rbuf: Vec<u8>,
+    pub send_errors: u64,
+    pub recv_errors: u64,
+}
+
+impl Runner {
+    pub fn new(opts: SendOptions) -> Self {
+        Runner {
+            opts,
+            epoch: sys::now(),
+            pending: Vec::new(),
+            running: Vec::new(),
+            results: Vec::new(),
+            labels: HashSet::new(),
+            buf: Vec::with_capacity(2048),
+            rbuf: vec![0u8; 65_536],
+            send_errors: 0,
+            recv_errors: 0,
+        }
+    }
+
+    /// Queue a flow; false if its label was used before.
+    pub fn add(&mut self, spec: FlowSpec) -> bool {
+        if !self.labels.insert(spec.label.clone()) {
+            return false;
+        }
+        // Kept sorted by start, latest first (pop the earliest).
+        let pos = self.pending.partition_point(|p| p.start > spec.start);
+        self.pending.insert(pos, spec);
+        true
+    }
+
+    pub fn idle(&self) -> bool {
+        self.pending.is_empty() && self.running.is_empty()
+    }
+
+    pub fn take_results(&mut self) -> Vec<FlowResult> {
+        std::mem::take(&mut self.results)
+    }
+
+    /// Descriptors to poll, in the order `on_readable` expects.
+    pub fn fds(&self, out: &mut Vec<i32>) {
+        out.extend(self.running.iter().map(|r| r.sock.0));
+    }
+
+    /// Start what is due, run timers and send what may be sent.
+    pub fn service(&mut self, now: Nanos) {
+        while self
+            .pending
+            .last()
+            .is_some_and(|p| self.epoch + p.start <= now)
+        {
+            let spec = self.pending.pop().expect("checked");
+            self.start(now, spec);
+        }
+        for i in 0..self.running.len() {
+            self.service_flow(i, now);
+        }
+        self.running.retain(|r| !r.finished);
+    }
+
+    fn start(&mut self, now: Nanos, spec: FlowSpec) {
+        let opened = (|| -> Result<(Fd, Connection)> {
+            let sock = sys::udp_socket(SocketAddrV4::new(self.opts.bind, 0))?;
+            sys::connect(sock.0, self.opts.agent)?;
+            sys::grow_buffer(sock.0, false, 2 << 20);
+            sys::grow_buffer(sock.0, true, 2 << 20);
+            let conn = Connection::new(
+                self.opts.cfg.clone(),
+                spec.wire_id,
+                spec.token.clone(),
+                Payload::Pattern { len: spec.size },
+                now,
+            )
+            .map_err(|e| Error::new(e.to_string()))?;
+            Ok((sock, conn))
+        })();
+        match opened {
+            Ok((sock, conn)) => self.running.push(Running {
+                label: spec.label,
+                conn,
+                sock,
+                df: None,
+                deadline: now.saturating_add(self.opts.timeout),
+                reported: false,
+                linger_until: None,
+                finished: false,
+            }),
+            Err(e) => self.results.push(FlowResult {
+                flow_id: spec.label,
+                record: None,
+                error: Some(e.msg),
+            }),
+        }
+    }
+
+    fn service_flow(&mut self, i: usize, now: Nanos) {
+        let r = &mut self.running[i];
+        if r.conn.poll_timeout().is_some_and(|t| t <= now) {
+            r.conn.handle_timeout(now);
+        }
+        while let Some(t) = r.conn.poll_transmit(now, &mut self.buf) {
+            if r.df != Some(t.dont_fragment) {
+                if sys::set_dont_fragment(r.sock.0, t.dont_fragment).is_err() {
+                    self.send_errors += 1;
+                }
+                r.df = Some(t.dont_fragment);
+            }
+            // A send that fails (full buffer, ICMP error pending) is a
+            // lost datagram: the core's loss recovery deals with it.
+            if sys::send(r.sock.0, &self.buf[..t.len]).is_err() {
+                self.send_errors += 1;
+            }
+        }
+        while let Some(ev) = r.conn.poll_event() {
+            match ev {
+                Event::Completed { .. } => {
+                    if !r.reported {
+                        r.reported = true;
+                        self.results.push(FlowResult {
+                            flow_id: r.label.clone(),
+                            record: Some(r.conn.record()),
+                            error: None,
+                        });
+                    }
+                    r.linger_until = Some(now.saturating_add(self.opts.linger));
+                }
+                Event::Failed(e) => {
+                    if !r.reported {
+                        r.reported = true;
+                        self.results.push(FlowResult {
+                            flow_id: r.label.clone(),
+                            record: Some(r.conn.record()),
+                            error: Some(e.to_string()),
+                        });
+                    }
+                    r.finished = true;
+                }
+                Event::Closed => r.finished = true,
+                Event::Connected { .. } | Event::ModeSwitched(_) => {}
+            }
+        }
+        if !r.reported && now >= r.deadline {
+            r.reported = true;
+            r.finished = true;
+            let mut rec = r.conn.record();
+            let msg = format!(
+                "timeout: not completed within {:.1} s",
+                self.opts.timeout as f64 / 1e9
+            );
+            rec.error = Some(msg.clone());
+            self.results.push(FlowResult {
+                flow_id: r.label.clone(),
+                record: Some(rec),
+                error: Some(msg),
+            });
+        }
+        if r.linger_until.is_some_and(|t| now >= t) {
+            r.finished = true;
+        }
+    }
+
+    /// When `service` next has something to do.
+    pub fn next_wake(&self) -> Option<Nanos> {
+        let mut t: Option<Nanos> = None;
+        let mut take = |x: Nanos| t = Some(t.map_or(x, |t| t.min(x)));
+        if let Some(p) = self.pending.last() {
+            take(self.epoch + p.start);
+        }
+        for r in &self.running {
+            if let Some(x) = r.conn.poll_timeout() {
+                take(x);
+            }
+            if !r.reported {
+                take(r.deadline);
+            }
+            if let Some(x) = r.linger_until {
+                take(x);
+            }
+        }
+        t
+    }
+
+    /// Read every waiting datagram of the flows whose sockets are ready
+    /// (`ready` is parallel to what `fds` returned).
+    pub fn on_readable(&mut self, ready: &[bool]) {
+        for (r, _) in self
+            .running
+            .iter_mut()
+            .zip(ready.iter())
+            .filter(|(_, &ok)| ok)
+        {
+            for _ in 0..1024 {
+                match sys::recv(r.sock.0, &mut self.rbuf) {
+                    Ok(Some(n)) => {
+                        // Drops (stray or bogus datagrams) are the core's
+                        // business and counted there.
+                        let _ = r.conn.handle_datagram(sys::now(), &self.rbuf[..n]);
+                    }
+                    Ok(None) => break,
+                    // ECONNREFUSED (nobody listens yet) and the like: the
+                    // handshake's retries and timeout decide.
+                    Err(_) => {
+                        self.recv_errors += 1;
+                        break;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Stop everything: every flow still running or waiting ends with `why`.
+    pub fn abort(&mut self, why: &str) {
+        for r in self.running.drain(..) {
+            if !r.reported {
+                let mut rec = r.conn.record();
+                rec.error = Some(why.to_string());
+                self.results.push(FlowResult {
+                    flow_id: r.label,
+                    record: Some(rec),
+                    error: Some(why.to_string()),
+                });
+            }
+        }
+        for p in self.pending.drain(..).rev() {
+            self.results.push(FlowResult {
+                flow_id: p.label,
+                record: None,
+                error: Some(format!("not started: {why}")),
+            });
+        }
+    }
+}
+
+/// Where flows come from.
+pub enum Source {
+    One(FlowSpec),
+    /// NDJSON schedule lines on this descriptor (stdin), read as they come.
+    Schedule(i32),
+}
+
+/// Outcome of a run: results were printed as they came.
+#[derive(Debug, Default)]
+pub struct Summary {
+    pub flows: u64,
+    pub completed: u64,
+    pub bad_lines: u64,
+    pub interrupted: bool,
+}
+
+/// Run flows until all ended (and, for a schedule, its input closed).
+/// `print` gets each result as it happens.
+pub fn run(
+    opts: SendOptions,
+    source: Source,
+    mut print: impl FnMut(&FlowResult),
+    mut warn: impl FnMut(&str),
+) -> Result<Summary> {
+    sys::tight_timer_slack();
+    let mut runner = Runner::new(opts);
+    let mut summary = Summary::default();
+    let (mut input, input_fd) = match source {
+        Source::One(spec) => {
+            runner.add(spec);
+            (None, None)
+        }
+        Source::Schedule(fd) => {
+            // Not fatal: a regular file or a pipe both work blocking
+            // too, but a pipe must not stall the flows.
+            let _ = sys::set_nonblocking(fd);
+            (Some(LineReader::default()), Some(fd))
+        }
+    };
+    let mut fds = Vec::new();
+    let mut ready = Vec::new();
+    loop {
+        let now = sys::now();
+        runner.service(now);
+        for r in runner.take_results() {
+            summary.flows += 1;
+            if r.completed() {
+                summary.completed += 1;
+            }
+            print(&r);
+        }
+        if sys::stop_requested() {
+            runner.abort("interrupted");
+            summary.interrupted = true;
+            for r in runner.take_results() {
+                summary.flows += 1;
+                print(&r);
+            }
+            break;
+        }
+        if input.is_none() && runner.idle() {
+            break;
+        }
+        fds.clear();
+        runner.fds(&mut fds);
+        let n_flows = fds.len();
+        if let (Some(fd), Some(_)) = (input_fd, &input) {
+            fds.push(fd);
+        }
+        let wait = runner
+            .next_wake()
+            .map(|t| t.saturating_sub(sys::now()))
+            .unwrap_or(1_000_000_000)
+            .min(1_000_000_000);
+        sys::poll_readable(&fds, Some(wait), &mut ready)?;
+        runner.on_readable(&ready[..n_flows]);
+        if let (Some(fd), Some(rd)) = (input_fd, input.as_mut()) {
+            if ready.get(n_flows).copied().unwrap_or(false) {
+                let eof = rd.fill(fd);
+                for (lineno, line) in rd.lines() {
+                    let problem = match parse_schedule_line(&line) {
+                        Ok(spec) => {
+                            let label = spec.label.clone();
+                            if runner.add(spec) {
+                                None
+                            } else {
+                                Some(format!("flow_id {label:?} appears twice"))
+                            }
+                        }
+                        Err(e) => Some(e),
+                    };
+                    if let Some(p) = problem {
+                        summary.bad_lines += 1;
+                        warn(&format!("schedule line {lineno}: {p}"));
+                    }
+                }
+                if let Some(e) = rd.error.take() {
+                    summary.bad_lines += 1;
+                    warn(&e);
+                }
+                if eof {
+                    input = None;
+                }
+            }
+        }
+    }
+    Ok(summary)
+}
+
+/// Splits a non-blocking byte stream into lines, bounded.
+#[derive(Debug, Default)]
+struct LineReader {
+    buf: Vec<u8>,
+    lineno: u64,
+    lines: Vec<(u64, String)>,
+    error: Option<String>,
+    skipping: bool,
+}
+
+const MAX_LINE: usize = 64 * 1024;
+
+impl LineReader {
+    /// Read what is there; true at end of input (or a read error).
+    fn fill(&mut self, fd: i32) -> bool {
+        let mut chunk = [0u8; 16 * 1024];
+        loop {
+            match sys::read_nb(fd, &mut chunk) {
+                Ok(Some(0)) => {
+                    if !self.buf.is_empty() {
+                        // A last line without its newline.
+                        self.buf.push(b'\n');
+                        self.split();
+                    }
+                    return true;
+                }
+                Ok(Some(n)) => {
+                    self.buf.extend_from_slice(&chunk[..n]);
+                    self.split();
+                }
+                Ok(None) => return false,
+                Err(e) => {
+                    self.error = Some(format!("cannot read the schedule: {e}"));
+                    return true;
+                }
+            }
+        }
+    }
+
+    fn split(&mut self) {
+        while let Some(pos) = self.buf.iter().position(|&b| b == b'\n') {
+            let line: Vec<u8> = self.buf.drain(..=pos).collect();
+            self.lineno += 1;
+            if self.skipping {
+                self.skipping = false;
+                continue;
+            }
+            let text = String::from_utf8_lossy(&line[..line.len() - 1])
+                .trim()
+                .to_string();
+            if !text.is_empty() {
+                self.lines.push((self.lineno, text));
+            }
+        }
+        if self.buf.len() > MAX_LINE {
+            self.buf.clear();
+            if !self.skipping {
+                self.error = Some(format!(
+                    "schedule line {} is longer than {MAX_LINE} bytes",
+                    self.lineno + 1
+                ));
+            }
+            self.skipping = true;
+        }
+    }
+
+    fn lines(&mut self) -> Vec<(u64, String)> {
+        std::mem::take(&mut self.lines)
+    }
+}
+
+/// Write one JSON value and a newline; false if stdout is gone.
+pub fn print_json<T: Serialize>(w: &mut impl Write, v: &T) -> bool {
+    serde_json::to_writer(&mut *w, v).is_ok() && w.write_all(b"\n").is_ok() && w.flush().is_ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schedule_lines() {
+        let ok = parse_schedule_line(
+            r#"{"flow_id": "t1-00003", "start_s": 1.25, "size_bytes": 15000, "token_hex": "0a0b"}"#,
+        )
+        .unwrap();
+        assert_eq!(ok.label, "t1-00003");
+        assert_eq!(ok.start, 1_250_000_000);
+        assert_eq!(ok.size, 15000);
+        assert_eq!(ok.token, vec![10, 11]);
+        assert_eq!(ok.wire_id, wire_flow_id("t1-00003"));
+        assert_ne!(wire_flow_id("a"), wire_flow_id("b"));
+        for bad in [
+            "nope",
+            "[]",
+            r#"{"start_s": 0, "size_bytes": 1, "token_hex": "00"}"#,
+            r#"{"flow_id": "x", "start_s": -1, "size_bytes": 1, "token_hex": "00"}"#,
+            r#"{"flow_id": "x", "start_s": 0, "size_bytes": 0, "token_hex": "00"}"#,
+            r#"{"flow_id": "x", "start_s": 0, "size_bytes": 1.5, "token_hex": "00"}"#,
+            r#"{"flow_id": "x", "start_s": 0, "size_bytes": 1, "token_hex": "0"}"#,
+            r#"{"flow_id": "x", "start_s": 0, "size_bytes": 1, "token_hex": ""}"#,
+            r#"{"flow_id": "", "start_s": 0, "size_bytes": 1, "token_hex": "00"}"#,
+        ] {
+            assert!(parse_schedule_line(bad).is_err(), "{bad}");
+        }
+        let long = "00".repeat(65);
+        assert!(parse_token(&long).is_err());
+    }
+
+    #[test]
+    fn line_reader_splits_and_bounds() {
+        let mut r = LineReader::default();
+        r.buf.extend_from_slice(b"a\n\n b \nc");
+        r.split();
+        assert_eq!(r.lines(), vec![(1, "a".into()), (3, "b".into())]);
+        r.buf.extend_from_slice(&vec![b'x'; MAX_LINE + 1]);
+        r.split();
+        assert!(r.error.is_some());
+        r.buf.extend_from_slice(b"yy\nz\n");
+        r.split();
+        assert_eq!(r.lines(), vec![(5, "z".into())]);
+    }
+
+    #[test]
+    fn runner_orders_pending_by_start() {
+        let mut r = Runner::new(SendOptions {
+            agent: "127.0.0.1:9".parse().unwrap(),
+            bind: Ipv4Addr::UNSPECIFIED,
+            cfg: Config::default(),
+            timeout: 1,
+            linger: 1,
+        });
+        for (l, s) in [("b", 5), ("a", 1), ("c", 9)] {
+            assert!(r.add(FlowSpec {
+                label: l.into(),
+                wire_id: 1,
+                start: s,
+                size: 1,
+                token: vec![1],
+            }));
+        }
+        assert!(!r.add(FlowSpec {
+            label: "a".into(),
+            wire_id: 1,
+            start: 0,
+            size: 1,
+            token: vec![1],
+        }));
+        let order: Vec<&str> = r.pending.iter().rev().map(|p| p.label.as_str()).collect();
+        assert_eq!(order, vec!["a", "b", "c"]);
+        assert_eq!(r.next_wake(), Some(r.epoch + 1));
+    }
+}
