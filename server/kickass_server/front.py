@@ -4,8 +4,10 @@ waitress's defaults suit a trusted network, not a server that anyone on the
 Internet may talk to:
 
 * it spools request bodies of up to 1 GiB to disk before the app's own limit
-  applies, so the body limit is set here (``max_body``) and a larger request
-  gets 413 while its headers are parsed;
+  applies, so the body limit is set here (``max_body``, 256 KiB: the largest
+  legitimate body is a trial runner's batch) and a larger request gets 413
+  while its headers are parsed; the app still holds the study's endpoints to
+  16 KiB;
 * one address may hold all of its 100 connections (slowloris), so connections
   are capped per address (``per_address``) and a request must be complete
   within ``request_timeout`` seconds of its first byte, however slowly it trickles;
@@ -36,7 +38,9 @@ log = logging.getLogger("kickass.http")
 
 @dataclass(frozen=True)
 class FrontLimits:
-    max_body: int = 16 * 1024
+    # The study's requests are tiny (the app refuses more than 16 KiB); a trial
+    # runner's batch of flow records is the largest legitimate body.
+    max_body: int = 256 * 1024
     max_header: int = 16 * 1024
     per_address: int = 8
     total: int = 200

@@ -21,6 +21,14 @@ log = logging.getLogger("kickass.trials")
 
 bp = Blueprint("trials", __name__, url_prefix="/api/v1/trials")
 MAX_FLOWS_PER_CALL = 500
+# A batch of flow records is larger than the study's requests (the app's
+# MAX_CONTENT_LENGTH); the HTTP front caps every body at 256 KiB.
+MAX_BODY_BYTES = 256 * 1024
+
+
+@bp.before_request
+def _allow_batches() -> None:
+    request.max_content_length = MAX_BODY_BYTES
 
 
 def _store() -> TrialStore:

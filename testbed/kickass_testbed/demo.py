@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import kickass_db as db
 from kickass_core.errors import KickassError
@@ -193,10 +194,35 @@ def run(args: argparse.Namespace) -> int:
                 }
             )
         out_console.print(table)
+        trial = None if args.no_trials else _second_act(args, url, console, out_console)
         if args.json:
-            print(json.dumps({"version": 1, "clients": summary}))
+            print(json.dumps({"version": 1, "clients": summary, "trial": trial}, default=str))
     bad = [s for s in summary if s["verdict"] != s["expected"]]
-    return 1 if bad or len(summary) != len(kinds) else 0
+    trial_bad = trial is not None and (trial["failed_flows"] or not trial["kickass_flows"])
+    return 1 if bad or len(summary) != len(kinds) or trial_bad else 0
+
+
+def _second_act(args: argparse.Namespace, url: str, console: Any, out_console: Any) -> dict:
+    """Act two: an interleaved Kick-Ass vs TCP trial through the emulated edge router."""
+    from .trials import TrialSpec, render_summary, run_trial
+    from .wan import TestbedConfig
+
+    config = TestbedConfig(senders=1, receivers=1, capacity="10mbit", rtt_ms=100.0)
+    spec = TrialSpec(pairs=1, period_s=args.trial_period, mean_gap_s=0.5, seed=1)
+    console.print(
+        f"[bold]trial[/]: sender -> ka-router (10 Mbit/s) -> ka-linkem (100 ms RTT) -> agent; "
+        f"{spec.period_s:.0f} s of Kick-Ass flows and {spec.period_s:.0f} s of TCP (CUBIC) flows, "
+        "order drawn at random"
+    )
+    out = run_trial(url, config, spec)
+    out_console.print(render_summary(out.summary, out.flows), highlight=False)
+    kickass = [f for f in out.flows if f["protocol"] == "kickass"]
+    return {
+        "failed_flows": out.result["failed_flows"],
+        "kickass_flows": len(kickass),
+        "tcp_flows": len(out.flows) - len(kickass),
+        "summary": out.summary,
+    }
 
 
 def _pct(x: float | None) -> str:
@@ -207,10 +233,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "demo",
         help="run the fragment-viability study on a namespace internet (needs root)",
-        description="Build a small internet of network namespaces — the server, a router, and "
-        "clients behind a clean path, a fragment-dropping middlebox, a lossy link and a NAT — "
-        "start an embedded PostgreSQL unless KICKASS_DATABASE_URL is set, run the study from "
-        "every client and print the results. Everything is removed afterwards, also on Ctrl-C.",
+        description="Act one: build a small internet of network namespaces — the server, a "
+        "router, and clients behind a clean path, a fragment-dropping middlebox, a lossy link "
+        "and a NAT — start an embedded PostgreSQL unless KICKASS_DATABASE_URL is set, run the "
+        "study from every client and print the results. Act two: an interleaved Kick-Ass vs "
+        "TCP trial through the edge router ka-router and a 100 ms emulated WAN to a "
+        "kickass-agent; prints FCT by protocol and flow size, the speedup and the time in "
+        "Kick-Ass mode. Everything is removed afterwards, also on Ctrl-C.",
     )
     p.add_argument("--quick", action="store_true", help="use the server's quick plan")
     p.add_argument("--repetitions", type=int, default=DEMO_PLAN["repetitions"])
@@ -226,4 +255,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds")
     p.add_argument("--json", action="store_true", help="also print a JSON summary on stdout")
+    p.add_argument(
+        "--no-trials", action="store_true", help="skip act two (the Kick-Ass vs TCP trial)"
+    )
+    p.add_argument(
+        "--trial-period",
+        type=float,
+        default=20.0,
+        help="seconds per trial period in act two (default 20)",
+    )
     p.set_defaults(func=run)

@@ -1,0 +1,264 @@
+"""An interleaved Kick-Ass vs TCP trial through the emulated edge router.
+
+The WAN testbed (``wan.py``: senders -> ka-router -> ka-linkem -> receivers)
+with, on top: a `kickass-agent` in each receiver namespace, a `kickass
+server` in the first sender's namespace (on its loopback, storing into the
+given database) and `kickass trials run` in that sender, uploading there.
+The demo's second act, the trial tests and the paper-testbed benchmark all
+run trials this way, so what they measure is what operators run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import kickass_db as db
+from kickass_core.errors import KickassError
+from sqlalchemy import create_engine, text
+
+from .binaries import rust_binary
+from .topology import Process
+from .wan import TestbedConfig, receiver_address, testbed
+
+AGENT_CONTROL_PORT = 8700
+SERVER_HTTP = "127.0.0.1:8080"
+
+
+@dataclass
+class TrialSpec:
+    pairs: int = 1
+    period_s: float = 20.0
+    mean_gap_s: float = 0.5
+    mean_packets: float = 100.0
+    max_packets: int = 2000
+    seed: int = 1
+    protocols: str = "kickass,tcp"
+    cc: str = "cubic"
+    handshake: str = "padded"
+    extra_args: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TrialOutcome:
+    result: dict[str, Any]
+    summary: list[dict[str, Any]]
+    flows: list[dict[str, Any]]
+    telemetry: list[dict[str, Any]]
+    router_run_name: str
+
+
+def _bin(name: str) -> str:
+    return str(Path(sys.executable).parent / name)
+
+
+def run_trial(
+    database_url: str,
+    testbed_config: TestbedConfig,
+    spec: TrialSpec,
+    *,
+    during: Callable[[Any], None] | None = None,
+    senders: Sequence[str] = ("s1",),
+    timeout_s: float | None = None,
+    keep_logs: bool = False,
+) -> TrialOutcome:
+    """Build the testbed, run one trial per sender in ``senders`` at once, return what was stored.
+
+    ``during(tb)`` runs once the trial has started (cross traffic, floods...).
+    """
+    db.upgrade(database_url)
+    secret = secrets.token_hex(32)
+    token = _runner_token(database_url)
+    work = Path(tempfile.mkdtemp(prefix="kickass-trial-"))
+    try:
+        (work / "runner-token").write_text(token)
+        with testbed(testbed_config, database_url=database_url, keep_logs=keep_logs) as tb:
+            if keep_logs:
+                print(f"trial logs kept in {tb.log_dir} and {work}", file=sys.stderr)
+            built = tb.built
+            agents = []
+            for i in range(1, testbed_config.receivers + 1):
+                host = f"r{i}"
+                built.start(
+                    Process(
+                        name=f"agent-{host}",
+                        host=host,
+                        argv=(
+                            _bin("kickass-agent"),
+                            "--name",
+                            f"far-{i}",
+                            "--listen",
+                            f"{receiver_address(i)}:{AGENT_CONTROL_PORT}",
+                            "--tcp-port",
+                            "8701",
+                            "--kickass-port",
+                            "8702",
+                            "--kickass-receiver",
+                            str(rust_binary("ka-agent-recv")),
+                            "--state-dir",
+                            str(work / f"agent-{host}"),
+                        ),  # fmt: skip
+                        env={"KICKASS_AGENT_SECRET": secret},
+                        ready_text="ready on",
+                    )
+                )
+                agents.append(f"far-{i}=http://{receiver_address(i)}:{AGENT_CONTROL_PORT}")
+            built.start(
+                Process(
+                    name="server",
+                    host=senders[0],
+                    argv=(
+                        _bin("kickass"),
+                        "server",
+                        "--listen",
+                        SERVER_HTTP,
+                        "--probe-bind",
+                        "127.0.0.1",
+                        "--probe-port",
+                        "9000",
+                    ),  # fmt: skip
+                    env={"KICKASS_DATABASE_URL": database_url},
+                    ready_text="listening http",
+                )
+            )
+            procs = []
+            for n, host in enumerate(senders):
+                argv = [
+                    _bin("kickass"), "trials", "run",
+                    *[a for agent in agents for a in ("--agent", agent)],
+                    "--pairs", str(spec.pairs), "--period", str(spec.period_s),
+                    "--mean-gap", str(spec.mean_gap_s), "--mean-packets", str(spec.mean_packets),
+                    "--max-packets", str(spec.max_packets), "--seed", str(spec.seed + n),
+                    "--protocols", spec.protocols, "--cc", spec.cc, "--handshake", spec.handshake,
+                    "--access-capacity", str(_bps(testbed_config.capacity)),
+                    "--router-run-name", tb.prefix,
+                    "--ka-send", str(rust_binary("ka-send")),
+                    "--server", f"http://{SERVER_HTTP}",
+                    "--runner-token-file", str(work / "runner-token"),
+                    "--spool-dir", str(work / f"spool-{host}"),
+                    "--json", *spec.extra_args,
+                ]  # fmt: skip
+                procs.append(
+                    built[host].popen(
+                        argv,
+                        env={**os.environ, "KICKASS_AGENT_SECRET": secret},
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        text=True,
+                    )
+                )
+            if during is not None:
+                during(tb)
+            limit = timeout_s or spec.pairs * 2 * spec.period_s * testbed_config.receivers + 120
+            results = []
+            for p in procs:
+                try:
+                    out, err = p.communicate(timeout=limit)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    out, err = p.communicate()
+                    raise KickassError(
+                        f"the trial did not finish in {limit:.0f}s: {err[-500:]}"
+                    ) from None
+                if p.returncode not in (0, 1) or not out.strip():
+                    raise KickassError(f"kickass trials run failed ({p.returncode}): {err[-800:]}")
+                res = json.loads(out)
+                if res.get("rejected") or res.get("spooled"):
+                    raise KickassError(
+                        f"trial results not stored: {res.get('rejected')} refused, "
+                        f"{res.get('spooled')} left spooled: {res.get('upload_errors')}"
+                    )
+                results.append(res)
+            telemetry = tb.telemetry()
+            prefix = tb.prefix
+        summary, flows = _stored(database_url, [t for r in results for t in r["trials"].values()])
+        merged = {"runs": results, "failed_flows": sum(r["failed_flows"] for r in results)}
+        return TrialOutcome(merged, summary, flows, telemetry, prefix)
+    finally:
+        if not keep_logs:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _bps(rate: str) -> float:
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1.0}
+    for suffix, mult in units.items():
+        if rate.endswith(suffix):
+            return float(rate[: -len(suffix)]) * mult
+    return float(rate)
+
+
+def _runner_token(database_url: str) -> str:
+    from kickass_db.trials import TrialStore
+
+    store = TrialStore(database_url)
+    try:
+        return store.add_runner(f"testbed-{secrets.token_hex(3)}")
+    finally:
+        store.close()
+
+
+def _stored(database_url: str, trial_ids: list[str]) -> tuple[list[dict], list[dict]]:
+    engine = create_engine(db.sqlalchemy_url(database_url))
+    try:
+        with engine.connect() as conn:
+            flows = [
+                dict(r)
+                for r in conn.execute(
+                    text("SELECT * FROM flow_results WHERE trial_id = ANY(:t) ORDER BY started_at"),
+                    {"t": trial_ids},
+                ).mappings()
+            ]
+            summary = [
+                dict(r)
+                for r in conn.execute(
+                    text(
+                        "SELECT * FROM flow_summary WHERE destination IN "
+                        "(SELECT destination FROM trials WHERE trial_id = ANY(:t)) "
+                        "ORDER BY destination, size_bucket, protocol"
+                    ),
+                    {"t": trial_ids},
+                ).mappings()
+            ]
+        return summary, flows
+    finally:
+        engine.dispose()
+
+
+def render_summary(summary: list[dict[str, Any]], flows: list[dict[str, Any]]) -> str:
+    """FCT by protocol and size bucket, the speedup and the time in Kick-Ass mode."""
+    order = {"1-10": 0, "11-100": 1, "101-1000": 2, "1001+": 3}
+    lines = [
+        f"{'flow size (packets)':<20} {'protocol':<8} {'flows':>5} {'mean FCT':>10} "
+        f"{'p95 FCT':>10} {'speedup':>8} {'ka_mode':>8}"
+    ]
+    for row in sorted(summary, key=lambda r: (order.get(r["size_bucket"], 9), r["protocol"])):
+
+        def ms(v: Any) -> str:
+            return "-" if v is None else f"{v:.0f} ms"
+
+        speed = "" if row["speedup"] is None else f"{row['speedup']:.2f}x"
+        ka = "" if row["ka_mode_fraction_mean"] is None else f"{row['ka_mode_fraction_mean']:.0%}"
+        lines.append(
+            f"{row['size_bucket']:<20} {row['protocol']:<8} {row['flows']:>5} "
+            f"{ms(row['fct_ms_mean']):>10} {ms(row['fct_ms_p95']):>10} {speed:>8} {ka:>8}"
+        )
+    by = {}
+    for f in flows:
+        if f["fct_ms"] is not None:
+            by.setdefault(f["protocol"], []).append(f["fct_ms"])
+    if by.get("kickass") and by.get("tcp"):
+        k = sum(by["kickass"]) / len(by["kickass"])
+        t = sum(by["tcp"]) / len(by["tcp"])
+        lines.append(
+            f"all flows: Kick-Ass mean FCT {k:.0f} ms, TCP {t:.0f} ms: {t / k:.2f}x faster"
+        )
+    return "\n".join(lines)
