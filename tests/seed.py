@@ -32,6 +32,7 @@ always later than its first, so its latest verdict is its last session's.
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -296,3 +297,61 @@ def _backdate(store: Store, session_id: str, t0: datetime, end: datetime) -> Non
                 "expires_at": t0 + timedelta(hours=3),
             },
         )
+
+
+def seed_trials(database_url: str, rng: int = 5, flows_per_period: int = 40) -> list[str]:
+    """Interleaved trials towards two destinations, as `kickass trials run` uploads them.
+
+    Kick-Ass flows finish in about size/rate + 2 RTT and spend most of their
+    time in Kick-Ass mode; TCP flows pay slow start. Returns the trial ids.
+    """
+    from kickass_db.trials import TrialStore, flow_id
+
+    r = random.Random(rng)
+    store = TrialStore(database_url)
+    runner = store.authenticate(store.add_runner(f"seed-{r.randrange(10**6)}"))
+    now = datetime.now(UTC)
+    ids = []
+    try:
+        for dest in ("far-1", "far-2"):
+            tid = f"{r.getrandbits(128):032x}"
+            ids.append(tid)
+            t0 = now - timedelta(days=r.uniform(1, 10))
+            store.put_trial(
+                runner,
+                {
+                    "trial_id": tid, "destination": dest, "access_capacity_bps": 10e6,
+                    "parameters": {"seed": rng}, "versions": {}, "started_at": t0.isoformat(),
+                    "periods": [
+                        {"index": i, "pair": i // 2, "protocol": p, "start_s": 120 * i,
+                         "duration_s": 120}
+                        for i, p in enumerate(("kickass", "tcp", "tcp", "kickass"))
+                    ],
+                },
+            )  # fmt: skip
+            flows = []
+            for period, proto in enumerate(("kickass", "tcp", "tcp", "kickass")):
+                for k in range(flows_per_period):
+                    size = min(2000, max(1, int(45 / (1 - r.random()) ** (1 / 1.8))))
+                    rtt = 100.0
+                    if proto == "kickass":
+                        fct = size * 1.2 + 2 * rtt + r.uniform(0, 20)
+                        frac = min(1.0, r.uniform(0.9, 1.05))
+                    else:
+                        fct = size * 1.2 + rtt * (2 + math.log2(max(size, 1))) + r.uniform(0, 40)
+                        frac = None
+                    i = period * 1000 + k
+                    flows.append(
+                        {
+                            "flow_id": flow_id(tid, i), "period_index": period, "protocol": proto,
+                            "congestion_control": None if proto == "kickass" else "cubic",
+                            "size_bytes": size * 1440, "size_packets": size,
+                            "started_at": (t0 + timedelta(seconds=period * 120 + k)).isoformat(),
+                            "completed": True, "fct_ms": fct, "ka_mode_fraction": frac,
+                            "mode_switches": 0 if frac == 1.0 else (1 if frac else None),
+                        }
+                    )  # fmt: skip
+            store.put_flows(runner, tid, flows)
+    finally:
+        store.close()
+    return ids

@@ -26,7 +26,7 @@ import pytest
 import yaml
 from kickass_db.store import Store
 from psycopg import sql
-from seed import seed_study
+from seed import seed_study, seed_trials
 
 ROOT = Path(__file__).resolve().parents[1]
 GRAFANA = ROOT / "grafana"
@@ -252,6 +252,9 @@ EXPECTED_COLUMNS: dict[str, set[str]] = {
     "Clients by latest verdict": {"verdict", "clients"},
     "Sessions over time by verdict": {"time", "metric", "sessions"},
     "Sessions": {"session_id", "created_at", "state", "verdict", "whole_drop_rate"},
+    "Kick-Ass speedup over TCP (paper: 1.2x-4x)": {"speedup"},
+    "Mean FCT by flow size": {"size_from", "Kick-Ass", "TCP"},
+    "FCT by destination, protocol and size": {"protocol", "fct_ms_mean", "speedup"},
 }
 
 
@@ -324,6 +327,7 @@ def _load_grant_reader() -> Callable[..., list[str]]:
 def reader_conn(database_url: str, store: Store) -> Iterator[psycopg.Connection]:
     """A connection to a seeded database, acting as the views-only reader role."""
     seed_study(store, n_clients=40, rng=11, spread=timedelta(days=14), live=True)
+    seed_trials(database_url)
     role = f"kickass_reader_{secrets.token_hex(4)}"
     url = db.libpq_url(database_url)
     with psycopg.connect(url, autocommit=True) as admin:
@@ -346,7 +350,7 @@ def _run(conn: psycopg.Connection, query: str) -> tuple[list[str], list[tuple[An
 
 
 def test_reader_role_cannot_read_tables(reader_conn: psycopg.Connection) -> None:
-    for table in ("sessions", "probe_outcomes", "clients"):
+    for table in ("sessions", "probe_outcomes", "clients", "flows", "trials", "runners"):
         with pytest.raises(psycopg.errors.InsufficientPrivilege):
             reader_conn.execute(f"SELECT 1 FROM {table} LIMIT 1")
     names, rows = _run(reader_conn, "SELECT count(*) FROM v_session_summary")

@@ -166,9 +166,15 @@ def upgrade() -> None:
          AND tcp.access_capacity_bps IS NOT DISTINCT FROM k.access_capacity_bps
         """
     )
+    # The reader role (Grafana, notebooks) is granted the v_* views: the same
+    # two under that convention's names.
+    op.execute("CREATE VIEW v_flow_results AS SELECT * FROM flow_results")
+    op.execute("CREATE VIEW v_flow_summary AS SELECT * FROM flow_summary")
 
 
 def downgrade() -> None:
+    op.execute("DROP VIEW v_flow_summary")
+    op.execute("DROP VIEW v_flow_results")
     op.execute("DROP VIEW flow_summary")
     op.execute("DROP VIEW flow_results")
     op.drop_index(op.f("ix_flows_trial_pk_period_index"), table_name="flows")
