@@ -19,7 +19,7 @@ import nbformat
 import pytest
 from kickass_db.store import Store
 from nbclient import NotebookClient
-from seed import seed_study_detailed
+from seed import seed_study_detailed, seed_trials
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -117,3 +117,28 @@ def test_fragment_viability_notebook_runs_on_seeded_data(
     assert summary["paper_share_inside_ci95"] is True
     assert 0 < summary["pooled_split_to_whole"] < 2.5
     assert summary["sizes"] > 20 and summary["splits"] > 20
+
+
+@pytest.mark.slow
+def test_wide_area_trials_notebook_runs_on_seeded_trials(
+    database_url: str, kernel_env: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seed_trials(database_url, flows_per_period=30)
+    monkeypatch.setenv("KICKASS_DATABASE_URL", db.libpq_url(database_url))
+    nb = execute(ROOT / "notebooks" / "wide_area_trials.ipynb", tmp_path)
+    outs = outputs(nb)
+    assert not [o for o in outs if o.output_type == "error"]
+    assert any("image/png" in o.get("data", {}) for o in outs), "no figure"
+    (cell,) = [c for c in nb.cells if "summary" in c.metadata.get("tags", [])]
+    line = next(
+        ln
+        for o in cell.outputs
+        for ln in o.get("text", "").splitlines()
+        if ln.startswith("SUMMARY ")
+    )
+    summary = json.loads(line.removeprefix("SUMMARY "))
+    # Two destinations x four periods x 30 flows, half of the periods each protocol.
+    assert (summary["kickass_flows"], summary["tcp_flows"]) == (120, 120)
+    # Seeded Kick-Ass flows take size*1.2 + 2 RTT; TCP ones pay log2(size) RTTs of slow start.
+    assert 1.5 < summary["speedup"] < 4.0 and summary["speedup_within_paper"]
+    assert 0.9 <= summary["ka_mode_fraction_mean"] <= 1.0
