@@ -164,14 +164,19 @@ def run_engine(
         proc.start()
         assert parent.recv() == "ready"
         t0 = time.monotonic()
-        live = [engine.live(n.session_id) for n in news]
+
+        def snapshots() -> list:
+            # Frozen copies: the engine's runs are not shared with callers.
+            return [s for s in (engine.snapshot(n.session_id) for n in news) if s is not None]
+
         while time.monotonic() - t0 < seconds:
-            if until_done and all(s.state not in ("created", "probing") for s in live):
+            if until_done and all(s.state not in ("created", "probing") for s in snapshots()):
                 break
             time.sleep(0.05)
         elapsed = time.monotonic() - t0
+        live = snapshots()
         sent = sum(s.sent for s in live)
-        done = all(s.state == "complete" for s in live)
+        done = len(live) == len(news) and all(s.state == "complete" for s in live)
         phase = {
             ph: [sum(s.phase_sent[ph] for s in live), sum(s.phase_acked[ph] for s in live)]
             for ph in ("whole", "split")

@@ -1,8 +1,16 @@
-"""Probe-engine behaviour on loopback with a scripted client socket and the
-real store: handshake rules, window, timeouts, late/duplicate/reordered acks."""
+"""The probe engine's shell on loopback: real UDP and raw sockets, a scripted
+client socket and the real store.
+
+Every protocol rule is tested on simulated time in test_engine_core.py; these
+tests check what only the shell does: the exclusive probe port, CHALLENGE and
+probes really leaving from the right sockets, ACKs read back, rows reaching
+PostgreSQL in order (also across a database restart), and ``end_session``
+waiting for the loop.
+"""
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import threading
@@ -11,9 +19,10 @@ from collections.abc import Iterator
 
 import pytest
 from kickass_core import wire
+from kickass_core.errors import KickassError
 from kickass_core.plan import ProbePlan
 from kickass_db.store import Store
-from kickass_server.engine import AdmissionDenied, ProbeEngine
+from kickass_server.engine import ProbeEngine
 from kickass_server.policy import Policy
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="raw sockets need root")
@@ -33,6 +42,16 @@ def engine(database_url: str) -> Iterator[ProbeEngine]:
         yield e
     finally:
         e.stop()
+
+
+def _wait_state(engine: ProbeEngine, session_id: str, state: str, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        snap = engine.snapshot(session_id)
+        if snap is not None and snap.state == state:
+            return True
+        time.sleep(0.02)
+    return False
 
 
 class Peer:
@@ -113,12 +132,10 @@ def test_ack_accounting_late_duplicate_reordered(engine: ProbeEngine, database_u
         time.sleep(0.5)
         peer.ack(1)  # after the session completed: still counted, as late
         peer.ack(99)  # stray: never sent
-        s = engine.live(peer.new.session_id)
-        deadline = time.monotonic() + 5
-        while s.state != "complete" and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert s.state == "complete"
-        time.sleep(0.2)
+        assert _wait_state(engine, peer.new.session_id, "complete")
+        time.sleep(0.2)  # let the loop read the late and the stray ACK
+        # writer_sync hands the engine's pending rows over first: no race
+        # with the periodic flush.
         engine.writer_sync()
         res = Store(database_url).session_results(peer.new.session_id)
         by_len = {r["ip_len"]: r for r in res["whole"]}
@@ -128,35 +145,6 @@ def test_ack_accounting_late_duplicate_reordered(engine: ProbeEngine, database_u
         assert res["acked"] == 4 and res["sent"] == 5
         c = engine.stats()["counters"]
         assert c["dup_acks"] == 1 and c["late_acks"] == 1 and c["stray_acks"] == 1
-    finally:
-        peer.close()
-
-
-def test_hello_rules(engine: ProbeEngine) -> None:
-    plan = ProbePlan.build(repetitions=1, step=512, window=1)
-    peer = Peer(engine, plan)
-    try:
-        peer.send(wire.Hello(peer.tag, b"\x00" * 16).encode())
-        assert peer.recv(0.3) is None  # wrong cookie: silence
-        peer.send(wire.Hello(peer.tag, peer.cookie).encode())
-        a = peer.recv()
-        peer.send(wire.Hello(peer.tag, peer.cookie).encode())
-        b = peer.recv()
-        assert isinstance(a, wire.Challenge) and a == b  # retransmitted hello, same token
-        # An echo from another port is not the proven address.
-        other = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        other.bind(("127.0.0.1", 0))
-        other.sendto(wire.Echo(peer.tag, a.token).encode(), peer.server)
-        other.close()
-        assert peer.recv(0.3) is None
-        for _ in range(10):
-            peer.send(wire.Hello(peer.tag, peer.cookie).encode())
-        got = 0
-        while peer.recv(0.2) is not None:
-            got += 1
-        assert got == engine.policy.max_challenges_per_session - 2  # capped
-        c = engine.stats()["counters"]
-        assert c["bad_cookie"] == 1 and c["bad_echo"] == 1
     finally:
         peer.close()
 
@@ -181,12 +169,39 @@ def test_end_session_records_outstanding_as_lost(engine: ProbeEngine, database_u
         peer.close()
 
 
-def test_admission_limits(engine: ProbeEngine) -> None:
-    plan = ProbePlan.quick()
-    engine.create_session(plan, "192.0.2.7")
-    engine.create_session(plan, "192.0.2.7")
-    with pytest.raises(AdmissionDenied, match="per address"):
-        engine.create_session(plan, "192.0.2.7")
+@pytest.mark.parametrize("option", ["SO_REUSEADDR", "SO_REUSEPORT"])
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0"])
+def test_probe_port_is_exclusive(engine: ProbeEngine, option: str, host: str) -> None:
+    """Nobody shares the probe port, not even a socket that asks to: the
+    kernel would hand it part of the clients' ACKs."""
+    other = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        other.setsockopt(socket.SOL_SOCKET, getattr(socket, option), 1)
+        with pytest.raises(OSError) as exc:
+            other.bind((host, engine.probe_port))
+        assert exc.value.errno == errno.EADDRINUSE
+    finally:
+        other.close()
+
+
+def test_second_engine_on_a_busy_port_refuses_to_start(engine: ProbeEngine) -> None:
+    second = ProbeEngine(
+        engine.store, Policy(), bind_host="127.0.0.1", probe_port=engine.probe_port
+    )
+    try:
+        with pytest.raises(KickassError, match=f"UDP port {engine.probe_port}.*in use") as exc:
+            second.start()
+        assert exc.value.hint and "--probe-port" in exc.value.hint
+        assert second.udp is None and second.raw is None
+    finally:
+        second.stop()
+    # The first one still answers.
+    peer = Peer(engine, ProbePlan.build(repetitions=1, step=512, window=1))
+    try:
+        peer.send(wire.Hello(peer.tag, peer.cookie).encode())
+        assert isinstance(peer.recv(), wire.Challenge)
+    finally:
+        peer.close()
 
 
 def test_database_restart_mid_session_loses_nothing(tmp_path) -> None:  # noqa: ANN001
@@ -201,7 +216,9 @@ def test_database_restart_mid_session_loses_nothing(tmp_path) -> None:  # noqa: 
         upgrade(url)
         e = ProbeEngine(
             Store(url),
-            Policy(min_timeout_ms=200),
+            # Paced so that the probing after the outage starts lasts
+            # about 2.5 s: writes meet the outage, whatever the machine's speed.
+            Policy(min_timeout_ms=200, pps_per_address=100),
             bind_host="127.0.0.1",
             probe_port=0,
             server_version="test",
@@ -229,9 +246,7 @@ def test_database_restart_mid_session_loses_nothing(tmp_path) -> None:  # noqa: 
                         restarted = True
                 outage.join(30)
                 assert restarted and acked == plan.total_probes
-                s = e.live(peer.new.session_id)
-                while s.state != "complete" and time.monotonic() < deadline:
-                    time.sleep(0.05)
+                assert _wait_state(e, peer.new.session_id, "complete", deadline - time.monotonic())
                 assert e.writer_sync(30)
                 res = Store(url).session_results(peer.new.session_id)
                 assert res["state"] == "complete"

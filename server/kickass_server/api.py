@@ -1,26 +1,77 @@
 """HTTP API under /api/v1: start a session, read its results, end it early.
 
-The Flask app is built by ``create_app`` around a running ProbeEngine (which
-owns the live sessions) and a Store (the truth for results). Errors are JSON
-``{"error": code, "message": text}`` with a meaningful status.
+``create_app(engine, store, config)`` builds the Flask app around a running
+ProbeEngine (the live runs) and a Store (the truth for results), one
+blueprint per resource: ``sessions``, ``health``, ``stats``. Handlers only
+ever see a run's frozen ``RunSnapshot``, never the engine's mutable state.
+
+Errors are JSON ``{"error": code, "message": text}``. Bad input of any kind
+is a 400 with a one-line log; 503 (with ``Retry-After``) means the database
+or the engine is unavailable right now; 500 is a bug, and only a bug logs a
+traceback.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import json
 import logging
+import math
+import re
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from typing import Any
 
-from flask import Blueprint, Flask, current_app, jsonify, request
+from flask import Blueprint, Flask, Response, current_app, jsonify, request
+from kickass_core.errors import KickassError
 from kickass_core.plan import PlanError
-from kickass_core.states import FINAL_STATES
+from kickass_core.states import CREATED, FINAL_STATES, LIVE_STATES
+from kickass_db.retry import DatabaseUnavailable
 from werkzeug.exceptions import HTTPException
 
 from . import __version__
-from .engine import AdmissionDenied, ProbeEngine
+from .engine import AdmissionDenied, EngineUnavailable, ProbeEngine
 
 log = logging.getLogger("kickass.api")
-bp = Blueprint("sessions", __name__, url_prefix="/api/v1")
-MAX_BODY = 16 * 1024
+
+API_PREFIX = "/api/v1"
+COOKIE_HEADER = "X-Kickass-Cookie"  # the volunteer client sends it (kickass_probe.api)
+_SESSION_ID = re.compile(r"[0-9a-f]{16}\Z")
+# C0 controls, DEL and lone surrogates: PostgreSQL text takes no NUL, UTF-8
+# has no surrogates, and none of them belongs in a version or platform name.
+_BAD_TEXT = re.compile("[\x00-\x1f\x7f\ud800-\udfff]")
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    """Settings of the HTTP API (``create_app``'s ``config``)."""
+
+    # Host clients send UDP to, if not the API's own host name.
+    probe_host: str | None = None
+    # Behind a reverse proxy: the client address is the last X-Forwarded-For hop.
+    trust_proxy: bool = False
+    max_body_bytes: int = 16 * 1024
+    max_json_depth: int = 8
+    # Retry-After (s) on 503: the database or engine should be back by then.
+    unavailable_retry_after_s: int = 10
+    # Retry-After (s) on 429.
+    rate_limited_retry_after_s: int = 60
+    # How long /health trusts its last database check.
+    health_cache_s: float = 2.0
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any] | None) -> ApiConfig:
+        """From field names, in any case (``PROBE_HOST`` as Flask configs spell them)."""
+        names = {f.name for f in fields(cls)}
+        kwargs = {}
+        for key, value in (values or {}).items():
+            name = key.lower()
+            if name not in names:
+                raise KickassError(f"unknown API setting {key!r}", hint=f"one of {sorted(names)}")
+            kwargs[name] = value
+        return cls(**kwargs)
 
 
 class ApiError(Exception):
@@ -29,66 +80,55 @@ class ApiError(Exception):
         self.status, self.code, self.message = status, code, message
 
 
-def _engine() -> ProbeEngine:
-    return current_app.extensions["kickass_engine"]
+@dataclass
+class _Services:
+    engine: ProbeEngine
+    store: Any  # kickass_db.store.Store (duck-typed for tests)
+    config: ApiConfig
+    health: _DatabaseCheck
 
 
-def _store():  # noqa: ANN202
-    return current_app.extensions["kickass_store"]
+def _services() -> _Services:
+    return current_app.extensions["kickass"]
 
 
-def _client_address() -> str:
-    if current_app.config.get("TRUST_PROXY") and request.headers.get("X-Forwarded-For"):
-        return request.headers["X-Forwarded-For"].split(",")[0].strip()
-    return request.remote_addr or "0.0.0.0"
+# -- sessions -------------------------------------------------------------------------
+
+sessions = Blueprint("sessions", __name__, url_prefix=f"{API_PREFIX}/sessions")
 
 
-def _short(value: Any, limit: int = 64) -> str | None:
-    return None if value is None else str(value)[:limit]
-
-
-@bp.get("/health")
-def health():  # noqa: ANN201
-    return jsonify(status="ok", server_version=__version__)
-
-
-@bp.get("/stats")
-def stats():  # noqa: ANN201
-    return jsonify(_engine().stats())
-
-
-@bp.post("/sessions")
-def create_session():  # noqa: ANN201
-    body = request.get_json(silent=True)
-    if not isinstance(body, dict):
-        raise ApiError(400, "bad-request", "expected a JSON object body")
-    plan_req = body.get("plan") or {}
-    if not isinstance(plan_req, dict):
-        raise ApiError(400, "bad-plan", "plan must be an object")
-    engine = _engine()
+@sessions.post("")
+def create_session() -> tuple[Response, int]:
+    svc = _services()
+    body = _json_object(svc.config)
+    plan_req = body.get("plan")
     try:
-        plan = engine.policy.plan_from_request(plan_req)
-    except (PlanError, TypeError, ValueError) as exc:
+        plan = svc.engine.policy.plan_from_request({} if plan_req is None else plan_req)
+    except PlanError as exc:
         raise ApiError(400, "bad-plan", str(exc)) from None
+    client_version = _text(body, "client_version", 64)
+    platform = _text(body, "platform", 128)
+    install_id = _text(body, "install_id", 64)
+    address = _client_address(svc.config)
     try:
-        new = engine.create_session(
+        new = svc.engine.create_session(
             plan,
-            _client_address(),
-            client_version=_short(body.get("client_version")),
-            platform=_short(body.get("platform"), 128),
-            install_id=_short(body.get("install_id")),
+            address,
+            client_version=client_version,
+            platform=platform,
+            install_id=install_id,
         )
     except AdmissionDenied as exc:
+        log.info("429 rate-limited %s: %s", address, exc)
         resp = jsonify(error="rate-limited", message=str(exc))
-        resp.status_code = 429
-        resp.headers["Retry-After"] = "60"
-        return resp
+        resp.headers["Retry-After"] = str(svc.config.rate_limited_retry_after_s)
+        return resp, 429
     return (
         jsonify(
             session_id=new.session_id,
             cookie=new.cookie,
-            probe_host=current_app.config.get("PROBE_HOST"),
-            probe_port=engine.probe_port,
+            probe_host=svc.config.probe_host,
+            probe_port=svc.engine.probe_port,
             plan=new.plan.to_json(),
             total_probes=new.plan.total_probes,
             expires_in_s=new.expires_in_s,
@@ -97,68 +137,287 @@ def create_session():  # noqa: ANN201
     )
 
 
-def _results(session_id: str) -> dict:
-    if len(session_id) != 16 or any(c not in "0123456789abcdef" for c in session_id):
+@sessions.get("/<session_id>")
+def get_session(session_id: str) -> Response:
+    svc = _services()
+    sid = _session_id(session_id)
+    # Liveness first: it is about the client, not about the database, and a
+    # poll during a database outage still says the owner is there.
+    svc.engine.touch(sid, request.headers.get(COOKIE_HEADER))
+    return jsonify(_results(svc, sid))
+
+
+@sessions.post("/<session_id>/end")
+def end_session(session_id: str) -> Response:
+    svc = _services()
+    sid = _session_id(session_id)
+    outcome = svc.engine.end_session(sid, request.headers.get(COOKIE_HEADER, ""))
+    if outcome == "forbidden":
+        raise ApiError(403, "forbidden", f"wrong or missing {COOKIE_HEADER}")
+    if outcome == "not-found":
+        # A session of an earlier server run is already final in the database.
+        res = svc.store.session_results(sid)
+        if res is None:
+            raise ApiError(404, "not-found", "no such session")
+        return jsonify(res)
+    return jsonify(_results(svc, sid))
+
+
+def _session_id(value: str) -> str:
+    if not _SESSION_ID.match(value):
         raise ApiError(404, "not-found", "no such session")
-    res = _store().session_results(session_id)
+    return value
+
+
+def _results(svc: _Services, sid: str) -> dict[str, Any]:
+    res = svc.store.session_results(sid)
     if res is None:
         raise ApiError(404, "not-found", "no such session")
-    live = _engine().live(session_id)
-    if live is not None and live.state in FINAL_STATES and res["state"] not in FINAL_STATES:
+    snap = svc.engine.snapshot(sid)
+    if snap is not None and snap.state in FINAL_STATES and res["state"] not in FINAL_STATES:
         # Finished in the engine, not yet in the database: wait for the writer
         # so a client never reads a final state without its verdict.
-        _engine().writer_sync()
-        res = _store().session_results(session_id) or res
-    if live is not None and res["state"] in ("created", "probing"):
+        svc.engine.writer_sync()
+        res = svc.store.session_results(sid) or res
+    if snap is not None and res["state"] in LIVE_STATES:
         # The database lags the engine by one flush; live counters are fresher.
-        res["state"] = live.state if live.state != "created" else res["state"]
-        res["sent"] = max(res.get("sent") or 0, live.sent)
-        res["acked"] = max(res.get("acked") or 0, live.acked)
+        if snap.state != CREATED:
+            res["state"] = snap.state
+        res["sent"] = max(res.get("sent") or 0, snap.sent)
+        res["acked"] = max(res.get("acked") or 0, snap.acked)
     return res
 
 
-@bp.get("/sessions/<session_id>")
-def get_session(session_id: str):  # noqa: ANN201
-    res = _results(session_id)
-    _engine().touch(session_id)
-    return jsonify(res)
+# -- health -----------------------------------------------------------------------------
+
+health = Blueprint("health", __name__, url_prefix=f"{API_PREFIX}/health")
 
 
-@bp.post("/sessions/<session_id>/end")
-def end_session(session_id: str):  # noqa: ANN201
-    cookie = request.headers.get("X-Kickass-Cookie", "")
-    outcome = _engine().end_session(session_id, cookie)
-    if outcome == "forbidden":
-        raise ApiError(403, "forbidden", "wrong or missing X-Kickass-Cookie")
-    if outcome == "not-found":
-        res = _store().session_results(session_id) if len(session_id) == 16 else None
-        if res is None:
-            raise ApiError(404, "not-found", "no such session")
-        return jsonify(res)  # a session of an earlier server run: already final
-    return jsonify(_results(session_id))
+class _DatabaseCheck:
+    """A cheap ``SELECT 1``, at most once per ``ttl`` whatever the request rate."""
+
+    def __init__(self, store: Any, ttl: float) -> None:
+        self.store = store
+        self.ttl = ttl
+        self._lock = threading.Lock()
+        self._at = -math.inf
+        self._problem: str | None = None
+
+    def problem(self) -> str | None:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._at >= self.ttl:
+                self._problem = self._check()
+                self._at = time.monotonic()
+            return self._problem
+
+    def _check(self) -> str | None:
+        from kickass_db.engine import check_connection
+
+        try:
+            check_connection(self.store.engine)
+        except KickassError as exc:
+            return exc.message
+        return None
 
 
-def create_app(engine: ProbeEngine, store: object, config: dict[str, Any] | None = None) -> Flask:
+@health.get("")
+def get_health() -> Response:
+    """200 either way: ``degraded`` names the parts that are down. Running
+    sessions go on measuring (their outcomes wait in the writer), so the
+    server is alive even when it cannot take new sessions."""
+    svc = _services()
+    parts: dict[str, dict[str, Any]] = {}
+    db_problem = svc.health.problem()
+    parts["database"] = (
+        {"status": "ok"} if db_problem is None else {"status": "down", "detail": db_problem}
+    )
+    loop = svc.engine.loop_state
+    parts["probe_engine"] = {"status": "down" if loop in ("stopped", "died") else "ok"}
+    degraded = [name for name, p in parts.items() if p["status"] != "ok"]
+    writer = svc.engine.writer
+    # Informational: outcomes measured but not yet written (they wait, in
+    # order, while the database is away).
+    parts["db_writer"] = {
+        "backlog": writer.q.qsize(),
+        "failures": writer.failures,
+        "dropped": writer.dropped,
+    }
+    return jsonify(
+        status="degraded" if degraded else "ok",
+        degraded=degraded,
+        components=parts,
+        server_version=__version__,
+    )
+
+
+# -- stats ------------------------------------------------------------------------------
+
+stats = Blueprint("stats", __name__, url_prefix=f"{API_PREFIX}/stats")
+
+
+@stats.get("")
+def get_stats() -> Response:
+    return jsonify(_services().engine.stats())
+
+
+# -- input ------------------------------------------------------------------------------
+
+
+def _json_object(config: ApiConfig) -> dict[str, Any]:
+    """The request body as a JSON object, or ApiError 400 (413 when too large)."""
+    if not request.is_json:
+        raise ApiError(400, "bad-request", "expected a JSON body (Content-Type: application/json)")
+    raw = request.get_data(cache=False)  # MAX_CONTENT_LENGTH: 413 beyond it
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ApiError(400, "bad-request", "the body is not UTF-8") from None
+    if _nesting_depth(text, config.max_json_depth) > config.max_json_depth:
+        raise ApiError(
+            400, "bad-request", f"JSON nested deeper than {config.max_json_depth} levels"
+        )
+    try:
+        value = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
+    except (ValueError, RecursionError) as exc:
+        raise ApiError(
+            400, "bad-request", f"the body is not valid JSON: {_one_line(exc)}"
+        ) from None
+    if not isinstance(value, dict):
+        raise ApiError(400, "bad-request", "expected a JSON object body")
+    return value
+
+
+def _nesting_depth(text: str, limit: int) -> int:
+    """Deepest bracket nesting outside strings (stops counting past ``limit``):
+    checked before parsing so a deep document never reaches the recursive
+    parser."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > limit:
+                    break
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(literal: str) -> float:
+    value = float(literal)
+    if not math.isfinite(value):
+        raise ValueError(f"{literal[:20]} is out of range")
+    return value
+
+
+def _text(body: dict[str, Any], name: str, limit: int) -> str | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ApiError(400, "bad-request", f"{name} must be a string or null")
+    if _BAD_TEXT.search(value):
+        raise ApiError(400, "bad-request", f"{name} holds control characters or invalid Unicode")
+    return value[:limit]
+
+
+def _client_address(config: ApiConfig) -> str:
+    """The address admission limits are keyed on."""
+    candidate = request.remote_addr or ""
+    if config.trust_proxy:
+        forwarded = request.headers.get("X-Forwarded-For", "")
+        if forwarded.strip():
+            # The last hop is the one our proxy appended; anything left of it
+            # came from the client and would let it pick its own quota.
+            candidate = forwarded.split(",")[-1].strip()
+    try:
+        ip = ipaddress.ip_address(candidate)
+    except ValueError:
+        raise ApiError(400, "bad-request", "cannot tell the client's address") from None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return str(ip)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:200] if text else type(exc).__name__
+
+
+# -- the app ------------------------------------------------------------------------------
+
+
+def create_app(
+    engine: ProbeEngine,
+    store: Any,
+    config: ApiConfig | Mapping[str, Any] | None = None,
+) -> Flask:
+    """The Flask app around ``engine`` and ``store``; ``config`` is an
+    ApiConfig or a mapping of its fields (any case: ``{"PROBE_HOST": ...}``)."""
+    cfg = config if isinstance(config, ApiConfig) else ApiConfig.from_mapping(config)
     app = Flask("kickass_server")
-    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY
-    app.config.update(config or {})
-    app.extensions["kickass_engine"] = engine
-    app.extensions["kickass_store"] = store
-    app.register_blueprint(bp)
+    app.config["MAX_CONTENT_LENGTH"] = cfg.max_body_bytes
+    app.extensions["kickass"] = _Services(
+        engine, store, cfg, _DatabaseCheck(store, cfg.health_cache_s)
+    )
+    for bp in (sessions, health, stats):
+        app.register_blueprint(bp)
+
+    def _unavailable(message: str) -> tuple[Response, int]:
+        resp = jsonify(error="unavailable", message=message)
+        resp.headers["Retry-After"] = str(cfg.unavailable_retry_after_s)
+        return resp, 503
 
     @app.errorhandler(ApiError)
-    def _api_error(exc: ApiError):  # noqa: ANN202
+    def _api_error(exc: ApiError) -> tuple[Response, int]:
+        log.info(
+            "%d %s %s %r: %s",
+            exc.status,
+            exc.code,
+            request.method,
+            request.path[:80],
+            _one_line(exc),
+        )
         return jsonify(error=exc.code, message=exc.message), exc.status
 
     @app.errorhandler(HTTPException)
-    def _http_error(exc: HTTPException):  # noqa: ANN202
+    def _http_error(exc: HTTPException) -> Any:
+        if exc.code is None or exc.code < 400:
+            return exc  # a redirect and the like: werkzeug's own response
         code = (exc.name or "error").lower().replace(" ", "-")
+        log.info("%d %s %s %r", exc.code, code, request.method, request.path[:80])
         return jsonify(error=code, message=exc.description), exc.code
 
+    @app.errorhandler(DatabaseUnavailable)
+    def _database_down(exc: DatabaseUnavailable) -> tuple[Response, int]:
+        log.warning("503 %s %r: %s", request.method, request.path[:80], exc.message)
+        return _unavailable("the database is unavailable right now; try again shortly")
+
+    @app.errorhandler(EngineUnavailable)
+    def _engine_down(exc: EngineUnavailable) -> tuple[Response, int]:
+        log.warning("503 %s %r: %s", request.method, request.path[:80], exc.message)
+        return _unavailable(exc.message)
+
     @app.errorhandler(Exception)
-    def _unexpected(exc: Exception):  # noqa: ANN202
-        log.exception("unhandled error")
-        # A database outage is the likely cause; say so without internals.
-        return jsonify(error="unavailable", message="the server cannot serve this right now"), 503
+    def _unexpected(exc: Exception) -> tuple[Response, int]:
+        # Not bad input (that is a 400) and not an outage (503): a bug.
+        log.exception("500 %s %r", request.method, request.path[:80])
+        return jsonify(error="internal-error", message="the server failed on this request"), 500
 
     return app

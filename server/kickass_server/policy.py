@@ -7,21 +7,30 @@ cannon. Three layers keep it honest:
 * admission — concurrent and hourly session counts, and hourly bytes, per
   source address and per /24 (the unit one subscriber or one abuser controls);
 * pacing — token buckets in packets/s per address, per /24 and globally,
-  checked before every probe leaves.
+  checked before every probe leaves (pacing.py).
 
-Probes go only to an address that proved return routability (see engine.py);
-these limits bound what even a proven address can draw.
+Probes go only to an address that proved return routability (probe_core.py);
+these limits bound what even a proven address can draw. Everything here is
+pure: time is passed in.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
-import time
-from collections import defaultdict, deque
+from collections import deque
 from dataclasses import dataclass, fields
 
-from kickass_core.plan import PlanError, ProbePlan
+from kickass_core.errors import KickassError
+from kickass_core.plan import PHASES, PlanError, ProbePlan
+from kickass_core.rate import FULL_PACKET_LEN
+
+HOUR_S = 3600.0
+
+
+class AdmissionDenied(Exception):
+    """The policy refuses a new session (HTTP 429); the message says which limit."""
 
 
 @dataclass
@@ -40,11 +49,33 @@ class Policy:
     pps_global: float = 50000.0
     max_sessions: int = 256  # concurrent, whole server
     handshake_timeout_s: float = 30.0  # HELLO+ECHO must complete within this
-    silence_timeout_s: float = 30.0  # probing with no ACK at all for this long: client gone
+    silence_timeout_s: float = 30.0  # probing with no ACK and no owner's poll: client gone
     max_session_s: float = 3 * 3600.0
     max_challenges_per_session: int = 8
     min_timeout_ms: float = 50.0
     max_timeout_ms: float = 3000.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise KickassError(f"policy {f.name} must be a number, got {value!r}")
+            if not math.isfinite(value) or value < 0:
+                raise KickassError(
+                    f"policy {f.name} must be a finite number >= 0, got {value!r}",
+                    hint=f"check KICKASS_POLICY_{f.name.upper()}",
+                )
+        for name in ("pps_per_address", "pps_per_prefix", "pps_global", "min_timeout_ms"):
+            if getattr(self, name) <= 0:
+                raise KickassError(
+                    f"policy {name} must be above 0", hint=f"check KICKASS_POLICY_{name.upper()}"
+                )
+        if self.min_timeout_ms > self.max_timeout_ms:
+            raise KickassError(
+                f"policy min_timeout_ms {self.min_timeout_ms} is above max_timeout_ms "
+                f"{self.max_timeout_ms}",
+                hint="check KICKASS_POLICY_MIN_TIMEOUT_MS and KICKASS_POLICY_MAX_TIMEOUT_MS",
+            )
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> Policy:
@@ -52,107 +83,172 @@ class Policy:
         env = os.environ if environ is None else environ
         kwargs: dict[str, object] = {}
         for f in fields(cls):
-            raw = env.get(f"KICKASS_POLICY_{f.name.upper()}")
-            if raw is not None:
+            name = f"KICKASS_POLICY_{f.name.upper()}"
+            raw = env.get(name)
+            if raw is None:
+                continue
+            try:
                 kwargs[f.name] = float(raw) if f.type in ("float", float) else int(raw)
+            except ValueError:
+                raise KickassError(
+                    f"bad {name} {raw!r}: not a number", hint="see server/README.md, Policy"
+                ) from None
         return cls(**kwargs)  # type: ignore[arg-type]
 
-    def plan_from_request(self, body: dict) -> ProbePlan:
-        """Build the plan a client asked for, within bounds; PlanError otherwise."""
-        if body.get("quick"):
+    def plan_from_request(self, body: object) -> ProbePlan:
+        """Build the plan a client asked for, within bounds; PlanError otherwise.
+
+        Every field is type-checked here: a request is untrusted input, and a
+        float, a boolean or a string where a count belongs is the client's
+        mistake (HTTP 400), never a crash.
+        """
+        if not isinstance(body, dict):
+            raise PlanError("plan must be a JSON object")
+        quick = body.get("quick", False)
+        if not isinstance(quick, bool):
+            raise PlanError("plan.quick must be true or false")
+        if quick:
             return ProbePlan.quick()
-        repetitions = int(body.get("repetitions", 100))
-        step = int(body.get("step", 8))
-        window = int(body.get("window", 1))
-        phases = body.get("phases", ["whole", "split"])
-        if repetitions > self.max_repetitions:
-            raise PlanError(
-                f"repetitions {repetitions} above the server limit {self.max_repetitions}"
-            )
-        if window > self.max_window:
-            raise PlanError(f"window {window} above the server limit {self.max_window}")
-        if step < self.min_step:
-            raise PlanError(f"step {step} below the server limit {self.min_step}")
+        repetitions = _count(body, "repetitions", 100, 1, self.max_repetitions)
+        step = _count(body, "step", 8, self.min_step, FULL_PACKET_LEN)
+        window = _count(body, "window", 1, 1, self.max_window)
+        phases = body.get("phases", list(PHASES))
+        if (
+            not isinstance(phases, list)
+            or not phases
+            or not all(isinstance(p, str) and p in PHASES for p in phases)
+            or len(set(phases)) != len(phases)
+        ):
+            raise PlanError(f"plan.phases must be a non-empty list of distinct names from {PHASES}")
         return ProbePlan.build(repetitions=repetitions, step=step, window=window, phases=phases)
 
 
+def _count(body: dict, name: str, default: int, low: int, high: int) -> int:
+    value = body.get(name, default)
+    # bool is an int in Python; JSON true is not a count.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PlanError(f"plan.{name} must be an integer, got {type(value).__name__}")
+    # A huge number is echoed as its size only: error messages go to logs.
+    shown = value if abs(value) < 10**12 else f"of {len(str(abs(value)))} digits"
+    if value > high:
+        raise PlanError(f"{name} {shown} above the server limit {high}")
+    if value < low:
+        raise PlanError(f"{name} {shown} below the server limit {low}")
+    return value
+
+
 def prefix_of(address: str) -> str:
+    """The /24 (IPv4) or /48 (IPv6) an address belongs to: one subscriber's reach."""
     ip = ipaddress.ip_address(address)
     plen = 24 if ip.version == 4 else 48
     return str(ipaddress.ip_network(f"{address}/{plen}", strict=False))
 
 
-class TokenBucket:
-    """Packets/s limiter with a burst of one tenth of a second's worth (at least 1)."""
+@dataclass(frozen=True, eq=False)
+class AdmissionTicket:
+    """One admitted session's claim on the limits (identity matters, not value)."""
 
-    __slots__ = ("rate", "burst", "tokens", "stamp")
-
-    def __init__(self, rate: float, now: float) -> None:
-        self.rate = rate
-        self.burst = max(1.0, rate / 10.0)
-        self.tokens = self.burst
-        self.stamp = now
-
-    def refill(self, now: float) -> None:
-        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
-        self.stamp = now
-
-    def wait_time(self) -> float:
-        return 0.0 if self.tokens >= 1.0 else (1.0 - self.tokens) / self.rate
+    address: str
+    prefix: str
+    admitted_at: float
+    nbytes: int
 
 
 class Admission:
-    """Concurrent and hourly accounting per address and per prefix."""
+    """Concurrent and hourly accounting per address and per prefix.
 
-    def __init__(self, policy: Policy, clock=time.monotonic) -> None:  # noqa: ANN001
+    Pure: time is an argument. ``admit`` hands out a ticket; ``release`` ends a
+    session (its hourly use stays counted), ``refund`` undoes an admission that
+    created nothing (the database refused the session), as if it never was.
+    """
+
+    def __init__(self, policy: Policy) -> None:
         self.policy = policy
-        self.clock = clock
-        self.active_by_address: dict[str, int] = defaultdict(int)
-        self.active_by_prefix: dict[str, int] = defaultdict(int)
+        self.active_by_address: dict[str, int] = {}
+        self.active_by_prefix: dict[str, int] = {}
         self.active_total = 0
-        # (time, bytes) of each admitted session, for the hourly windows.
-        self.history_by_address: dict[str, deque[tuple[float, int]]] = defaultdict(deque)
-        self.history_by_prefix: dict[str, deque[tuple[float, int]]] = defaultdict(deque)
+        # Tickets admitted in the last hour, oldest first, for the hourly windows.
+        self.history_by_address: dict[str, deque[AdmissionTicket]] = {}
+        self.history_by_prefix: dict[str, deque[AdmissionTicket]] = {}
 
-    def _trim(self, q: deque[tuple[float, int]], now: float) -> deque[tuple[float, int]]:
-        while q and q[0][0] < now - 3600.0:
-            q.popleft()
-        return q
-
-    def check(self, address: str, nbytes: int) -> str | None:
+    def check(self, address: str, nbytes: int, now: float) -> str | None:
         """None when admitted; otherwise the human reason for a 429."""
         p = self.policy
-        now = self.clock()
         prefix = prefix_of(address)
-        ha = self._trim(self.history_by_address[address], now)
-        hp = self._trim(self.history_by_prefix[prefix], now)
+        ha = self._recent(self.history_by_address, address, now)
+        hp = self._recent(self.history_by_prefix, prefix, now)
         if self.active_total >= p.max_sessions:
             return "the server is running its maximum number of sessions; try again later"
-        if self.active_by_address[address] >= p.sessions_per_address:
+        if self.active_by_address.get(address, 0) >= p.sessions_per_address:
             return f"at most {p.sessions_per_address} concurrent sessions per address"
-        if self.active_by_prefix[prefix] >= p.sessions_per_prefix:
+        if self.active_by_prefix.get(prefix, 0) >= p.sessions_per_prefix:
             return f"at most {p.sessions_per_prefix} concurrent sessions per {prefix}"
         if len(ha) >= p.sessions_per_address_hour:
             return f"at most {p.sessions_per_address_hour} sessions per address per hour"
         if len(hp) >= p.sessions_per_prefix_hour:
             return f"at most {p.sessions_per_prefix_hour} sessions per {prefix} per hour"
-        if sum(b for _, b in ha) + nbytes > p.bytes_per_address_hour:
+        if sum(t.nbytes for t in ha) + nbytes > p.bytes_per_address_hour:
             return f"at most {p.bytes_per_address_hour} probe bytes per address per hour"
-        if sum(b for _, b in hp) + nbytes > p.bytes_per_prefix_hour:
+        if sum(t.nbytes for t in hp) + nbytes > p.bytes_per_prefix_hour:
             return f"at most {p.bytes_per_prefix_hour} probe bytes per {prefix} per hour"
         return None
 
-    def admit(self, address: str, nbytes: int) -> None:
-        now = self.clock()
-        prefix = prefix_of(address)
-        self.active_by_address[address] += 1
-        self.active_by_prefix[prefix] += 1
+    def admit(self, address: str, nbytes: int, now: float) -> AdmissionTicket:
+        ticket = AdmissionTicket(address, prefix_of(address), now, nbytes)
+        self.active_by_address[address] = self.active_by_address.get(address, 0) + 1
+        self.active_by_prefix[ticket.prefix] = self.active_by_prefix.get(ticket.prefix, 0) + 1
         self.active_total += 1
-        self.history_by_address[address].append((now, nbytes))
-        self.history_by_prefix[prefix].append((now, nbytes))
+        self.history_by_address.setdefault(address, deque()).append(ticket)
+        self.history_by_prefix.setdefault(ticket.prefix, deque()).append(ticket)
+        return ticket
 
-    def release(self, address: str) -> None:
-        prefix = prefix_of(address)
-        self.active_by_address[address] = max(0, self.active_by_address[address] - 1)
-        self.active_by_prefix[prefix] = max(0, self.active_by_prefix[prefix] - 1)
+    def release(self, ticket: AdmissionTicket) -> None:
+        """The session is over: it no longer counts as concurrent."""
+        _decrement(self.active_by_address, ticket.address)
+        _decrement(self.active_by_prefix, ticket.prefix)
         self.active_total = max(0, self.active_total - 1)
+
+    def refund(self, ticket: AdmissionTicket) -> None:
+        """Nothing was created: the ticket counts neither as concurrent nor hourly."""
+        self.release(ticket)
+        for table, key in (
+            (self.history_by_address, ticket.address),
+            (self.history_by_prefix, ticket.prefix),
+        ):
+            q = table.get(key)
+            if q is not None:
+                # Identity, not equality: two tickets of the same second and
+                # size are still two sessions.
+                for i, t in enumerate(q):
+                    if t is ticket:
+                        del q[i]
+                        break
+                if not q:
+                    del table[key]
+
+    def sweep(self, now: float) -> None:
+        """Forget hourly windows that emptied (memory stays bounded by the last hour)."""
+        for table in (self.history_by_address, self.history_by_prefix):
+            for key in list(table):
+                self._recent(table, key, now)
+
+    @staticmethod
+    def _recent(
+        table: dict[str, deque[AdmissionTicket]], key: str, now: float
+    ) -> deque[AdmissionTicket]:
+        q = table.get(key)
+        if q is None:
+            return deque()
+        while q and q[0].admitted_at <= now - HOUR_S:
+            q.popleft()
+        if not q:
+            del table[key]
+        return q
+
+
+def _decrement(table: dict[str, int], key: str) -> None:
+    n = table.get(key, 0) - 1
+    if n > 0:
+        table[key] = n
+    else:
+        table.pop(key, None)
