@@ -39,7 +39,8 @@ def sqlalchemy_url(url: str | URL) -> URL:
     """A libpq-style URL rewritten for SQLAlchemy's psycopg 3 dialect."""
     try:
         parsed = make_url(url)
-    except ArgumentError as exc:
+    except (ArgumentError, ValueError) as exc:
+        # ValueError: a port that is not a number (postgresql://u@host:abc/db).
         raise KickassError(f"not a database URL: {_mask(str(url))}", hint=URL_HINT) from exc
     if parsed.drivername not in ACCEPTED_SCHEMES:
         raise KickassError(
@@ -67,7 +68,7 @@ def describe_url(url: str | URL) -> str:
     """The URL with its password hidden, for messages and logs."""
     try:
         parsed = make_url(url)
-    except ArgumentError:
+    except (ArgumentError, ValueError):
         return _mask(str(url))
     if parsed.drivername == DRIVER:
         parsed = parsed.set(drivername="postgresql")  # as the operator wrote it

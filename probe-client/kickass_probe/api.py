@@ -20,6 +20,7 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
+from kickass_core import strictjson
 from kickass_core.plan import PlanError, PlanTooLarge, ProbePlan, UnsupportedPlan
 
 from . import __version__
@@ -312,21 +313,11 @@ class _Transient(Exception):
         )
 
 
-def _reject_constant(name: str) -> Any:
-    # Python's json accepts NaN and Infinity, which are not JSON: a count of
-    # Infinity would crash int(), and NaN would leak into our own --json.
-    raise ValueError(f"{name} is not a JSON number")
-
-
 def loads_strict(raw: bytes) -> Any:
     """JSON from the server, or ValueError (never RecursionError or NaN)."""
-    try:
-        return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
-    except RecursionError:
-        # A deeply nested document exhausts the parser's stack.
-        raise ValueError("nested too deeply") from None
     # UnicodeDecodeError, JSONDecodeError and the digit limit of huge
-    # integers are all ValueError.
+    # integers are all ValueError too.
+    return strictjson.loads(raw)
 
 
 def _parse_json(raw: bytes, status: int) -> dict[str, Any]:

@@ -14,7 +14,6 @@ traceback.
 from __future__ import annotations
 
 import ipaddress
-import json
 import logging
 import math
 import re
@@ -25,6 +24,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from flask import Blueprint, Flask, Response, current_app, jsonify, request
+from kickass_core import strictjson
 from kickass_core.errors import KickassError
 from kickass_core.plan import PlanError
 from kickass_core.states import CREATED, FINAL_STATES, LIVE_STATES
@@ -273,56 +273,14 @@ def _json_object(config: ApiConfig) -> dict[str, Any]:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise ApiError(400, "bad-request", "the body is not UTF-8") from None
-    if _nesting_depth(text, config.max_json_depth) > config.max_json_depth:
-        raise ApiError(
-            400, "bad-request", f"JSON nested deeper than {config.max_json_depth} levels"
-        )
     try:
-        value = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
-    except (ValueError, RecursionError) as exc:
+        value = strictjson.loads(text, config.max_json_depth)
+    except ValueError as exc:
         raise ApiError(
             400, "bad-request", f"the body is not valid JSON: {_one_line(exc)}"
         ) from None
     if not isinstance(value, dict):
         raise ApiError(400, "bad-request", "expected a JSON object body")
-    return value
-
-
-def _nesting_depth(text: str, limit: int) -> int:
-    """Deepest bracket nesting outside strings (stops counting past ``limit``):
-    checked before parsing so a deep document never reaches the recursive
-    parser."""
-    depth = deepest = 0
-    in_string = escaped = False
-    for ch in text:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "[{":
-            depth += 1
-            if depth > deepest:
-                deepest = depth
-                if deepest > limit:
-                    break
-        elif ch in "]}":
-            depth -= 1
-    return deepest
-
-
-def _no_constant(name: str) -> float:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _finite_float(literal: str) -> float:
-    value = float(literal)
-    if not math.isfinite(value):
-        raise ValueError(f"{literal[:20]} is out of range")
     return value
 
 

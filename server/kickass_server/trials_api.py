@@ -14,6 +14,7 @@ import logging
 from typing import Any
 
 from flask import Blueprint, current_app, jsonify, request
+from kickass_core import strictjson
 from kickass_db.retry import DatabaseUnavailable
 from kickass_db.trials import BadRecord, TrialStore
 
@@ -52,7 +53,10 @@ def _runner() -> int | None:
 
 
 def _body() -> dict[str, Any] | None:
-    body = request.get_json(silent=True)
+    try:
+        body = strictjson.loads(request.get_data(cache=False))
+    except ValueError:
+        return None
     return body if isinstance(body, dict) else None
 
 
