@@ -29,8 +29,16 @@ HEAD, PREVIOUS = _VERSIONS[-1], _VERSIONS[-2]
 STUDY_TABLES = {"clients", "sessions", "probe_outcomes"}
 ROUTER_TABLES = {"router_runs", "router_telemetry"}
 TRIAL_TABLES = {"runners", "trials", "trial_periods", "flows"}
-TABLES = STUDY_TABLES | ROUTER_TABLES | TRIAL_TABLES
-TRIAL_VIEWS = {"flow_results", "flow_summary"}
+ATLAS_TABLES = {
+    "atlas_campaigns", "atlas_measurements", "atlas_probes", "atlas_reply_log", "atlas_results",
+    "atlas_outcomes", "atlas_verdicts",
+}  # fmt: skip
+TABLES = STUDY_TABLES | ROUTER_TABLES | TRIAL_TABLES | ATLAS_TABLES
+TRIAL_VIEWS = {"flow_results", "flow_summary", "v_flow_results", "v_flow_summary"}
+ATLAS_VIEWS = {
+    "v_atlas_whole_drop", "v_atlas_split_drop", "v_size_drop_by_source",
+    "v_split_drop_by_source", "v_verdicts_by_source", "v_atlas_measurements",
+}  # fmt: skip
 # The contract with dashboards and notebooks: names and order.
 VIEW_COLUMNS = {
     "v_session_summary": [
@@ -76,6 +84,44 @@ VIEW_COLUMNS = {
         "destination", "access_capacity_bps", "protocol", "size_bucket", "flows", "completed",
         "fct_ms_mean", "fct_ms_p50", "fct_ms_p95", "ka_mode_fraction_mean", "speedup",
     ],
+    "v_flow_results": [
+        "trial_id", "destination", "protocol", "congestion_control", "access_capacity_bps",
+        "size_packets", "fct_ms", "ka_mode_fraction", "mode_switches", "retransmissions",
+        "started_at", "flow_id", "period_index", "handshake", "size_bytes", "completed",
+        "srtt_ms", "min_rtt_ms", "advertised_rate_last_bps", "error", "size_bucket",
+    ],
+    "v_flow_summary": [
+        "destination", "access_capacity_bps", "protocol", "size_bucket", "flows", "completed",
+        "fct_ms_mean", "fct_ms_p50", "fct_ms_p95", "ka_mode_fraction_mean", "speedup",
+    ],
+    # 0006: RIPE Atlas beside the volunteers (db/README.md, "RIPE Atlas")
+    "v_atlas_whole_drop": [
+        "campaign", "prb_id", "ip_len", "sent", "acked", "late", "drop_rate", "rtt_ms_median",
+        "unanswered", "asn", "country_code",
+    ],
+    "v_atlas_split_drop": [
+        "campaign", "prb_id", "leading_ip_len", "sent", "acked", "late", "drop_rate",
+        "rtt_ms_median", "asn", "country_code",
+    ],
+    "v_size_drop_by_source": [
+        "source", "ip_len", "sessions", "sent", "acked", "late", "drop_rate", "rtt_ms_median",
+        "fragmented_on_arrival",
+    ],
+    "v_split_drop_by_source": [
+        "source", "leading_ip_len", "sessions", "sent", "acked", "late", "drop_rate",
+        "frag_observed", "arrived_as_sent",
+    ],
+    "v_verdicts_by_source": [
+        "source", "session_id", "verdict", "verdict_reason", "finished_at", "whole_sent",
+        "whole_acked", "whole_drop_rate", "split_sent", "split_acked", "split_drop_rate",
+        "split_to_whole_ratio", "campaign", "prb_id", "asn", "country_code",
+    ],
+    "v_atlas_measurements": [
+        "campaign", "msm_id", "phase", "target", "ip_len", "size", "packets", "interval_s",
+        "probes_requested", "status_id", "status_name", "estimated_credits",
+        "credits_per_result", "results_fetched", "credits_spent", "fetched_until",
+        "last_fetch_at", "last_error", "created_at", "start_time", "stop_time",
+    ],
 }  # fmt: skip
 
 
@@ -103,12 +149,17 @@ def test_upgrade_downgrade_upgrade(empty_database_url: str) -> None:
     url = empty_database_url
     assert kickass("db", "upgrade", "--database-url", url) == 0
     assert schema(url) == (TABLES, set(VIEW_COLUMNS))
+    assert kickass("db", "downgrade", "0005", "--database-url", url) == 0
+    assert schema(url) == (TABLES - ATLAS_TABLES, set(VIEW_COLUMNS) - ATLAS_VIEWS)
     assert kickass("db", "downgrade", "0004", "--database-url", url) == 0
-    assert schema(url) == (STUDY_TABLES | ROUTER_TABLES, set(VIEW_COLUMNS) - TRIAL_VIEWS)
+    assert schema(url) == (
+        STUDY_TABLES | ROUTER_TABLES,
+        set(VIEW_COLUMNS) - TRIAL_VIEWS - ATLAS_VIEWS,
+    )
     assert kickass("db", "downgrade", "0002", "--database-url", url) == 0
     assert schema(url) == (
         STUDY_TABLES,
-        set(VIEW_COLUMNS) - TRIAL_VIEWS - {"v_router_telemetry"},
+        set(VIEW_COLUMNS) - TRIAL_VIEWS - ATLAS_VIEWS - {"v_router_telemetry"},
     )
     assert kickass("db", "downgrade", "0001", "--database-url", url) == 0
     assert schema(url) == (STUDY_TABLES, set())

@@ -197,4 +197,4 @@ class RouterTelemetry(Base):
 
 # Models of other subsystems live in their own modules on the same Base:
 # importing them here puts every table in Base.metadata (Alembic, tests).
-from . import trial_models  # noqa: E402, F401
+from . import atlas_models, trial_models  # noqa: E402, F401

@@ -1,0 +1,14 @@
+"""RIPE Atlas campaigns for the fragment viability study.
+
+Atlas probes ping the server's ICMP responder (``kickass_server.icmp_responder``),
+which answers with whole or split echo replies and logs every reply it sent;
+``kickass atlas`` plans and creates the measurements (Cousteau), fetches their
+results (Cousteau + Sagan), joins them to the reply log and stores them beside
+the volunteers' results, comparable row for row. See README.md in this folder.
+
+    campaign.py  the campaign YAML as data: validation, the plan, its credit cost
+    client.py    Cousteau behind one small class; Atlas errors as KickassError
+    ingest.py    result parsing (Sagan + raw), the join to the reply log, storage
+    store.py     the only code that writes the Atlas tables
+    cli.py       `kickass atlas plan|create|fetch|status|responder`
+"""

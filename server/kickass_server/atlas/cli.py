@@ -1,0 +1,567 @@
+"""`kickass atlas`: the fragment viability study from RIPE Atlas probes.
+
+    kickass atlas plan CAMPAIGN.yaml        what would be created, its credit cost (no key)
+    kickass atlas create CAMPAIGN.yaml      create the measurements (Cousteau)
+    kickass atlas fetch CAMPAIGN.yaml       pull new results, join them to the reply log, store
+    kickass atlas status CAMPAIGN.yaml      measurements, Atlas status, results, credits spent
+    kickass atlas responder CAMPAIGN.yaml   the ICMP responder the probes ping (root)
+
+The responder is a subcommand here rather than a mode of `kickass server`:
+it is driven by the campaign file (addresses, split sweep, rate caps), needs
+privileges the HTTP server does not (raw sockets, nftables), and runs for as
+long as the campaign's measurements do, independent of the volunteers' API.
+
+Settings: flag > KICKASS_* environment > the [atlas] table of the
+$KICKASS_CONFIG file. The API key comes only from $KICKASS_ATLAS_KEY or from
+a key file (--key-file, $KICKASS_ATLAS_KEY_FILE): never a flag, which would
+show in `ps` and shell history; it is never printed, logged or stored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kickass_core import config
+from kickass_core.errors import KickassError
+
+from .campaign import Campaign, Plan
+from .client import DEFAULT_SERVER, AtlasClient, AtlasError, probe_problem
+from .ingest import DEFAULT_CHUNK_S, DEFAULT_SETTLE_S, fetch_campaign
+
+if TYPE_CHECKING:
+    from .store import AtlasStore
+
+log = logging.getLogger("kickass.atlas")
+SECTION = "atlas"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "atlas",
+        help="RIPE Atlas campaigns for the fragment viability study",
+        description="Run the fragment viability study from RIPE Atlas probes: plan and create "
+        "the ping measurements, run the ICMP responder they ping, fetch and store their "
+        "results beside the volunteers'. See server/kickass_server/atlas/README.md.",
+    )
+
+    def usage(_args: argparse.Namespace) -> int:
+        parser.print_help()
+        return 2
+
+    parser.set_defaults(func=usage)
+    cmds = parser.add_subparsers(dest="atlas_command", metavar="ATLAS_COMMAND")
+
+    def campaign_arg(p: argparse.ArgumentParser, optional: bool = False) -> None:
+        p.add_argument(
+            "campaign",
+            nargs="?" if optional else None,
+            type=Path,
+            help="the campaign YAML file (see example-campaign.yaml)",
+        )
+
+    def atlas_options(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--atlas-server",
+            help=f"RIPE Atlas API host[:port] (default {DEFAULT_SERVER}; $KICKASS_ATLAS_SERVER)",
+        )
+        p.add_argument(
+            "--key-file",
+            type=Path,
+            help="file holding the API key ($KICKASS_ATLAS_KEY_FILE; or the key itself in "
+            "$KICKASS_ATLAS_KEY)",
+        )
+        p.add_argument(
+            "--ca-bundle",
+            help="CA bundle to verify the API's certificate with ($KICKASS_ATLAS_CA_BUNDLE; "
+            "default: the system's)",
+        )
+
+    def db_option(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--database-url", help="PostgreSQL URL ($KICKASS_DATABASE_URL)")
+
+    def json_option(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+
+    p = cmds.add_parser("plan", help="print the measurements and their credit cost (dry run)")
+    campaign_arg(p)
+    p.add_argument("--all-sizes", action="store_true", help="every whole size, not a sample")
+    json_option(p)
+    p.set_defaults(func=cmd_plan)
+
+    p = cmds.add_parser("create", help="create the campaign's measurements on RIPE Atlas")
+    campaign_arg(p)
+    p.add_argument("--all-sizes", action="store_true", help="every whole size, not a sample")
+    p.add_argument("--dry-run", action="store_true", help="only print the plan (= plan)")
+    atlas_options(p)
+    db_option(p)
+    json_option(p)
+    p.set_defaults(func=cmd_create)
+
+    p = cmds.add_parser("fetch", help="fetch new results, join them to the reply log, store")
+    campaign_arg(p)
+    p.add_argument(
+        "--settle",
+        type=float,
+        default=DEFAULT_SETTLE_S,
+        help=f"fetch results only this many seconds old or older (default {DEFAULT_SETTLE_S:g}: "
+        "probes upload late)",
+    )
+    p.add_argument(
+        "--chunk",
+        type=int,
+        default=DEFAULT_CHUNK_S,
+        help=f"seconds of results per request and commit (default {DEFAULT_CHUNK_S})",
+    )
+    atlas_options(p)
+    db_option(p)
+    json_option(p)
+    p.set_defaults(func=cmd_fetch)
+
+    p = cmds.add_parser("status", help="measurements, Atlas status, results, credits spent")
+    campaign_arg(p)
+    p.add_argument("--offline", action="store_true", help="from the database only")
+    atlas_options(p)
+    db_option(p)
+    json_option(p)
+    p.set_defaults(func=cmd_status)
+
+    p = cmds.add_parser(
+        "responder",
+        help="run the ICMP responder the campaign's probes ping (root)",
+        description="Answer the campaign's echo requests from a raw socket: whole sizes "
+        "unfragmented, 1500-byte requests on the split address cut at the split sweep's "
+        "leading-fragment lengths; log every reply in PostgreSQL. The kernel's own echo "
+        "replies are switched off for the campaign's addresses while it runs (an nftables "
+        "table, deleted on exit).",
+    )
+    campaign_arg(p, optional=True)
+    db_option(p)
+    p.add_argument(
+        "--no-database", action="store_true", help="do not log replies (a dry run of the sockets)"
+    )
+    p.add_argument(
+        "--undo",
+        action="store_true",
+        help="only give the kernel its echo replies back (after a responder was killed)",
+    )
+    p.add_argument("--log-level", default="info", help="debug, info, warning (default info)")
+    p.set_defaults(func=cmd_responder)
+
+
+# -- settings ---------------------------------------------------------------------
+
+
+def _setting(name: str, flag: Any, default: Any = None) -> Any:
+    return config.resolve(name, flag, default=default, file=config.load_file(None), section=SECTION)
+
+
+def _database_url(args: argparse.Namespace) -> str | None:
+    return _setting("database_url", getattr(args, "database_url", None))
+
+
+def read_key(key_file: Path | None) -> str | None:
+    """The API key: from $KICKASS_ATLAS_KEY, else the key file (flag, environment, config)."""
+    env_key = os.environ.get("KICKASS_ATLAS_KEY", "").strip()
+    if env_key:
+        return env_key
+    path = _setting("atlas_key_file", key_file)
+    if path is None:
+        return None
+    try:
+        key = Path(path).read_text().strip()
+    except OSError as exc:
+        raise KickassError(
+            f"cannot read the API key file {path}: {exc.strerror}",
+            hint="check --key-file / $KICKASS_ATLAS_KEY_FILE",
+        ) from None
+    if not key:
+        raise KickassError(f"the API key file {path} is empty", hint="put the key in it")
+    return key
+
+
+def _client(args: argparse.Namespace) -> AtlasClient:
+    server = _setting("atlas_server", args.atlas_server, DEFAULT_SERVER)
+    ca = _setting("atlas_ca_bundle", args.ca_bundle)
+    return AtlasClient(server=server, key=read_key(args.key_file), verify=ca or True)
+
+
+def _store(args: argparse.Namespace) -> AtlasStore:
+    from .store import AtlasStore  # the database layer only for commands that need it
+
+    return AtlasStore(_database_url(args))
+
+
+def _warn(exc: KickassError) -> None:
+    print(f"WARNING: {exc.message}" + (f"\nhint: {exc.hint}" if exc.hint else ""), file=sys.stderr)
+
+
+def _progress() -> Callable[[str], None]:
+    if sys.stderr.isatty():
+        return lambda msg: print(msg, file=sys.stderr, flush=True)
+    return lambda _msg: None
+
+
+def _iso(value: datetime | None) -> str | None:
+    return None if value is None else value.isoformat()
+
+
+# -- plan -------------------------------------------------------------------------
+
+
+def render_plan(plan: Plan) -> str:
+    c = plan.campaign
+    head = (
+        f"campaign {c.name}: {len(plan.measurements)} measurements, {c.probes.count} probes "
+        f"({c.probes.selector} {c.probes.value}), every {c.interval_s} s for {c.duration_s} s, "
+        f"{c.packets} packets {c.packet_interval_ms} ms apart"
+    )
+    cols = (
+        "key", "phase", "target", "IP len", "size", "probes", "results/probe", "credits/result",
+        "credits",
+    )  # fmt: skip
+    rows = [
+        (
+            m.key, m.phase, m.target, m.ip_len, m.size, m.probes, m.results_per_probe,
+            m.credits_per_result, m.credits,
+        )
+        for m in plan.measurements
+    ]  # fmt: skip
+    widths = [max(len(str(x)) for x in col) for col in zip(cols, *rows, strict=True)]
+    lines = [head, "  ".join(str(h).rjust(w) for h, w in zip(cols, widths, strict=True))]
+    lines += ["  ".join(str(x).rjust(w) for x, w in zip(r, widths, strict=True)) for r in rows]
+    verdict = "within" if plan.total_credits <= c.credit_budget else "ABOVE"
+    lines.append(
+        f"total {plan.total_credits} credits, {verdict} the budget of {c.credit_budget}"
+        + ("" if plan.all_sizes else f" (whole sizes: a sample of {c.whole_sample}; "
+           "--all-sizes for every one)")
+    )  # fmt: skip
+    lines.append(
+        f"split sweep: {len(c.splits)} leading-fragment lengths ({c.splits[0]}..{c.splits[-1]}) "
+        "in one measurement, one split per reply"
+    )
+    return "\n".join(lines)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    plan = Campaign.load(args.campaign).plan(all_sizes=args.all_sizes)
+    if args.json:
+        print(json.dumps(plan.to_json(), indent=2))
+    else:
+        print(render_plan(plan))
+    plan.check_budget()
+    return 0
+
+
+# -- create -----------------------------------------------------------------------
+
+
+def cmd_create(args: argparse.Namespace) -> int:
+    if args.dry_run:
+        return cmd_plan(args)
+    campaign = Campaign.load(args.campaign)
+    plan = campaign.plan(all_sizes=args.all_sizes)
+    plan.check_budget()
+    client = _client(args)
+    client.require_key("creating measurements")
+    with _store(args) as store:
+        campaign_id = store.upsert_campaign(campaign)
+        existing = {m["key"]: m for m in store.measurements(campaign_id)}
+        split, wholes = plan.measurements[0], plan.measurements[1:]
+        created: list[int] = []
+        now = time.time()
+        if split.key not in existing:
+            if campaign.probes.selector == "ids":
+                _check_probes(client, store, campaign.probes.ids)
+            stop = int(now + campaign.duration_s)
+            definition = split.definition(campaign.description)
+            [msm_id] = client.create([definition], campaign.probes.to_source(), stop_time=stop)
+            store.record_measurement(
+                campaign_id, msm_id, split, definition, datetime.fromtimestamp(stop, UTC)
+            )
+            created.append(msm_id)
+            existing = {m["key"]: m for m in store.measurements(campaign_id)}
+        split_row = existing[split.key]
+        todo = [m for m in wholes if m.key not in existing]
+        if todo:
+            # Whole sizes ping from exactly the split measurement's probes (an
+            # Atlas "msm" source), so the two phases compare probe by probe.
+            split_stop = split_row.get("stop_time")
+            stop = (
+                int(split_stop.timestamp())
+                if split_stop is not None and split_stop.timestamp() > now + 60
+                else int(now + campaign.duration_s)
+            )
+            source = {"type": "msm", "value": split_row["msm_id"], "requested": split.probes}
+            definitions = [m.definition(campaign.description) for m in todo]
+            ids = client.create(definitions, source, stop_time=stop)
+            for m, definition, msm_id in zip(todo, definitions, ids, strict=True):
+                store.record_measurement(
+                    campaign_id, msm_id, m, definition, datetime.fromtimestamp(stop, UTC)
+                )
+                created.append(msm_id)
+        rows = store.measurements(campaign_id)
+        for row in rows:
+            if row["msm_id"] in created:
+                _refresh(client, store, row)
+        rows = store.measurements(campaign_id)
+    out = {
+        "campaign": campaign.name,
+        "created": created,
+        "measurements": [
+            {
+                "key": r["key"],
+                "msm_id": r["msm_id"],
+                "status": r["status_name"],
+                "estimated_credits": r["estimated_credits"],
+                "credits_per_result": r["credits_per_result"],
+            }
+            for r in rows
+        ],
+    }
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(
+            f"campaign {campaign.name}: created {len(created)} measurements"
+            + (f" ({', '.join(map(str, created))})" if created else " (all existed already)")
+        )
+        for m in out["measurements"]:
+            print(
+                f"  {m['key']:>12}  msm {m['msm_id']}  {m['status'] or '?':<20} "
+                f"~{m['estimated_credits']} credits"
+            )
+        print(f"next: kickass atlas responder {args.campaign} (root), then kickass atlas fetch")
+    return 0
+
+
+def _check_probes(client: AtlasClient, store: AtlasStore, ids: tuple[int, ...]) -> None:
+    """Explicit probe ids: say which will not produce results before paying."""
+    probes = client.probes(ids)
+    store.upsert_probes(probes)
+    found = {int(p["id"]) for p in probes}
+    usable = 0
+    for p in probes:
+        problem = probe_problem(p)
+        if problem:
+            _warn(KickassError(problem, hint="RIPE Atlas schedules only connected probes"))
+        else:
+            usable += 1
+    for missing in sorted(set(ids) - found):
+        _warn(KickassError(f"probe {missing} is unknown to RIPE Atlas", hint="check probes.ids"))
+    if usable == 0:
+        raise KickassError(
+            "none of the campaign's probes is connected: nothing would be measured",
+            hint="pick connected probes in probes.ids (atlas.ripe.net/probes)",
+        )
+
+
+def _refresh(client: AtlasClient, store: AtlasStore, row: dict[str, Any]) -> AtlasError | None:
+    """Read a measurement's status and credits_per_result back from Atlas.
+    A failed request is warned about here; a status that means trouble
+    (forced stop, no suitable probes, failed) is returned."""
+    try:
+        info = client.measurement(row["msm_id"])
+    except AtlasError as exc:
+        _warn(exc)
+        return None
+    store.update_measurement(
+        row["msm_id"],
+        status_id=info.status_id,
+        status_name=info.status_name,
+        credits_per_result=info.credits_per_result,
+        start_time=info.start_time,
+        stop_time=info.stop_time or row.get("stop_time"),
+    )
+    return info.problem
+
+
+# -- fetch and status -----------------------------------------------------------------
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    campaign = Campaign.load(args.campaign)
+    client = _client(args)
+    with _store(args) as store:
+        report = fetch_campaign(
+            store, client, campaign, settle_s=args.settle, chunk_s=args.chunk, progress=_progress()
+        )
+    for w in report.warnings:
+        _warn(w)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+        return 0
+    ignored = sum(report.ignored.values())
+    print(
+        f"campaign {campaign.name}: {report.results_new} new results from {report.measurements} "
+        f"measurements ({report.results_seen} seen, {ignored} ignored), "
+        f"{len(report.probes)} probes"
+    )
+    if report.outcomes:
+        print(
+            "  echo requests: " + ", ".join(f"{k} {v}" for k, v in sorted(report.outcomes.items()))
+        )
+    if report.join:
+        print(
+            "  join to the reply log: "
+            + ", ".join(f"{k} {v}" for k, v in sorted(report.join.items()))
+        )
+    for reason, n in sorted(report.ignored.items()):
+        print(f"  ignored {n}: {reason}")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    campaign = Campaign.load(args.campaign)
+    problems: list[AtlasError] = []
+    with _store(args) as store:
+        campaign_id = store.campaign_id(campaign.name)
+        if campaign_id is None:
+            raise KickassError(
+                f"campaign {campaign.name!r} is not in the database",
+                hint=f"kickass atlas create {args.campaign}",
+            )
+        if not args.offline:
+            client = _client(args)
+            for row in store.measurements(campaign_id):
+                problem = _refresh(client, store, row)
+                if problem is not None:
+                    problems.append(problem)
+        status = store.status(campaign.name)
+    for p in problems:
+        _warn(p)
+    msms = status["measurements"]
+    spent = sum(m["credits_spent"] or 0 for m in msms)
+    estimated = sum(m["estimated_credits"] or 0 for m in msms)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "campaign": campaign.name,
+                    "measurements": [
+                        {k: (_iso(v) if isinstance(v, datetime) else v) for k, v in m.items()}
+                        for m in msms
+                    ],
+                    "credits_spent": spent,
+                    "credits_estimated": estimated,
+                    "credit_budget": campaign.credit_budget,
+                    "verdicts": status["verdicts"],
+                    "replies_logged": status["replies_logged"],
+                },
+                indent=2,
+                default=str,
+            )
+        )
+        return 0
+    print(f"campaign {campaign.name}: {len(msms)} measurements")
+    for m in msms:
+        fetched = _iso(m["fetched_until"]) or "never"
+        print(
+            f"  msm {m['msm_id']:>10}  {m['phase']:>5} {m['ip_len']:>4}  "
+            f"{m['status_name'] or 'unknown':<18}  results {m['results_fetched']:>6}  "
+            f"credits {m['credits_spent']:>7}  fetched until {fetched}"
+            + (f"  last error: {m['last_error']}" if m["last_error"] else "")
+        )
+    print(f"credits spent {spent} of ~{estimated} planned (budget {campaign.credit_budget})")
+    print(f"replies logged by the responder: {status['replies_logged']}")
+    if status["verdicts"]:
+        print(
+            "probe verdicts: "
+            + ", ".join(f"{k} {v}" for k, v in sorted(status["verdicts"].items()))
+        )
+    return 0
+
+
+# -- the responder ------------------------------------------------------------------
+
+
+def cmd_responder(args: argparse.Namespace) -> int:
+    from ..icmp_responder import (
+        IcmpResponder,
+        check_addresses,
+        kernel_echo_replies_off,
+        new_run_id,
+        undo_kernel_switch,
+    )
+    from ..responder_core import ResponderConfig, ResponderCore
+
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    if args.undo:
+        done = undo_kernel_switch()
+        print("kernel echo replies restored" if done else "nothing to undo")
+        return 0
+    if args.campaign is None:
+        raise KickassError("which campaign?", hint="kickass atlas responder CAMPAIGN.yaml")
+    campaign = Campaign.load(args.campaign)
+    addresses = sorted({campaign.whole_target, campaign.split_target})
+    check_addresses(addresses)
+    limits = campaign.responder
+    core = ResponderCore(
+        ResponderConfig(
+            whole_addresses=frozenset({campaign.whole_target}),
+            split_addresses=frozenset({campaign.split_target}),
+            splits=campaign.splits,
+            pps_per_address=limits.pps_per_address,
+            pps_per_prefix=limits.pps_per_prefix,
+            pps_global=limits.pps_global,
+        ),
+        now=time.time(),
+    )
+    writer = store = None
+    sink = None
+    if not args.no_database:
+        from kickass_db.writer import OrderedWriter
+
+        store = _store(args)
+        campaign_id = store.upsert_campaign(campaign)
+        run = new_run_id()
+        writer = OrderedWriter(name="kickass-reply-log")
+
+        def sink(batch: list[Any]) -> None:
+            writer.submit(lambda: store.write_reply_log(campaign_id, run, batch))
+
+    responder = IcmpResponder(core, sink)
+
+    def stop(signum: int, _frame: object) -> None:
+        log.info("signal %d: stopping", signum)
+        responder.stop()
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, stop)
+    try:
+        with kernel_echo_replies_off(addresses):
+            responder.serve(
+                ready=lambda: print(
+                    f"responder ready on {', '.join(addresses)} "
+                    f"(whole {campaign.whole_target}, split {campaign.split_target}, "
+                    f"{len(campaign.splits)} splits)",
+                    flush=True,
+                )
+            )
+    finally:
+        if writer is not None:
+            if not writer.sync(timeout=60):
+                log.warning("reply log: writes still pending at exit")
+            writer.close()
+        if store is not None:
+            store.close()
+        print(f"responder stopped: {responder.summary()}", flush=True)
+    if writer is not None and writer.dropped:
+        raise KickassError(
+            f"{writer.dropped} reply log batches could not be written",
+            hint="their replies will read as unanswered; check the database",
+        )
+    return 0

@@ -1,0 +1,478 @@
+"""The only code that writes the RIPE Atlas tables (migration 0006).
+
+Bulk rows (the responder's reply log, fetched results and their per-packet
+outcomes) go in with COPY into a temporary table and one ``INSERT ... ON
+CONFLICT DO NOTHING``: COPY is what makes ingest fast, the conflict clause
+what makes a re-sent batch or a re-fetched window harmless. A fetched chunk,
+its outcomes and the measurement's ``fetched_until`` watermark commit in one
+transaction, so an interrupted fetch resumes exactly after its last chunk.
+
+Like kickass_db.Store, every call runs one short transaction on a pooled
+connection and raises DatabaseUnavailable while the database is away.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+import kickass_db as db
+from kickass_core.verdict import decide
+from kickass_db.retry import unavailable
+from psycopg.types.json import Jsonb
+from sqlalchemy import Connection, text
+from sqlalchemy.exc import InterfaceError, OperationalError
+
+from ..responder_core import ReplyRecord
+from .campaign import Campaign, PlannedMeasurement
+
+T = TypeVar("T")
+
+COUNTED = ("acked", "lost", "late")
+
+
+@dataclass(frozen=True, slots=True)
+class LoggedReply:
+    """A reply log row, as the join reads it."""
+
+    dst_address: str
+    icmp_id: int
+    icmp_seq: int
+    phase: str
+    ip_len: int
+    sent_at: float  # unix seconds
+
+
+@dataclass(frozen=True, slots=True)
+class ResultRow:
+    msm_id: int
+    prb_id: int
+    result_at: datetime
+    campaign_id: int
+    firmware: int | None
+    from_address: str | None
+    dst_address: str | None
+    size: int | None
+    sent: int | None
+    rcvd: int | None
+    dup: int | None
+    join_status: str
+    raw: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class OutcomeRow:
+    msm_id: int
+    prb_id: int
+    result_at: datetime
+    packet_index: int
+    campaign_id: int
+    phase: str
+    ip_len: int | None
+    outcome: str
+    rtt_ms: float | None
+    ack_count: int
+    icmp_seq: int | None
+    replied_at: datetime | None
+    error: str | None
+
+
+RESULT_COLUMNS = (
+    "msm_id", "prb_id", "result_at", "campaign_id", "firmware", "from_address", "dst_address",
+    "size", "sent", "rcvd", "dup", "join_status", "raw",
+)  # fmt: skip
+OUTCOME_COLUMNS = (
+    "msm_id", "prb_id", "result_at", "packet_index", "campaign_id", "phase", "ip_len", "outcome",
+    "rtt_ms", "ack_count", "icmp_seq", "replied_at", "error",
+)  # fmt: skip
+REPLY_LOG_COLUMNS = (
+    "responder_run", "reply_no", "campaign_id", "responder_address", "dst_address", "icmp_id",
+    "icmp_seq", "request_len", "phase", "ip_len", "sent_at",
+)  # fmt: skip
+
+
+def _utc(t: float) -> datetime:
+    return datetime.fromtimestamp(t, UTC)
+
+
+class AtlasStore:
+    def __init__(self, database_url: str | None = None) -> None:
+        self.database_url = db.resolve_database_url(database_url)
+        self.engine = db.make_engine(self.database_url)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def __enter__(self) -> AtlasStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _run(self, work: Callable[[Connection], T]) -> T:
+        for attempt in (1, 2):
+            try:
+                with self.engine.begin() as conn:
+                    return work(conn)
+            except (OperationalError, InterfaceError) as exc:
+                if attempt == 1 and exc.connection_invalidated:
+                    continue  # killed under us by a restart: once more, fresh
+                raise unavailable(db.describe_url(self.database_url), exc) from exc
+        raise AssertionError("unreachable")
+
+    # -- campaigns and measurements ------------------------------------------------
+
+    def upsert_campaign(self, campaign: Campaign) -> int:
+        """The campaign's id, its definition brought up to date (the file is the truth)."""
+        stmt = text("""
+            INSERT INTO atlas_campaigns (name, definition, credit_budget)
+            VALUES (:name, :definition, :budget)
+            ON CONFLICT (name) DO UPDATE SET
+                definition = excluded.definition,
+                credit_budget = excluded.credit_budget,
+                updated_at = now()
+            RETURNING id
+        """)
+        params = {
+            "name": campaign.name,
+            "definition": Jsonb(campaign.to_json()),
+            "budget": campaign.credit_budget,
+        }
+        return self._run(lambda conn: int(conn.execute(stmt, params).scalar_one()))
+
+    def campaign_id(self, name: str) -> int | None:
+        stmt = text("SELECT id FROM atlas_campaigns WHERE name = :name")
+        return self._run(lambda conn: conn.execute(stmt, {"name": name}).scalar_one_or_none())
+
+    def record_measurement(
+        self,
+        campaign_id: int,
+        msm_id: int,
+        planned: PlannedMeasurement,
+        definition: dict[str, Any],
+        stop_time: datetime | None,
+    ) -> None:
+        stmt = text("""
+            INSERT INTO atlas_measurements (
+                msm_id, campaign_id, key, phase, target, ip_len, size, packets, interval_s,
+                packet_interval_ms, probes_requested, definition, estimated_credits, stop_time
+            ) VALUES (
+                :msm_id, :campaign_id, :key, :phase, :target, :ip_len, :size, :packets,
+                :interval_s, :packet_interval_ms, :probes, :definition, :credits, :stop_time
+            )
+            ON CONFLICT (msm_id) DO NOTHING
+        """)
+        params = {
+            "msm_id": msm_id,
+            "campaign_id": campaign_id,
+            "key": planned.key,
+            "phase": planned.phase,
+            "target": planned.target,
+            "ip_len": planned.ip_len,
+            "size": planned.size,
+            "packets": planned.packets,
+            "interval_s": planned.interval_s,
+            "packet_interval_ms": planned.packet_interval_ms,
+            "probes": planned.probes,
+            "definition": Jsonb(definition),
+            "credits": planned.credits,
+            "stop_time": stop_time,
+        }
+        self._run(lambda conn: conn.execute(stmt, params))
+
+    def measurements(self, campaign_id: int) -> list[dict[str, Any]]:
+        stmt = text("""
+            SELECT * FROM atlas_measurements WHERE campaign_id = :c
+            ORDER BY phase DESC, ip_len, msm_id
+        """)
+        return self._run(
+            lambda conn: [dict(r) for r in conn.execute(stmt, {"c": campaign_id}).mappings()]
+        )
+
+    def update_measurement(self, msm_id: int, **values: Any) -> None:
+        allowed = {
+            "status_id", "status_name", "credits_per_result", "start_time", "stop_time",
+            "last_error",
+        }  # fmt: skip
+        if not values or set(values) - allowed:
+            raise ValueError(f"cannot update {sorted(set(values) - allowed)}")
+        sets = ", ".join(f"{k} = :{k}" for k in values)
+        stmt = text(f"UPDATE atlas_measurements SET {sets} WHERE msm_id = :msm_id")
+        self._run(lambda conn: conn.execute(stmt, {**values, "msm_id": msm_id}))
+
+    # -- the reply log -------------------------------------------------------------
+
+    def write_reply_log(
+        self, campaign_id: int, responder_run: uuid.UUID, records: Sequence[ReplyRecord]
+    ) -> None:
+        """Append the responder's replies (idempotent per run and reply number)."""
+        if not records:
+            return
+        rows = (
+            (
+                responder_run, r.reply_no, campaign_id, r.responder_address, r.dst_address,
+                r.icmp_id, r.icmp_seq, r.request_len, r.phase, r.ip_len, _utc(r.sent_at),
+            )
+            for r in records
+        )  # fmt: skip
+        self._run(lambda conn: _copy_insert(conn, "atlas_reply_log", REPLY_LOG_COLUMNS, rows))
+
+    def reply_log(
+        self, campaign_id: int, responder_address: str, request_len: int, t0: float, t1: float
+    ) -> list[LoggedReply]:
+        """The replies to requests of ``request_len`` bytes at ``responder_address``
+        sent between t0 and t1 (unix seconds), oldest first."""
+        stmt = text("""
+            SELECT host(dst_address) AS dst, icmp_id, icmp_seq, phase, ip_len,
+                   extract(epoch FROM sent_at)::double precision AS sent_epoch
+            FROM atlas_reply_log
+            WHERE campaign_id = :c AND responder_address = CAST(:addr AS inet)
+              AND request_len = :len AND sent_at BETWEEN :t0 AND :t1
+            ORDER BY sent_at, reply_no
+        """)
+        params = {
+            "c": campaign_id,
+            "addr": responder_address,
+            "len": request_len,
+            "t0": _utc(t0),
+            "t1": _utc(t1),
+        }
+        return self._run(lambda conn: [LoggedReply(*r) for r in conn.execute(stmt, params)])
+
+    # -- fetched results -------------------------------------------------------------
+
+    def store_chunk(
+        self,
+        msm_id: int,
+        results: Sequence[ResultRow],
+        outcomes: Sequence[OutcomeRow],
+        fetched_until: datetime,
+    ) -> int:
+        """One fetched window: results, outcomes and the new watermark, atomically.
+        Returns how many results were new (a re-fetched one is skipped)."""
+
+        def work(conn: Connection) -> int:
+            new = _copy_insert(
+                conn,
+                "atlas_results",
+                RESULT_COLUMNS,
+                ((*_astuple(r)[:-1], Jsonb(r.raw)) for r in results),
+            )
+            _copy_insert(conn, "atlas_outcomes", OUTCOME_COLUMNS, map(_astuple, outcomes))
+            conn.execute(
+                text("""
+                    UPDATE atlas_measurements SET
+                        fetched_until = greatest(coalesce(fetched_until, :u), :u),
+                        results_fetched = results_fetched + :new,
+                        last_fetch_at = now(),
+                        last_error = NULL
+                    WHERE msm_id = :m
+                """),
+                {"u": fetched_until, "new": new, "m": msm_id},
+            )
+            return new
+
+        return self._run(work)
+
+    def store_chunk_row_by_row(
+        self,
+        msm_id: int,
+        results: Sequence[ResultRow],
+        outcomes: Sequence[OutcomeRow],
+        fetched_until: datetime,
+    ) -> int:
+        """The same as store_chunk, one INSERT per row: the benchmark's baseline only."""
+
+        def work(conn: Connection) -> int:
+            new = 0
+            cols = ", ".join(RESULT_COLUMNS)
+            marks = ", ".join(f":{c}" for c in RESULT_COLUMNS)
+            ins = text(
+                f"INSERT INTO atlas_results ({cols}) VALUES ({marks}) ON CONFLICT DO NOTHING"
+            )
+            for r in results:
+                values = dict(zip(RESULT_COLUMNS, _astuple(r), strict=True))
+                values["raw"] = Jsonb(r.raw)
+                new += conn.execute(ins, values).rowcount
+            cols = ", ".join(OUTCOME_COLUMNS)
+            marks = ", ".join(f":{c}" for c in OUTCOME_COLUMNS)
+            ins = text(
+                f"INSERT INTO atlas_outcomes ({cols}) VALUES ({marks}) ON CONFLICT DO NOTHING"
+            )
+            for o in outcomes:
+                conn.execute(ins, dict(zip(OUTCOME_COLUMNS, _astuple(o), strict=True)))
+            conn.execute(
+                text(
+                    "UPDATE atlas_measurements SET fetched_until = :u, "
+                    "results_fetched = results_fetched + :new WHERE msm_id = :m"
+                ),
+                {"u": fetched_until, "new": new, "m": msm_id},
+            )
+            return new
+
+        return self._run(work)
+
+    # -- probes and verdicts -------------------------------------------------------
+
+    def known_probes(self, prb_ids: Iterable[int]) -> dict[int, str | None]:
+        """Probe id -> its IPv4 address, for the probes with metadata."""
+        stmt = text(
+            "SELECT prb_id, host(address_v4) AS a FROM atlas_probes WHERE prb_id = ANY(:ids)"
+        )
+        ids = sorted(set(prb_ids))
+        return self._run(lambda conn: {r.prb_id: r.a for r in conn.execute(stmt, {"ids": ids})})
+
+    def upsert_probes(self, probes: Sequence[dict[str, Any]]) -> None:
+        if not probes:
+            return
+        stmt = text("""
+            INSERT INTO atlas_probes (
+                prb_id, asn_v4, asn_v6, country_code, address_v4, prefix_v4, status_name,
+                is_anchor, meta
+            ) VALUES (
+                :prb_id, :asn_v4, :asn_v6, :country_code, CAST(:address_v4 AS inet), :prefix_v4,
+                :status_name, :is_anchor, :meta
+            )
+            ON CONFLICT (prb_id) DO UPDATE SET
+                asn_v4 = excluded.asn_v4, asn_v6 = excluded.asn_v6,
+                country_code = excluded.country_code, address_v4 = excluded.address_v4,
+                prefix_v4 = excluded.prefix_v4, status_name = excluded.status_name,
+                is_anchor = excluded.is_anchor, meta = excluded.meta, updated_at = now()
+        """)
+        rows = [
+            {
+                "prb_id": int(p["id"]),
+                "asn_v4": p.get("asn_v4"),
+                "asn_v6": p.get("asn_v6"),
+                "country_code": p.get("country_code"),
+                "address_v4": p.get("address_v4"),
+                "prefix_v4": p.get("prefix_v4"),
+                "status_name": (p.get("status") or {}).get("name"),
+                "is_anchor": p.get("is_anchor"),
+                "meta": Jsonb(p),
+            }
+            for p in probes
+        ]
+        self._run(lambda conn: conn.execute(stmt, rows))
+
+    def refresh_verdicts(self, campaign_id: int, prb_ids: Iterable[int] | None = None) -> int:
+        """Apply the volunteers' verdict rule to each probe's pooled counts."""
+        ids = None if prb_ids is None else sorted(set(prb_ids))
+
+        def work(conn: Connection) -> int:
+            counts = conn.execute(
+                text(f"""
+                    SELECT prb_id,
+                        count(*) FILTER (WHERE phase = 'whole' AND outcome IN {COUNTED}) AS ws,
+                        count(*) FILTER (WHERE phase = 'whole' AND outcome = 'acked') AS wa,
+                        count(*) FILTER (WHERE phase = 'split' AND outcome IN {COUNTED}) AS ss,
+                        count(*) FILTER (WHERE phase = 'split' AND outcome = 'acked') AS sa
+                    FROM atlas_outcomes
+                    WHERE campaign_id = :c AND ip_len IS NOT NULL
+                      AND (CAST(:ids AS integer[]) IS NULL OR prb_id = ANY(CAST(:ids AS integer[])))
+                    GROUP BY prb_id
+                """),
+                {"c": campaign_id, "ids": ids},
+            ).all()
+            rows = []
+            for r in counts:
+                v = decide(r.ws, r.wa, r.ss, r.sa)
+                rows.append(
+                    {
+                        "c": campaign_id,
+                        "p": r.prb_id,
+                        "ws": r.ws,
+                        "wa": r.wa,
+                        "ss": r.ss,
+                        "sa": r.sa,
+                        "v": v.verdict,
+                        "why": v.reason,
+                    }
+                )
+            if rows:
+                conn.execute(
+                    text("""
+                        INSERT INTO atlas_verdicts (
+                            campaign_id, prb_id, whole_sent, whole_acked, split_sent,
+                            split_acked, verdict, verdict_reason
+                        ) VALUES (:c, :p, :ws, :wa, :ss, :sa, :v, :why)
+                        ON CONFLICT (campaign_id, prb_id) DO UPDATE SET
+                            whole_sent = excluded.whole_sent,
+                            whole_acked = excluded.whole_acked,
+                            split_sent = excluded.split_sent,
+                            split_acked = excluded.split_acked,
+                            verdict = excluded.verdict,
+                            verdict_reason = excluded.verdict_reason,
+                            updated_at = now()
+                    """),
+                    rows,
+                )
+            return len(rows)
+
+        return self._run(work)
+
+    # -- reads for `kickass atlas status` ------------------------------------------
+
+    def status(self, campaign: str) -> dict[str, Any]:
+        def work(conn: Connection) -> dict[str, Any]:
+            msms = [
+                dict(r)
+                for r in conn.execute(
+                    text(
+                        "SELECT * FROM v_atlas_measurements WHERE campaign = :c "
+                        "ORDER BY phase DESC, ip_len, msm_id"
+                    ),
+                    {"c": campaign},
+                ).mappings()
+            ]
+            verdicts = dict(
+                conn.execute(
+                    text(
+                        "SELECT verdict, count(*) FROM v_verdicts_by_source "
+                        "WHERE source = 'atlas' AND campaign = :c GROUP BY verdict"
+                    ),
+                    {"c": campaign},
+                ).all()
+            )
+            replies = conn.execute(
+                text(
+                    "SELECT count(*) FROM atlas_reply_log l JOIN atlas_campaigns c "
+                    "ON c.id = l.campaign_id WHERE c.name = :c"
+                ),
+                {"c": campaign},
+            ).scalar_one()
+            return {"measurements": msms, "verdicts": verdicts, "replies_logged": replies}
+
+        return self._run(work)
+
+
+def _astuple(row: Any) -> tuple[Any, ...]:
+    return tuple(getattr(row, f) for f in row.__slots__)
+
+
+def _copy_insert(
+    conn: Connection, table: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]
+) -> int:
+    """COPY ``rows`` into a per-connection temporary twin of ``table``, then
+    insert them, skipping rows already there. Returns how many were new."""
+    tmp = f"_in_{table}"
+    raw = conn.connection.driver_connection
+    assert raw is not None
+    cols = ", ".join(columns)
+    with raw.cursor() as cur:
+        # Kept per pooled connection (created once); ON COMMIT DELETE ROWS
+        # empties it whatever happens to the transaction.
+        cur.execute(
+            f"CREATE TEMP TABLE IF NOT EXISTS {tmp} "
+            f"(LIKE {table} INCLUDING DEFAULTS) ON COMMIT DELETE ROWS"
+        )
+        with cur.copy(f"COPY {tmp} ({cols}) FROM STDIN") as copy:
+            for row in rows:
+                copy.write_row(row)
+        cur.execute(f"INSERT INTO {table} ({cols}) SELECT {cols} FROM {tmp} ON CONFLICT DO NOTHING")
+        new = cur.rowcount
+        cur.execute(f"TRUNCATE {tmp}")
+    return new

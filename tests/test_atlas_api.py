@@ -1,0 +1,529 @@
+"""`kickass atlas plan|create|fetch|status` against a local HTTPS stand-in of
+the RIPE Atlas v2 API (tests/atlas_standin.py) and a real PostgreSQL.
+
+The stand-in speaks the real shapes: Cousteau builds the URLs, sends
+``Authorization: Key``, verifies TLS against the stand-in's CA bundle. The
+results here are synthetic but consistent with a reply log written through
+the real store (what the responder would have logged); the namespace test
+(test_atlas_e2e_netns.py) makes them from real packets.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kickass_db as db
+import pytest
+import yaml
+from atlas_standin import StandIn, envelope, ping_result, running
+from kickass_core import cli
+from kickass_server.atlas.campaign import Campaign
+from kickass_server.atlas.store import AtlasStore
+from kickass_server.responder_core import ReplyRecord
+from sqlalchemy import text
+
+WHOLE_ADDR, SPLIT_ADDR = "198.18.90.10", "198.18.90.11"
+PROBES = {1001: "198.18.91.2", 1002: "198.18.92.2"}
+PACKETS = 8
+SPLITS = [44, 548, 1052, 1492]
+KEY = "sekrit-KEY-7f3a9c"
+
+
+def campaign_dict(**over: Any) -> dict[str, Any]:
+    d: dict[str, Any] = {
+        "name": "standin-study",
+        "description": "Kick-Ass fragment study (stand-in)",
+        "target": {"whole": WHOLE_ADDR, "split": SPLIT_ADDR},
+        "probes": {"ids": sorted(PROBES)},
+        "whole": {"sizes": [100, 1500], "sample": 2},
+        "split": {"leading": SPLITS},
+        "packets": PACKETS,
+        "interval": 60,
+        "packet_interval": 100,
+        "duration": 3600,
+        "credit_budget": 100_000,
+        "responder": {"pps_per_address": 1000, "pps_per_prefix": 5000, "pps_global": 20000},
+    }
+    d.update(over)
+    return d
+
+
+@pytest.fixture
+def standin(tmp_path: Path) -> Iterator[StandIn]:
+    with running(tmp_path, key=KEY) as s:
+        s.add_probe(1001, PROBES[1001], 64500, "NL")
+        s.add_probe(1002, PROBES[1002], 64501, "DE")
+        yield s
+
+
+@pytest.fixture
+def campaign_file(tmp_path: Path) -> Path:
+    path = tmp_path / "campaign.yaml"
+    path.write_text(yaml.safe_dump(campaign_dict()))
+    return path
+
+
+@pytest.fixture
+def env(
+    monkeypatch: pytest.MonkeyPatch, standin: StandIn, database_url: str
+) -> Iterator[dict[str, str]]:
+    values = {
+        "KICKASS_ATLAS_KEY": KEY,
+        "KICKASS_ATLAS_SERVER": standin.server,
+        "KICKASS_ATLAS_CA_BUNDLE": str(standin.ca_bundle),
+        "KICKASS_DATABASE_URL": database_url,
+    }
+    for k, v in values.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("KICKASS_CONFIG", raising=False)
+    yield values
+
+
+def kickass(*argv: str) -> int:
+    return cli.main(["atlas", *map(str, argv)])
+
+
+def rows(database_url: str, sql: str, **params: Any) -> list[dict[str, Any]]:
+    e = db.make_engine(database_url)
+    try:
+        with e.connect() as conn:
+            return [dict(r) for r in conn.execute(text(sql), params).mappings()]
+    finally:
+        e.dispose()
+
+
+def play(
+    standin: StandIn,
+    database_url: str,
+    msm_id: int,
+    timestamps: list[int],
+    lost: dict[int, set[int]] | None = None,
+) -> None:
+    """What would have happened: for each ping (probe, timestamp) the responder
+    logged one reply per echo request and the probe saw them, except the
+    packet indexes in ``lost[probe]``. Writes the reply log and the stand-in's results."""
+    m = standin.measurements[msm_id]
+    target, size = m["target"], m["size"]
+    phase = "split" if target == SPLIT_ADDR else "whole"
+    lost = lost or {}
+    campaign = Campaign.from_dict(campaign_dict())
+    records: list[ReplyRecord] = []
+    lines = []
+    with AtlasStore(database_url) as store:
+        campaign_id = store.upsert_campaign(campaign)
+        for prb_id, address in PROBES.items():
+            seq = 1
+            for ts in timestamps:
+                entries = []
+                for k in range(PACKETS):
+                    ip_len = SPLITS[(seq + prb_id) % len(SPLITS)] if phase == "split" else size + 28
+                    records.append(
+                        ReplyRecord(
+                            reply_no=len(records),
+                            responder_address=target,
+                            dst_address=address,
+                            icmp_id=prb_id,
+                            icmp_seq=seq,
+                            request_len=size + 28,
+                            phase=phase,
+                            ip_len=ip_len,
+                            sent_at=ts + 0.3 + k * 0.1,
+                        )
+                    )
+                    seq = (seq + 1) % 256
+                    gone = k in lost.get(prb_id, set())
+                    entries.append({"x": "*"} if gone else {"rtt": 12.5 + k})
+                lines.append(
+                    ping_result(
+                        msm_id, prb_id, ts, dst=target, src="10.0.0.5", public=address,
+                        size=size, entries=entries,
+                    )
+                )  # fmt: skip
+        store.write_reply_log(campaign_id, uuid.uuid4(), records)
+    standin.add_results(msm_id, lines)
+
+
+def created(standin: StandIn) -> dict[str, int]:
+    """Measurement key -> id, from what the stand-in was asked to create."""
+    return {
+        m["description"].rsplit("[", 1)[1].rstrip("]"): i for i, m in standin.measurements.items()
+    }
+
+
+def backdate(standin: StandIn, seconds: int) -> int:
+    """Start every measurement ``seconds`` ago; returns that start."""
+    start = int(time.time()) - seconds
+    for m in standin.measurements.values():
+        m["start_time"] = start
+    return start
+
+
+# -- plan ---------------------------------------------------------------------------
+
+
+def test_plan_is_a_dry_run_that_prices_every_measurement(
+    campaign_file: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KICKASS_ATLAS_KEY", raising=False)
+    assert kickass("plan", campaign_file) == 0
+    out = capsys.readouterr().out
+    assert "split-1500" in out and "whole-100" in out and "whole-1500" in out
+    assert kickass("plan", campaign_file, "--json") == 0
+    plan = json.loads(capsys.readouterr().out)
+    # 60 results per probe (an hour every minute), 2 probes, 8 packets below 1500 bytes.
+    assert [m["credits"] for m in plan["measurements"]] == [8 * 2 * 60] * 3
+    assert plan["total_credits"] == 3 * 960 and plan["within_budget"] is True
+
+
+def test_plan_samples_whole_sizes_and_refuses_above_the_budget(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "big.yaml"
+    path.write_text(
+        yaml.safe_dump(campaign_dict(whole={"step": 8, "sample": 4}, credit_budget=5000))
+    )
+    # The cheap default: the split sweep in one measurement, a sample of 4 whole sizes.
+    assert kickass("plan", path) == 0
+    out = capsys.readouterr().out
+    assert out.count("whole-") == 4 and "whole-1500" in out and "whole-1480" in out
+    assert "total 4800 credits, within the budget of 5000" in out
+    # Every whole size (52..1500 by 8, and 1480): far above the budget, refused.
+    assert kickass("plan", path, "--all-sizes", "--json") == 2
+    captured = capsys.readouterr()
+    plan = json.loads(captured.out)
+    assert len(plan["measurements"]) == 1 + 183 and plan["within_budget"] is False
+    assert captured.err.startswith(f"ERROR: the plan costs {184 * 960} credits, above")
+    assert "\nhint: " in captured.err
+
+
+# -- create, fetch, status ------------------------------------------------------------------
+
+
+def test_create_fetch_status_work_end_to_end(
+    env: dict[str, str], standin: StandIn, campaign_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = env["KICKASS_DATABASE_URL"]
+    assert kickass("create", campaign_file) == 0
+    posts = standin.requests_to("POST", "/api/v2/measurements")
+    assert len(posts) == 2 and all(p.headers["Authorization"] == f"Key {KEY}" for p in posts)
+    # The split sweep first, on the chosen probes; every whole size from its probes.
+    assert posts[0].body["probes"] == [{"type": "probes", "value": "1001,1002", "requested": 2}]
+    split_id = posts[0].body and created(standin)["split-1500"]
+    assert posts[1].body["probes"] == [{"type": "msm", "value": split_id, "requested": 2}]
+    d = posts[0].body["definitions"][0]
+    assert (d["type"], d["af"], d["target"], d["size"], d["packets"]) == (
+        "ping", 4, SPLIT_ADDR, 1472, PACKETS,
+    )  # fmt: skip
+    stored = rows(url, "SELECT key, credits_per_result, status_name FROM atlas_measurements")
+    assert sorted(r["key"] for r in stored) == ["split-1500", "whole-100", "whole-1500"]
+    assert {r["credits_per_result"] for r in stored} == {PACKETS}  # read back from Atlas
+    # Created twice is created once: the second run finds everything there.
+    assert kickass("create", campaign_file) == 0
+    assert len(standin.requests_to("POST", "/api/v2/measurements")) == 2
+    capsys.readouterr()
+
+    start = backdate(standin, 1000)
+    split = created(standin)["split-1500"]
+    for msm_id in standin.measurements:
+        standin.set_status(msm_id, 2)
+        # Probe 1002 sits behind a fragment filter: no split reply ever arrives.
+        lost = {1002: set(range(PACKETS))} if msm_id == split else {}
+        play(standin, url, msm_id, [start + 100, start + 160, start + 220], lost=lost)
+    assert kickass("fetch", campaign_file, "--settle", "0", "--json") == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["results_new"] == 3 * 2 * 3 and report["join"] == {"exact": 18}
+    assert report["outcomes"] == {"acked": 15 * PACKETS, "lost": 3 * PACKETS}
+
+    verdicts = {
+        r["prb_id"]: r
+        for r in rows(url, "SELECT * FROM v_verdicts_by_source WHERE source = 'atlas'")
+    }
+    assert verdicts[1001]["verdict"] == "fragments-ok"
+    assert verdicts[1002]["verdict"] == "fragment-intolerant"
+    assert (verdicts[1002]["asn"], verdicts[1002]["country_code"]) == (64501, "DE")
+    assert verdicts[1002]["split_drop_rate"] == 1.0 and verdicts[1002]["whole_drop_rate"] == 0.0
+    by_split = rows(url, "SELECT * FROM v_split_drop_by_source WHERE source = 'atlas'")
+    assert sorted(r["leading_ip_len"] for r in by_split) == SPLITS
+    assert all(r["drop_rate"] == pytest.approx(0.5, abs=0.2) for r in by_split)
+
+    # Fetching again brings nothing new and asks only for the time since.
+    served_before = len(standin.served)
+    assert kickass("fetch", campaign_file, "--settle", "0", "--json") == 0
+    assert json.loads(capsys.readouterr().out)["results_new"] == 0
+    assert all(n == 0 for _, _, _, n in standin.served[served_before:])
+
+    assert kickass("status", campaign_file) == 0
+    out = capsys.readouterr().out
+    assert "Ongoing" in out and f"credits spent {18 * PACKETS} of" in out
+    assert "fragment-intolerant 1" in out and "fragments-ok 1" in out
+
+
+def test_fetch_resumes_after_an_interruption_and_fetches_nothing_twice(
+    env: dict[str, str], standin: StandIn, campaign_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = env["KICKASS_DATABASE_URL"]
+    assert kickass("create", campaign_file) == 0
+    start = backdate(standin, 2000)
+    timestamps = [start + 30 + 60 * i for i in range(20)]
+    for msm_id in standin.measurements:
+        play(standin, url, msm_id, timestamps)
+    total = 3 * 2 * len(timestamps)
+    capsys.readouterr()
+
+    # Atlas fails the third window: an error, the first two windows kept.
+    original = standin._results
+    calls = {"n": 0}
+
+    def flaky(msm_id: int, query: dict[str, str]) -> tuple[int, Any]:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            return 503, envelope(503, "Service Unavailable", "Maintenance, back soon", 0)
+        return original(msm_id, query)
+
+    standin._results = flaky  # type: ignore[method-assign]
+    assert kickass("fetch", campaign_file, "--settle", "0", "--chunk", "600") == 2
+    err = capsys.readouterr().err
+    assert "503 Service Unavailable" in err
+    assert "run the same command again" in err and "Traceback" not in err
+    partial = rows(url, "SELECT count(*) AS n FROM atlas_results")[0]["n"]
+    assert 0 < partial < total
+    [failed] = rows(url, "SELECT last_error FROM atlas_measurements WHERE last_error IS NOT NULL")
+    assert "503" in failed["last_error"]
+
+    assert kickass("fetch", campaign_file, "--settle", "0", "--chunk", "600") == 0
+    assert rows(url, "SELECT count(*) AS n FROM atlas_results")[0]["n"] == total
+    assert rows(url, "SELECT sum(results_fetched) AS n FROM atlas_measurements")[0]["n"] == total
+    # Nothing was fetched twice: the windows served never overlap, and the
+    # results they carried add up to what is stored.
+    served = list(standin.served)
+    by_msm: dict[int, list[tuple[int, int]]] = {}
+    for msm_id, lo, hi, _ in served:
+        by_msm.setdefault(msm_id, []).append((lo, hi))
+    for windows in by_msm.values():
+        windows.sort()
+        assert all(a[1] < b[0] for a, b in zip(windows, windows[1:], strict=False))
+    assert sum(n for *_, n in served) == total
+    assert (
+        rows(url, "SELECT count(*) AS n FROM atlas_measurements WHERE last_error IS NOT NULL")[0][
+            "n"
+        ]
+        == 0
+    )
+
+
+# -- errors Atlas really returns --------------------------------------------------------------
+
+
+def _no_traceback(err: str) -> None:
+    assert err.startswith("ERROR: ") and "\nhint: " in err and "Traceback" not in err
+
+
+def test_missing_and_bad_keys(
+    env: dict[str, str],
+    standin: StandIn,
+    campaign_file: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("KICKASS_ATLAS_KEY")
+    assert kickass("create", campaign_file) == 2
+    err = capsys.readouterr().err
+    _no_traceback(err)
+    assert "needs a RIPE Atlas API key" in err and not standin.requests_to("POST", "/api")
+
+    monkeypatch.setenv("KICKASS_ATLAS_KEY", "not-the-key-123")
+    assert kickass("create", campaign_file) == 2
+    err = capsys.readouterr().err
+    _no_traceback(err)
+    assert "refused the API key" in err and "403" in err and "not-the-key-123" not in err
+    url = env["KICKASS_DATABASE_URL"]
+    assert rows(url, "SELECT count(*) AS n FROM atlas_measurements")[0]["n"] == 0
+
+    key_file = campaign_file.parent / "atlas.key"
+    key_file.write_text(KEY + "\n")
+    monkeypatch.delenv("KICKASS_ATLAS_KEY")
+    assert kickass("create", campaign_file, "--key-file", key_file) == 0  # resumable
+    assert rows(url, "SELECT count(*) AS n FROM atlas_measurements")[0]["n"] == 3
+
+
+THROTTLED = envelope(
+    429, "Too Many Requests", "Request was throttled. Expected available in 60 seconds.", 0
+)  # noqa: E501
+
+
+def test_rate_limited_midway_resumes_without_creating_twice(
+    env: dict[str, str], standin: StandIn, campaign_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = env["KICKASS_DATABASE_URL"]
+    standin.fail("POST", "/api/v2/measurements", 429, THROTTLED, times=1)
+    assert kickass("create", campaign_file) == 2
+    err = capsys.readouterr().err
+    _no_traceback(err)
+    assert "rate-limiting" in err and "wait" in err
+    assert rows(url, "SELECT count(*) AS n FROM atlas_measurements")[0]["n"] == 0
+
+    # Now the split sweep goes through and the whole sizes are throttled.
+    calls = {"n": 0}
+    original = standin._create
+
+    def second_throttled(headers: dict[str, str], body: Any) -> tuple[int, Any]:
+        calls["n"] += 1
+        return (429, THROTTLED) if calls["n"] == 2 else original(headers, body)
+
+    standin._create = second_throttled  # type: ignore[method-assign]
+    assert kickass("create", campaign_file) == 2
+    assert "rate-limiting" in capsys.readouterr().err
+    assert [r["key"] for r in rows(url, "SELECT key FROM atlas_measurements")] == ["split-1500"]
+    assert kickass("create", campaign_file) == 0
+    keys = sorted(r["key"] for r in rows(url, "SELECT key FROM atlas_measurements"))
+    assert keys == ["split-1500", "whole-100", "whole-1500"] and len(standin.measurements) == 3
+
+
+def test_not_enough_credits(
+    env: dict[str, str], standin: StandIn, campaign_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    standin.credits = 10
+    assert kickass("create", campaign_file) == 2
+    err = capsys.readouterr().err
+    _no_traceback(err)
+    assert "not enough RIPE Atlas credits" in err and "enough credit" in err and "top up" in err
+
+
+def test_rejected_definition_names_the_field(
+    env: dict[str, str], standin: StandIn, campaign_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    errors = [{"source": {"pointer": "/definitions/0/target"}, "detail": "Invalid target"}]
+    standin.fail(
+        "POST",
+        "/api/v2/measurements",
+        400,
+        envelope(400, "Bad Request", "Invalid input", 101, errors),
+    )
+    assert kickass("create", campaign_file) == 2
+    err = capsys.readouterr().err
+    _no_traceback(err)
+    assert "/definitions/0/target: Invalid target" in err
+
+
+def test_unreachable_and_failing_server(
+    env: dict[str, str],
+    standin: StandIn,
+    campaign_file: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert kickass("create", campaign_file) == 0
+    backdate(standin, 500)
+    standin.fail(
+        "GET", "/api/v2/measurements/", 502, envelope(502, "Bad Gateway", "upstream down", 0)
+    )
+    assert kickass("fetch", campaign_file, "--settle", "0") == 2
+    err = capsys.readouterr().err
+    _no_traceback(err)
+    assert "502" in err and "later" in err
+    monkeypatch.setenv("KICKASS_ATLAS_SERVER", "127.0.0.1:9")  # nothing listens on discard
+    assert kickass("fetch", campaign_file, "--settle", "0") == 2
+    err = capsys.readouterr().err
+    _no_traceback(err)
+    assert "cannot reach RIPE Atlas" in err
+
+
+@pytest.mark.parametrize(
+    ("status_id", "words"),
+    [(4, None), (5, "forced measurement"), (6, "found no suitable probes"), (7, "reports")],
+)
+def test_measurement_status_problems_are_warnings_with_hints(
+    env: dict[str, str],
+    standin: StandIn,
+    campaign_file: Path,
+    capsys: pytest.CaptureFixture[str],
+    status_id: int,
+    words: str | None,
+) -> None:
+    url = env["KICKASS_DATABASE_URL"]
+    assert kickass("create", campaign_file) == 0
+    start = backdate(standin, 500)
+    split = created(standin)["split-1500"]
+    for msm_id in standin.measurements:
+        play(standin, url, msm_id, [start + 100])
+    standin.set_status(split, status_id)
+    capsys.readouterr()
+    assert kickass("fetch", campaign_file, "--settle", "0") == 0
+    err = capsys.readouterr().err
+    if words is None:
+        assert "WARNING" not in err
+    else:
+        assert f"WARNING: RIPE Atlas {words}" in err and "\nhint: " in err
+    # Its results so far are stored all the same.
+    assert (
+        rows(url, "SELECT count(*) AS n FROM atlas_results WHERE msm_id = :m", m=split)[0]["n"] == 2
+    )
+    assert kickass("status", campaign_file) == 0
+    captured = capsys.readouterr()
+    assert standin.measurements[split]["status"]["name"] in captured.out
+
+
+@pytest.mark.parametrize(("status", "words"), [(2, "disconnected"), (3, "abandoned")])
+def test_disconnected_and_abandoned_probes_are_named(
+    env: dict[str, str],
+    standin: StandIn,
+    campaign_file: Path,
+    capsys: pytest.CaptureFixture[str],
+    status: int,
+    words: str,
+) -> None:
+    url = env["KICKASS_DATABASE_URL"]
+    assert kickass("create", campaign_file) == 0
+    start = backdate(standin, 500)
+    for msm_id in standin.measurements:
+        play(standin, url, msm_id, [start + 100])
+    standin.add_probe(1002, PROBES[1002], 64501, "DE", status=status)
+    capsys.readouterr()
+    assert kickass("fetch", campaign_file, "--settle", "0") == 0
+    err = capsys.readouterr().err
+    assert f"WARNING: probe 1002 is {words}" in err and "\nhint: " in err
+    assert err.count("probe 1002") == 1  # once per fetch, not per measurement
+
+
+def test_explicit_probes_none_connected_refuses_before_paying(
+    env: dict[str, str], standin: StandIn, campaign_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    standin.add_probe(1001, PROBES[1001], 64500, "NL", status=3)
+    standin.add_probe(1002, PROBES[1002], 64501, "DE", status=2)
+    assert kickass("create", campaign_file) == 2
+    err = capsys.readouterr().err
+    assert "WARNING: probe 1001 is abandoned" in err and "none of the campaign's probes" in err
+    assert not standin.requests_to("POST", "/api")
+
+
+def test_the_key_is_never_printed_logged_or_stored(
+    env: dict[str, str],
+    standin: StandIn,
+    campaign_file: Path,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    url = env["KICKASS_DATABASE_URL"]
+    assert kickass("create", campaign_file, "--json") == 0
+    start = backdate(standin, 500)
+    for msm_id in standin.measurements:
+        play(standin, url, msm_id, [start + 100])
+    standin.fail("GET", "/api/v2/measurements/", 429, THROTTLED)
+    assert kickass("fetch", campaign_file, "--settle", "0") == 2
+    assert kickass("fetch", campaign_file, "--settle", "0") == 0
+    assert kickass("status", campaign_file, "--json") == 0
+    captured = capsys.readouterr()
+    assert KEY not in captured.out + captured.err + caplog.text
+    for table in (
+        "atlas_campaigns", "atlas_measurements", "atlas_probes", "atlas_results",
+        "atlas_outcomes", "atlas_reply_log", "atlas_verdicts",
+    ):  # fmt: skip
+        dump = rows(url, f"SELECT coalesce(string_agg(t::text, ''), '') AS s FROM {table} t")
+        assert KEY not in dump[0]["s"], table
