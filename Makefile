@@ -41,10 +41,11 @@ test: install lint
 	cargo test --quiet --workspace
 	$(BIN)/pytest -q
 
+BENCHES := probe_bench router_bench atlas_bench trials_bench
+
 bench: install
-	$(BIN)/python bench/probe_bench.py > bench/probe_bench.json
-	$(BIN)/python bench/router_bench.py > bench/router_bench.json
-	@echo results in bench/probe_bench.json and bench/router_bench.json
+	@for b in $(BENCHES); do echo "bench: $$b"; $(BIN)/python bench/$$b.py > bench/$$b.json || exit 1; done
+	@echo results in $(foreach b,$(BENCHES),bench/$(b).json)
 
 clean:
 	rm -rf $(VENV) target
