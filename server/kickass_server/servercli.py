@@ -176,17 +176,7 @@ def run(args: argparse.Namespace) -> int:
         probe_port=args.probe_port,
         server_version=__version__,
     )
-    try:
-        engine.open_sockets()
-    except PermissionError:
-        raise KickassError(
-            "the probe engine needs a raw socket",
-            hint="run as root or give the interpreter CAP_NET_RAW",
-        ) from None
-    except OSError as exc:
-        raise KickassError(
-            f"cannot open the probe socket on UDP {args.probe_port}: {exc}"
-        ) from None
+    engine.open_sockets()  # KickassError with a hint: busy port, no raw-socket permission
     # Only once this process owns the probe port: a second server started by
     # mistake fails above and never touches the first one's live sessions.
     orphans = store.mark_orphans_incomplete()
