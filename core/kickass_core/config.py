@@ -88,3 +88,22 @@ def _parse(value: Any, parse: Callable[[str], T] | None, where: str) -> Any:
         return parse(value)
     except (TypeError, ValueError) as exc:
         raise KickassError(f"bad value {value!r} for {where}: {exc}") from exc
+
+
+def read_secret(file: str | Path | None, env: str, what: str, hint: str) -> str | None:
+    """A secret (API key, agent secret, runner token) from ``file``, else ``$env``.
+
+    Secrets never come from flags (they would show in `ps`) and are never
+    printed; ``None`` when neither is set, so the caller says what is missing.
+    """
+    if file:
+        try:
+            value = Path(file).read_text().strip()
+        except OSError as exc:
+            raise KickassError(
+                f"cannot read the {what} file {file}: {exc.strerror}", hint=hint
+            ) from None
+        if not value:
+            raise KickassError(f"the {what} file {file} is empty", hint=hint)
+        return value
+    return os.environ.get(env, "").strip() or None

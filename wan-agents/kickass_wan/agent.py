@@ -220,13 +220,8 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def _secret(args: argparse.Namespace) -> bytes:
-    if args.secret_file:
-        try:
-            raw = Path(args.secret_file).read_text().strip()
-        except OSError as exc:
-            raise KickassError(f"cannot read the secret file: {exc}") from None
-    else:
-        raw = os.environ.get("KICKASS_AGENT_SECRET", "")
+    hint = "pass --secret-file FILE or set KICKASS_AGENT_SECRET"
+    raw = config.read_secret(args.secret_file, "KICKASS_AGENT_SECRET", "agent secret", hint)
     if not raw:
         raise KickassError(
             "no agent secret",

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
+from kickass_core import config
 from kickass_core.errors import KickassError
 
 from .runner import AgentRef, TrialConfig, TrialRunner
@@ -77,6 +77,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--runner-token-file")
     run.add_argument(
         "--spool-dir", default=".kickass/spool", help="results outbox (default %(default)s)"
+    )
+    run.add_argument(
+        "--sender-index",
+        type=int,
+        default=0,
+        help="runners sharing a --seed run aligned periods; each draws its own flows by index",
     )
     run.add_argument("--json", action="store_true")
     run.set_defaults(func=cmd_run)
@@ -147,18 +153,13 @@ def cmd_runner_add(args: argparse.Namespace) -> int:
 
 
 def _runner_token(path: str | None) -> str:
-    if path:
-        try:
-            return Path(path).read_text().strip()
-        except OSError as exc:
-            raise KickassError(f"cannot read the runner token: {exc}") from None
-    token = os.environ.get("KICKASS_RUNNER_TOKEN", "")
+    hint = (
+        "pass --runner-token-file or set KICKASS_RUNNER_TOKEN "
+        "(make one on the server: kickass trials runners add NAME)"
+    )
+    token = config.read_secret(path, "KICKASS_RUNNER_TOKEN", "runner token", hint)
     if not token:
-        raise KickassError(
-            "no runner token",
-            hint="pass --runner-token-file or set KICKASS_RUNNER_TOKEN "
-            "(make one on the server: kickass trials runners add NAME)",
-        )
+        raise KickassError("no runner token", hint=hint)
     return token
 
 
@@ -168,13 +169,12 @@ def _agents(args: argparse.Namespace) -> list[AgentRef]:
         name, sep, url = spec.partition("=")
         if not sep or not name or not url.startswith("http"):
             raise KickassError(f"bad --agent {spec!r}", hint="NAME=http://IP:PORT")
-        if args.secret_dir:
-            try:
-                secret = (Path(args.secret_dir) / name).read_text().strip()
-            except OSError as exc:
-                raise KickassError(f"no secret for agent {name}: {exc}") from None
-        else:
-            secret = os.environ.get("KICKASS_AGENT_SECRET", "")
+        secret = config.read_secret(
+            Path(args.secret_dir) / name if args.secret_dir else None,
+            "KICKASS_AGENT_SECRET",
+            f"secret of agent {name}",
+            "--secret-dir DIR (a file per agent name) or KICKASS_AGENT_SECRET",
+        )
         if not secret:
             raise KickassError(
                 f"no secret for agent {name}", hint="--secret-dir or KICKASS_AGENT_SECRET"
@@ -206,6 +206,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         ka_send=args.ka_send,
         source=args.bind,
         protocols=tuple(p.strip() for p in args.protocols.split(",") if p.strip()),
+        sender_index=args.sender_index,
     )
     spool = Spool(args.spool_dir)
     uploader = (

@@ -175,18 +175,9 @@ def read_key(key_file: Path | None) -> str | None:
     if env_key:
         return env_key
     path = _setting("atlas_key_file", key_file)
-    if path is None:
-        return None
-    try:
-        key = Path(path).read_text().strip()
-    except OSError as exc:
-        raise KickassError(
-            f"cannot read the API key file {path}: {exc.strerror}",
-            hint="check --key-file / $KICKASS_ATLAS_KEY_FILE",
-        ) from None
-    if not key:
-        raise KickassError(f"the API key file {path} is empty", hint="put the key in it")
-    return key
+    return config.read_secret(
+        path, "KICKASS_ATLAS_KEY", "API key", "check --key-file / $KICKASS_ATLAS_KEY_FILE"
+    )
 
 
 def _client(args: argparse.Namespace) -> AtlasClient:
