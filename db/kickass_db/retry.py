@@ -53,7 +53,7 @@ def retry(
     *,
     what: str = "database write",
     stop: Callable[[], bool] | None = None,
-    sleep: Callable[[float], None] = time.sleep,
+    sleep: Callable[[float], object] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
 ) -> T:
     """Run ``op``, retrying while it raises DatabaseUnavailable.

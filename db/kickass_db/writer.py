@@ -1,6 +1,11 @@
 """An ordered writer thread: callers hand it writes and go on; it keeps every
 pending write, in order, and retries while the database is away
 (``retry.RetryPolicy``), so a database restart loses nothing.
+
+With a ``Journal``, each write that comes with a ``call`` (its description as
+data) is journaled before it is tried and marked done once stored. ``close``
+waits a bounded time for the backlog; what the database could not take by
+then stays in the journal for the next start, and ``close`` says how much.
 """
 
 from __future__ import annotations
@@ -8,11 +13,17 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
+from .journal import Journal
 from .retry import DEFAULT, DatabaseUnavailable, RetryPolicy, retry
 
 log = logging.getLogger("kickass.db")
+
+_Item = tuple[int, Callable[[], None], bool]
 
 
 class OrderedWriter:
@@ -21,31 +32,58 @@ class OrderedWriter:
         max_backlog: int = 100_000,
         policy: RetryPolicy = DEFAULT,
         name: str = "kickass-db-writer",
+        journal: Journal | None = None,
     ) -> None:
-        self.q: queue.Queue[Callable[[], None] | None] = queue.Queue(max_backlog)
+        self.q: queue.Queue[_Item | None] = queue.Queue(max_backlog)
         self.policy = policy
+        self.journal = journal
         self.failures = 0
         self.dropped = 0
+        self.unwritten = 0
+        self._seq = 0
+        self._seq_lock = threading.Lock()
         self._closing = threading.Event()
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
-    def submit(self, op: Callable[[], None]) -> None:
-        self.q.put(op)
+    @property
+    def journal_path(self) -> Path | None:
+        return None if self.journal is None else self.journal.path
+
+    def submit(self, op: Callable[[], None], call: dict[str, Any] | None = None) -> None:
+        """Queue ``op``; ``call`` (JSON-able) is what the journal keeps of it."""
+        with self._seq_lock:
+            self._seq += 1
+            seq = self._seq
+            journaled = self.journal is not None and call is not None
+            if journaled:
+                self.journal.append(seq, call)
+        self.q.put((seq, op, journaled))
 
     def _run(self) -> None:
         while True:
-            op = self.q.get()
-            if op is None:
+            item = self.q.get()
+            if item is None:
                 return
+            seq, op, journaled = item
+            if self._closing.is_set():
+                self.unwritten += 1  # left in the journal (or reported by close)
+                continue
             try:
-                retry(self._counted(op), self.policy, what="database write")
+                retry(
+                    self._counted(op), self.policy, what="database write", stop=self._closing.is_set
+                )
+            except DatabaseUnavailable:
+                self.unwritten += 1  # closing while the database is away
+                continue
             except Exception:
                 # A write that can never succeed (unknown session, invalid
                 # row) must not block every later write behind it.
                 self.failures += 1
                 self.dropped += 1
                 log.exception("database write dropped")
+            if journaled and self.journal is not None:
+                self.journal.done(seq)
 
     def _counted(self, op: Callable[[], None]) -> Callable[[], None]:
         def run() -> None:
@@ -63,6 +101,29 @@ class OrderedWriter:
         self.submit(done.set)
         return done.wait(timeout)
 
-    def close(self, timeout: float = 30.0) -> None:
+    def close(self, timeout: float = 30.0) -> int:
+        """Stop after at most ``timeout`` seconds; returns the writes not stored.
+
+        Those are kept in the journal (replayed at the next start) when there
+        is one; without a journal they are lost, and the log says how many.
+        """
+        deadline = time.monotonic() + timeout
+        drained = self.sync(max(0.0, deadline - time.monotonic()))
+        if not drained:
+            self._closing.set()
         self.q.put(None)
-        self.thread.join(timeout)
+        self.thread.join(max(1.0, deadline - time.monotonic()))
+        left = self.unwritten
+        if self.journal is not None:
+            kept = self.journal.close()
+            if kept:
+                log.warning(
+                    "%d database writes could not be stored before shutdown: kept in %s, "
+                    "stored at the next start",
+                    kept,
+                    self.journal.path,
+                )
+            return kept
+        if left:
+            log.error("%d database writes could not be stored before shutdown: lost", left)
+        return left

@@ -29,11 +29,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 from kickass_core.errors import KickassError
 from kickass_core.plan import ProbePlan
 from kickass_core.states import FINAL_STATES
-from kickass_db.store import ProbeOutcome
+from kickass_db import journal
+from kickass_db.journal import Journal, outcome_rows, outcomes_call
 from kickass_db.writer import OrderedWriter
 
 from .packets import open_raw_socket
@@ -90,6 +92,7 @@ class ProbeEngine:
         server_version: str = "0",
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+        journal_dir: str | Path | None = None,
     ) -> None:
         self.store = store
         self.policy = policy or Policy()
@@ -109,7 +112,9 @@ class ProbeEngine:
             "send_errors": 0,
             "send_buffer_full": 0,
         }
-        self.writer = OrderedWriter()
+        # Writes the database has not confirmed are journaled on disk first,
+        # so a shutdown (database down, or the process killed) loses none.
+        self.writer = OrderedWriter(journal=Journal(journal_dir) if journal_dir else None)
         self.udp: socket.socket | None = None
         self.raw: socket.socket | None = None
         self._wake_r, self._wake_w = socket.socketpair()
@@ -199,7 +204,9 @@ class ProbeEngine:
             self._thread.join(10)
         with self.lock:
             self._execute(self.core.shutdown(self.clock(), reason))
-        self.writer.close()
+        # Bounded: with the database away, what is left stays in the journal
+        # (stored at the next start) instead of holding up the shutdown.
+        self.writer.close(timeout=5.0)
         for sock in (self.udp, self.raw, self._wake_r, self._wake_w):
             if sock is not None:
                 sock.close()
@@ -218,8 +225,13 @@ class ProbeEngine:
         client_version: str | None = None,
         platform: str | None = None,
         install_id: str | None = None,
+        reassembly: dict | None = None,
     ) -> NewSession:
         """Admit, store, then register a new session.
+
+        ``reassembly``: what the client announced about its reassembly memory
+        (api.py checked it); with a ``split_credit`` the client does flow
+        control of the split phase (probe_core).
 
         Raises AdmissionDenied (429) or whatever the store raises
         (DatabaseUnavailable: 503); a session the database did not store
@@ -228,7 +240,12 @@ class ProbeEngine:
         if not self._accepting:
             raise EngineUnavailable("the server is shutting down")
         with self.lock:
-            admitted = self.core.admit(self.clock(), plan, source_address)
+            admitted = self.core.admit(
+                self.clock(),
+                plan,
+                source_address,
+                split_credit=None if reassembly is None else reassembly.get("split_credit"),
+            )
         timeout = self.policy.handshake_timeout_s
         try:
             self.store.create_session(
@@ -241,6 +258,9 @@ class ProbeEngine:
                 client_version=client_version,
                 platform=platform,
                 install_id=install_id,
+                client_metadata=None
+                if reassembly is None
+                else {"reassembly": {"announced": reassembly}},
             )
         except BaseException:
             with self.lock:
@@ -463,54 +483,30 @@ class ProbeEngine:
     def _persist(self, event: Action) -> None:
         store = self.store
         if isinstance(event, OutcomeBatch):
-            # Rows are built in the writer thread: datetime arithmetic per
-            # probe has no place on the probe clock. The anchor maps the
-            # core's monotonic times to wall-clock times as of now.
-            anchor = (self.wall_clock(), self.clock())
+            # Rows are built in the writer thread from the core's monotonic
+            # times: datetime arithmetic per probe has no place on the probe
+            # clock. The anchor maps them to wall-clock times as of now.
+            call = outcomes_call(event.session_id, event.entries, self.wall_clock(), self.clock())
             self.writer.submit(
-                lambda: store.record_outcomes(event.session_id, _outcome_rows(event, anchor))
+                lambda: store.record_outcomes(event.session_id, outcome_rows(call)), call
             )
-        elif isinstance(event, Heartbeat):
-            self.writer.submit(lambda: store.heartbeat(event.session_id, event.sent, event.acked))
+            return
+        if isinstance(event, Heartbeat):
+            call = {"method": "heartbeat", "session_id": event.session_id,
+                    "sent": event.sent, "acked": event.acked}  # fmt: skip
         elif isinstance(event, RunProbing):
-            self.writer.submit(
-                lambda: store.mark_probing(
-                    event.session_id, event.probe_address, event.probe_port, event.rtt_ms
-                )
-            )
+            call = {"method": "mark_probing", "session_id": event.session_id,
+                    "probe_address": event.probe_address, "probe_port": event.probe_port,
+                    "rtt_ms": event.rtt_ms}  # fmt: skip
         elif isinstance(event, RunFinished):
-            self.writer.submit(
-                lambda: store.finish_session(
-                    event.session_id,
-                    event.state,
-                    event.verdict,
-                    event.verdict_reason,
-                    event.end_reason,
-                )
-            )
-
-
-def _outcome_rows(batch: OutcomeBatch, anchor: tuple[datetime, float]) -> list[ProbeOutcome]:
-    wall, mono = anchor
-
-    def at(t: float) -> datetime:
-        return wall - timedelta(seconds=mono - t)
-
-    return [
-        ProbeOutcome(
-            seq=e.seq,
-            phase=e.phase,
-            ip_len=e.ip_len,
-            sent_at=at(e.sent_at),
-            outcome=e.outcome,
-            acked_at=None if e.acked_at is None else at(e.acked_at),
-            rtt_ms=None if e.acked_at is None else (e.acked_at - e.sent_at) * 1000.0,
-            ack_count=e.ack_count,
-            received_len=e.received_len,
-            observed_frag_size=e.observed_frag_size,
-        )
-        for e in batch.entries
-    ]
+            reassembly = None if event.reassembly is None else dict(event.reassembly)
+            call = {"method": "finish_session", "session_id": event.session_id,
+                    "state": event.state, "verdict": event.verdict,
+                    "verdict_reason": event.verdict_reason, "end_reason": event.end_reason,
+                    "reassembly": reassembly}  # fmt: skip
+        else:
+            return
+        self.writer.submit(lambda: journal.apply(store, call), call)
 
 
 def _cookie_bytes(cookie_hex: str | None) -> bytes | None:

@@ -68,6 +68,7 @@ SETTINGS: tuple[tuple[str, object, Callable[[str], object] | None], ...] = (
     ("http_threads", 8, _positive_int),
     ("log_level", "info", str.lower),
     ("instance_id", None, str),
+    ("journal_dir", ".kickass/journal", str),
 )
 
 
@@ -117,6 +118,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "HOSTNAME:PROBE_PORT): at start it marks only its own orphaned sessions incomplete, "
         "so several servers can share one database",
     )
+    p.add_argument(
+        "--journal-dir",
+        help="where writes the database has not confirmed are kept across a shutdown or "
+        "crash, and stored at the next start (env KICKASS_JOURNAL_DIR; .kickass/journal)",
+    )
     p.set_defaults(func=run)
 
 
@@ -151,6 +157,7 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kickass_db import journal
     from kickass_db.store import Store
     from kickass_db.trials import TrialStore
 
@@ -175,10 +182,21 @@ def run(args: argparse.Namespace) -> int:
         bind_host=args.probe_bind,
         probe_port=args.probe_port,
         server_version=__version__,
+        journal_dir=args.journal_dir,
     )
     engine.open_sockets()  # KickassError with a hint: busy port, no raw-socket permission
     # Only once this process owns the probe port: a second server started by
     # mistake fails above and never touches the first one's live sessions.
+    # First what an earlier run journaled but could not store (its final
+    # states included), then the orphans that are still live after that.
+    replayed = journal.replay(store, args.journal_dir, skip=engine.writer.journal_path)
+    if replayed["replayed"] or replayed["failed"]:
+        log.warning(
+            "stored %d writes an earlier run had journaled (%d refused, set aside in %s)",
+            replayed["replayed"],
+            replayed["failed"],
+            args.journal_dir,
+        )
     orphans = store.mark_orphans_incomplete()
     if orphans:
         log.warning(
