@@ -154,13 +154,15 @@ pub fn run(o: Options) -> Result<()> {
         o.a, o.b, o.ab.delay_ns, o.ab.loss, o.ab.rate_bps, o.ba.delay_ns, o.ba.loss, o.ba.rate_bps
     );
     let fds = [pa.sock.fd(), pb.sock.fd()];
+    // Which fd woke us does not matter: every pass reads them all.
+    let mut ready = Vec::with_capacity(fds.len());
     let mut errors = 0u64;
     let mut next_stats = sys::now() + o.stats_interval_ns;
     let mut write_stats = |ab: &Link, ba: &Link, errors: u64, kind: &'static str| {
         if let Some(w) = stats_out.as_mut() {
             let line = StatsLine {
                 kind,
-                ts: sys::unix_time(),
+                ts: sys::unix_time().as_secs_f64(),
                 ab: ab.stats(),
                 ba: ba.stats(),
                 send_errors: errors,
@@ -195,7 +197,7 @@ pub fn run(o: Options) -> Result<()> {
         }
         // Wake a little early and spin the rest: a sleeping thread is woken
         // tens of microseconds late; the delay must not carry that jitter.
-        sys::poll_readable(&fds, Some((wait - o.spin_ns).min(100_000_000)))?;
+        sys::poll_readable(&fds, Some((wait - o.spin_ns).min(100_000_000)), &mut ready)?;
     }
     write_stats(&ab, &ba, errors, "exit");
     eprintln!(

@@ -350,7 +350,7 @@ pub fn run(o: Options) -> Result<()> {
         version: 1,
         program: "ka-router",
         program_version: env!("CARGO_PKG_VERSION"),
-        started_unix: sys::unix_time(),
+        started_unix: sys::unix_time().as_secs_f64(),
         options: &o,
     });
     eprintln!(
@@ -369,13 +369,15 @@ pub fn run(o: Options) -> Result<()> {
         read_errors: 0,
     };
     let fds = [dp.tun.fd()];
+    // Which fd woke us does not matter: every pass reads them all.
+    let mut ready = Vec::with_capacity(fds.len());
     while !sys::stop_requested() {
         let now = sys::now();
         dp.receive(now)?;
         if let Some(s) = dp.router.handle_timeout(now) {
             telemetry.line(&SampleLine {
                 sample: &s,
-                ts: sys::unix_time(),
+                ts: sys::unix_time().as_secs_f64(),
             });
         }
         dp.transmit(now);
@@ -390,7 +392,7 @@ pub fn run(o: Options) -> Result<()> {
             continue;
         }
         // Cap the sleep so a signal racing the flag check costs little.
-        sys::poll_readable(&fds, Some(wait.min(100_000_000)))?;
+        sys::poll_readable(&fds, Some(wait.min(100_000_000)), &mut ready)?;
     }
 
     // Drain: new LAN traffic goes back to plain kernel forwarding at once;
@@ -415,7 +417,7 @@ pub fn run(o: Options) -> Result<()> {
             .saturating_sub(sys::now())
             .min(10_000_000);
         if wait > o.spin_ns {
-            sys::poll_readable(&fds, Some(wait))?;
+            sys::poll_readable(&fds, Some(wait), &mut ready)?;
         }
     }
     let mut abandoned = 0u64;
@@ -424,7 +426,7 @@ pub fn run(o: Options) -> Result<()> {
     }
     telemetry.line(&ExitLine {
         kind: "exit",
-        ts: sys::unix_time(),
+        ts: sys::unix_time().as_secs_f64(),
         reason,
         drained_packets: drained,
         abandoned_packets: abandoned,

@@ -14,16 +14,15 @@
 //! and only then bound to ETH_P_IP, so no unfiltered packet is ever queued.
 
 use std::io;
-use std::mem;
 use std::os::fd::RawFd;
 
 use crate::fragments::KEY_SPAN;
-use crate::sys::{grow_buffer, set_opt, Error, Fd, Result};
+pub use crate::sys::packet::Insn;
+use crate::sys::{grow_buffer, packet, Error, Fd, Result};
 
 /// Bytes kept of each captured packet: the longest IPv4 header (60) and
 /// the key span (40) fit.
 pub const SNAP_LEN: u32 = 128;
-const PACKET_IGNORE_OUTGOING: libc::c_int = 23;
 
 // Classic BPF opcodes (linux/filter.h).
 const LD_B_ABS: u16 = 0x30;
@@ -35,16 +34,6 @@ const JEQ_K: u16 = 0x15;
 const JGE_K: u16 = 0x35;
 const JSET_K: u16 = 0x45;
 const RET_K: u16 = 0x06;
-
-/// One classic BPF instruction (`struct sock_filter`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(C)]
-pub struct Insn {
-    pub code: u16,
-    pub jt: u8,
-    pub jf: u8,
-    pub k: u32,
-}
 
 const fn insn(code: u16, jt: u8, jf: u8, k: u32) -> Insn {
     Insn { code, jt, jf, k }
@@ -107,49 +96,20 @@ impl FragmentTap {
     /// Open the tap for UDP `port`, on `ifindex` (None: every interface).
     pub fn open(port: u16, ifindex: Option<u32>) -> Result<FragmentTap> {
         // Protocol 0: receives nothing until bound below.
-        // SAFETY: plain socket creation.
-        let fd = unsafe {
-            libc::socket(
-                libc::AF_PACKET,
-                libc::SOCK_DGRAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
-                0,
-            )
-        };
-        if fd < 0 {
-            let e = io::Error::last_os_error();
-            return Err(permission_hint(&e)
-                .unwrap_or_else(|| Error::new(format!("cannot open an AF_PACKET socket: {e}"))));
-        }
-        let fd = Fd(fd);
-        let prog = fragment_filter(port);
-        let fprog = libc::sock_fprog {
-            len: prog.len() as u16,
-            filter: prog.as_ptr() as *mut libc::sock_filter,
-        };
-        set_opt(fd.0, libc::SOL_SOCKET, libc::SO_ATTACH_FILTER, &fprog)
+        let fd = packet::open(libc::SOCK_DGRAM, 0).map_err(|e| {
+            permission_hint(&e)
+                .unwrap_or_else(|| Error::new(format!("cannot open an AF_PACKET socket: {e}")))
+        })?;
+        packet::attach_filter(fd.0, &fragment_filter(port))
             .map_err(|e| Error::new(format!("cannot attach the fragment filter (BPF): {e}")))?;
-        // Best effort (Linux 4.20+); PACKET_OUTGOING is filtered in `recv` too.
-        let one: libc::c_int = 1;
-        let _ = set_opt(fd.0, libc::SOL_PACKET, PACKET_IGNORE_OUTGOING, &one);
+        // PACKET_OUTGOING is filtered in `recv` too.
+        packet::ignore_outgoing(fd.0);
         grow_buffer(fd.0, true, 8 << 20);
-        // SAFETY: plain old data, all-zero valid.
-        let mut sll: libc::sockaddr_ll = unsafe { mem::zeroed() };
-        sll.sll_family = libc::AF_PACKET as u16;
-        sll.sll_protocol = (libc::ETH_P_IP as u16).to_be();
-        sll.sll_ifindex = ifindex.unwrap_or(0) as i32;
-        // SAFETY: sll is a valid sockaddr_ll of the given size.
-        let rc = unsafe {
-            libc::bind(
-                fd.0,
-                (&sll as *const libc::sockaddr_ll).cast(),
-                mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t,
-            )
-        };
-        if rc < 0 {
-            let e = io::Error::last_os_error();
-            return Err(permission_hint(&e)
-                .unwrap_or_else(|| Error::new(format!("cannot bind the AF_PACKET socket: {e}"))));
-        }
+        let eth_ip = libc::ETH_P_IP as u16;
+        packet::bind(fd.0, eth_ip, ifindex.unwrap_or(0) as i32).map_err(|e| {
+            permission_hint(&e)
+                .unwrap_or_else(|| Error::new(format!("cannot bind the AF_PACKET socket: {e}")))
+        })?;
         Ok(FragmentTap {
             fd,
             stats: TapStats::default(),
@@ -163,78 +123,17 @@ impl FragmentTap {
     /// The next captured packet (from its IP header), skipping our own
     /// transmissions; Ok(None) when nothing is waiting.
     pub fn recv(&self, buf: &mut [u8]) -> io::Result<Option<usize>> {
-        loop {
-            // SAFETY: plain old data, all-zero valid.
-            let mut sll: libc::sockaddr_ll = unsafe { mem::zeroed() };
-            let mut len = mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t;
-            // SAFETY: buf and sll are live, writable and of the given sizes.
-            let n = unsafe {
-                libc::recvfrom(
-                    self.fd.0,
-                    buf.as_mut_ptr().cast(),
-                    buf.len(),
-                    0,
-                    (&mut sll as *mut libc::sockaddr_ll).cast(),
-                    &mut len,
-                )
-            };
-            if n < 0 {
-                let e = io::Error::last_os_error();
-                return match e.kind() {
-                    io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted => Ok(None),
-                    _ => Err(e),
-                };
-            }
-            if sll.sll_pkttype == libc::PACKET_OUTGOING {
-                continue;
-            }
-            return Ok(Some(n as usize));
-        }
+        packet::recv_incoming(self.fd.0, buf, 0)
     }
 
     /// Cumulative kernel counters (the kernel resets them on each read).
     pub fn stats(&mut self) -> TapStats {
-        let mut st = libc::tpacket_stats {
-            tp_packets: 0,
-            tp_drops: 0,
-        };
-        let mut len = mem::size_of::<libc::tpacket_stats>() as libc::socklen_t;
-        // SAFETY: st is a writable tpacket_stats of the given size.
-        let rc = unsafe {
-            libc::getsockopt(
-                self.fd.0,
-                libc::SOL_PACKET,
-                libc::PACKET_STATISTICS,
-                (&mut st as *mut libc::tpacket_stats).cast(),
-                &mut len,
-            )
-        };
-        if rc == 0 {
+        if let Ok(st) = packet::statistics(self.fd.0) {
             self.stats.packets += st.tp_packets as u64;
             self.stats.drops += st.tp_drops as u64;
         }
         self.stats
     }
-}
-
-/// A name to an interface index, with a clear error.
-pub fn ifindex(name: &str) -> Result<u32> {
-    let bad = || {
-        Error::new(format!(
-            "interface {name:?} not found in this network namespace"
-        ))
-        .hint("check the name with `ip link`")
-    };
-    if name.is_empty() || name.len() >= libc::IFNAMSIZ || name.contains('\0') {
-        return Err(bad());
-    }
-    let c = std::ffi::CString::new(name).map_err(|_| bad())?;
-    // SAFETY: c is a valid NUL-terminated string.
-    let idx = unsafe { libc::if_nametoindex(c.as_ptr()) };
-    if idx == 0 {
-        return Err(bad());
-    }
-    Ok(idx)
 }
 
 #[cfg(test)]

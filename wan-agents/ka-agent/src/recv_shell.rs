@@ -151,7 +151,7 @@ pub fn run<W: Write>(opts: RecvOptions, out: W) -> Result<i32> {
     } else {
         None
     };
-    let mut guard = ReplayGuard::new(opts.secret.clone(), sys::unix_time);
+    let mut guard = ReplayGuard::new(opts.secret.clone(), || sys::unix_time().as_secs());
     if let Some(p) = &opts.state_file {
         guard = guard.with_state_file(p).map_err(|e| {
             Error::new(format!("cannot use the state file {}: {e}", p.display())).hint(

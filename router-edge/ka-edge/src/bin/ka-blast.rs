@@ -109,18 +109,18 @@ fn udp_socket(bind: Option<SocketAddrV4>) -> Result<sys::Fd, sys::Error> {
         )));
     }
     let fd = sys::Fd(fd);
-    let big = (8i32 << 20).to_ne_bytes();
+    let big: libc::c_int = 8 << 20;
     for opt in [
         libc::SO_SNDBUF,
         libc::SO_RCVBUF,
         libc::SO_RCVBUFFORCE,
         libc::SO_SNDBUFFORCE,
     ] {
-        // SAFETY: valid int option buffer; failures are fine (best effort).
-        unsafe { libc::setsockopt(fd.0, libc::SOL_SOCKET, opt, big.as_ptr().cast(), 4) };
+        // Best effort: failures are fine.
+        let _ = sys::set_opt(fd.0, libc::SOL_SOCKET, opt, &big);
     }
     if let Some(b) = bind {
-        let sa = sockaddr(b);
+        let sa = sys::sockaddr_in(b);
         // SAFETY: sa is a valid sockaddr_in.
         let rc = unsafe { libc::bind(fd.0, (&sa as *const libc::sockaddr_in).cast(), 16) };
         if rc < 0 {
@@ -131,17 +131,6 @@ fn udp_socket(bind: Option<SocketAddrV4>) -> Result<sys::Fd, sys::Error> {
         }
     }
     Ok(fd)
-}
-
-fn sockaddr(a: SocketAddrV4) -> libc::sockaddr_in {
-    libc::sockaddr_in {
-        sin_family: libc::AF_INET as u16,
-        sin_port: a.port().to_be(),
-        sin_addr: libc::in_addr {
-            s_addr: u32::from(*a.ip()).to_be(),
-        },
-        sin_zero: [0; 8],
-    }
 }
 
 fn sleep_until(t: u64) {
@@ -177,22 +166,9 @@ fn send(
         )));
     }
     let fd = udp_socket(bind)?;
-    let pmtu: i32 = if df {
-        libc::IP_PMTUDISC_DO
-    } else {
-        libc::IP_PMTUDISC_DONT
-    };
-    // SAFETY: valid int option.
-    unsafe {
-        libc::setsockopt(
-            fd.0,
-            libc::IPPROTO_IP,
-            libc::IP_MTU_DISCOVER,
-            (&pmtu as *const i32).cast(),
-            4,
-        )
-    };
-    let sa = sockaddr(dst);
+    // Best effort, as the buffers.
+    let _ = sys::set_dont_fragment(fd.0, df);
+    let sa = sys::sockaddr_in(dst);
     // SAFETY: sa is a valid sockaddr_in.
     if unsafe { libc::connect(fd.0, (&sa as *const libc::sockaddr_in).cast(), 16) } < 0 {
         return Err(sys::Error::new(format!(
@@ -274,16 +250,7 @@ fn recv(bind: SocketAddrV4, duration: u64, idle: u64) -> Result<RecvReport, sys:
         tv_sec: 0,
         tv_usec: 50_000,
     };
-    // SAFETY: valid timeval option.
-    unsafe {
-        libc::setsockopt(
-            fd.0,
-            libc::SOL_SOCKET,
-            libc::SO_RCVTIMEO,
-            (&tv as *const libc::timeval).cast(),
-            16,
-        )
-    };
+    let _ = sys::set_opt(fd.0, libc::SOL_SOCKET, libc::SO_RCVTIMEO, &tv);
     const B: usize = 64;
     let mut bufs = vec![[0u8; 2048]; B];
     let start = sys::now();

@@ -7,7 +7,6 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
-use ka_agent::afpacket::ifindex;
 use ka_agent::recv_shell::{run, RecvOptions};
 use ka_agent::sys;
 use ka_agent::token::unhex;
@@ -80,7 +79,7 @@ fn main() -> ExitCode {
         return fail(2, "--idle-timeout must be between 0 and 86400 seconds");
     }
     let idx = match &cli.interface {
-        Some(name) if !cli.no_leading_fragments => match ifindex(name) {
+        Some(name) if !cli.no_leading_fragments => match sys::ifindex(name) {
             Ok(i) => Some(i),
             Err(e) => return fail(2, &e.to_string()),
         },
