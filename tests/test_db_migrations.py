@@ -46,14 +46,25 @@ VIEW_COLUMNS = {
         "client_version", "server_version", "source_address", "whole_sent", "whole_acked",
         "whole_drop_rate", "split_sent", "split_acked", "split_drop_rate",
         "split_to_whole_ratio",
+        # 0007: invalid probes, the excess over the two-fragment bound, fragment
+        # observations and the client's reassembly memory (db/README.md)
+        "whole_reassembly_invalid", "split_reassembly_invalid", "split_excess_drop",
+        "split_excess_low", "split_excess_high", "whole_fragmented_on_arrival",
+        "split_largest_fragment_as_sent", "split_fragments_observed", "split_leading_as_sent",
+        "split_leading_swapped", "reassembly_refused", "reassembly_max_memory",
+        "reassembly_high_thresh",
     ],
     "v_whole_drop": [
         "session_id", "ip_len", "sent", "acked", "late", "drop_rate", "rtt_ms_median",
         "fragmented_on_arrival",
+        "reassembly_invalid", "fragments_observed", "fragmented_observed",  # 0007
     ],
     "v_split_drop": [
         "session_id", "leading_ip_len", "sent", "acked", "late", "drop_rate", "frag_observed",
         "arrived_as_sent",
+        # 0007
+        "reassembly_invalid", "largest_fragment_as_sent", "fragments_observed",
+        "leading_as_sent", "leading_swapped",
     ],
     "v_client_verdicts": [
         "client_id", "install_id", "last_address", "sessions", "latest_session_id",
@@ -62,10 +73,14 @@ VIEW_COLUMNS = {
     "v_size_drop_all": [
         "ip_len", "sessions", "sent", "acked", "late", "drop_rate", "rtt_ms_median",
         "fragmented_on_arrival",
+        "reassembly_invalid", "fragments_observed", "fragmented_observed",  # 0007
     ],
     "v_split_drop_all": [
         "leading_ip_len", "sessions", "sent", "acked", "late", "drop_rate", "frag_observed",
         "arrived_as_sent",
+        # 0007
+        "reassembly_invalid", "largest_fragment_as_sent", "fragments_observed",
+        "leading_as_sent", "leading_swapped",
     ],
     "v_router_telemetry": [
         "run_id", "run_name", "router_mode", "capacity_bps", "recorded_at", "t",
@@ -110,6 +125,7 @@ VIEW_COLUMNS = {
     "v_split_drop_by_source": [
         "source", "leading_ip_len", "sessions", "sent", "acked", "late", "drop_rate",
         "frag_observed", "arrived_as_sent",
+        "largest_fragment_as_sent", "reassembly_invalid",  # 0007
     ],
     "v_verdicts_by_source": [
         "source", "session_id", "verdict", "verdict_reason", "finished_at", "whole_sent",
@@ -348,6 +364,10 @@ def test_per_session_views(store: Store, engine: Engine) -> None:
             "drop_rate": pytest.approx(0.3),
             "rtt_ms_median": pytest.approx(13.0),  # of acked only: the late one is not in
             "fragmented_on_arrival": 1,
+            # 0007: nothing invalid, nothing observed before reassembly
+            "reassembly_invalid": 0,
+            "fragments_observed": 0,
+            "fragmented_observed": 0,
         }
     ]
     split = rows(engine, "SELECT * FROM v_split_drop WHERE session_id = 'aaaaaaaaaaaaaaaa'")
@@ -361,6 +381,12 @@ def test_per_session_views(store: Store, engine: Engine) -> None:
             "drop_rate": pytest.approx(0.5),
             "frag_observed": 4,
             "arrived_as_sent": 3,
+            # 0007: the same number under its honest name; nothing else seeded
+            "reassembly_invalid": 0,
+            "largest_fragment_as_sent": 3,
+            "fragments_observed": 0,
+            "leading_as_sent": 0,
+            "leading_swapped": 0,
         }
     ]
 

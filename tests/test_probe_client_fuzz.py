@@ -168,6 +168,15 @@ class _Shell:
     def snapshot(self) -> tuple[Phase, None, LocalCounts]:
         return Phase.DONE, None, self.counts.copy()
 
+    def reassembly_summary(self) -> None:
+        return None
+
+    def invalid_ranges(self) -> list[tuple[int, int]]:
+        return []
+
+    def observation(self) -> None:
+        return None
+
 
 class _Progress:
     def update(self, done: int, total: int, description: str) -> None: ...

@@ -379,8 +379,11 @@ def test_happy_path_json(make_peer: Any, capsys: pytest.CaptureFixture[str]) -> 
     assert doc["server"] == peer.url
     # What was sent to the server is exactly what the notice announced.
     (body,) = peer.create_bodies
-    assert set(body) == {"plan", "client_version", "platform", "install_id"}
+    assert set(body) == {"plan", "client_version", "platform", "install_id", "reassembly"}
     assert body["install_id"] is None
+    # The reassembly memory (announced in the notice): limits, counters, credit.
+    assert set(body["reassembly"]) == {"limits", "before", "split_credit"}
+    assert "reassembly limits and counters" in err
     assert body["plan"] == {"repetitions": 100, "step": 8, "window": 8}
     # ACKs carry the received length of each probe.
     for ack in peer.acks:

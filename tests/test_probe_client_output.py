@@ -110,7 +110,11 @@ def test_summary_complete() -> None:
     whole_line = next(line for line in text.splitlines() if "whole packets " in line)
     n = len(PLAN.whole) * 10
     assert f"{n:>9,}" in whole_line and f"{n - 4:>9,}" in whole_line
-    assert "Splits arrived as sent: yes, in all" in text
+    # IP_RECVFRAGSIZE sees only the largest fragment: the summary says that,
+    # and never that a split "arrived as sent" (issue 11).
+    assert "Largest fragment as sent: yes, in all" in text
+    assert "cannot tell whether the pieces arrived swapped" in text
+    assert "arrived as sent" not in text.lower()
     assert "notable drops: 1500 B 40.0%" in text
     assert f"Session {SID} (complete): https://measure.example.org/api/v1/sessions/{SID}" in text
     assert "INCOMPLETE" not in text
@@ -157,7 +161,7 @@ def test_splits_as_sent_wording() -> None:
     c = local_counts()
     c.split[PLAN.split[0]] = SizeCounts(received=10, as_sent=7, refragmented=3)
     text = splits_as_sent(c)
-    assert "as cut by the server" in text and "3 cut differently" in text
+    assert "largest fragment as cut by the server" in text and "3 cut differently" in text
 
 
 def test_pct() -> None:
@@ -308,6 +312,7 @@ def test_notice_says_exactly_what_is_collected() -> None:
     assert "probe results" in text
     assert "client's version" in text and "OS name (Linux)" in text
     assert "Nothing else" in text
+    assert "reassembly limits and counters" in text  # sent with the session request
     assert f"{ProbePlan.quick().total_probes:,} UDP probes" in text
 
 

@@ -228,6 +228,10 @@ def test_late_ack_updates_a_lost_probe(store: Store) -> None:
             "drop_rate": pytest.approx(0.3),
             "rtt_ms_median": pytest.approx(30.0),
             "fragmented_on_arrival": 0,
+            # 0007 columns: nothing invalid or observed before reassembly
+            "reassembly_invalid": 0,
+            "fragments_observed": 0,
+            "fragmented_observed": 0,
         }
     ]
     row = query(store, "SELECT outcome, rtt_ms, acked_at FROM probe_outcomes WHERE seq = 9")

@@ -12,7 +12,15 @@ Flow (DESIGN.md section 4, the QUIC way):
   client -> server  ECHO       tag + token, from the same address:port
   server -> client  PROBE ...  only after ECHO proved return routability
   client -> server  ACK        tag + seq + what the client saw
+  client -> server  REPORT     the client's reassembly memory: how many more split
+                               datagrams it can take (flow control), and which
+                               sequence numbers were measured while its kernel
+                               refused fragments (every ~50 ms while probing)
   server -> client  DONE       the plan is finished (a hint; HTTP is the truth)
+
+REPORT is new in the same wire version: a server that does not know it
+counts it as malformed and ignores it, and a client that does not send it
+gets no flow control (the server's behaviour before REPORT existed).
 """
 
 from __future__ import annotations
@@ -34,6 +42,15 @@ PROBE_HEADER_LEN = 16
 _PREFIX = struct.Struct("!2sBB8s")  # magic, kind, version, session tag
 _SEQ = struct.Struct("!I")
 _ACK_TAIL = struct.Struct("!IHHI")  # seq, received_len, observed_frag_size, echo_ts
+# report_seq, split_limit, frag_memory, frag_high_thresh, refused, number of ranges
+_REPORT_HEAD = struct.Struct("!IIIIIB")
+_RANGE = struct.Struct("!II")  # [first, end) of sequence numbers
+# A REPORT carries at most this many invalid ranges (the most recent ones):
+# 12 + 21 + 4 * 8 = 65 bytes at most.
+MAX_REPORT_RANGES = 4
+# split_limit meaning "no limit", and "unknown" for the 32-bit gauges.
+NO_LIMIT = 0xFFFFFFFF
+UNKNOWN_U32 = 0xFFFFFFFF
 
 
 class WireError(ValueError):
@@ -47,6 +64,7 @@ class Kind(enum.IntEnum):
     PROBE = 4
     ACK = 5
     DONE = 6
+    REPORT = 7
 
 
 @dataclass(frozen=True)
@@ -109,6 +127,48 @@ class Ack:
 
 
 @dataclass(frozen=True)
+class Report:
+    """The client's reassembly memory, for flow control of the split phase.
+
+    ``split_limit``: the server may send split probes only with ``seq <
+    split_limit`` (``NO_LIMIT``: any). The client computes it from how much
+    of its kernel's IPv4 reassembly memory is free, so that the study's own
+    unfinished datagrams (a split whose other piece was lost, filtered or
+    duplicated waits 30 s in that memory) can never fill it.
+    ``frag_memory`` / ``frag_high_thresh``: bytes in use and the kernel's
+    limit (``UNKNOWN_U32`` when the system does not tell). ``refused``:
+    fragments the kernel refused since the session began (cumulative).
+    ``invalid``: ranges ``[first, end)`` of sequence numbers measured while
+    the kernel refused fragments; a probe in one that never arrived is not
+    evidence of loss on the path. ``report_seq`` orders reports (a stale one
+    is ignored).
+    """
+
+    session_tag: bytes
+    report_seq: int
+    split_limit: int = NO_LIMIT
+    frag_memory: int = UNKNOWN_U32
+    frag_high_thresh: int = UNKNOWN_U32
+    refused: int = 0
+    invalid: tuple[tuple[int, int], ...] = ()
+
+    def encode(self) -> bytes:
+        ranges = self.invalid[-MAX_REPORT_RANGES:]
+        return (
+            _PREFIX.pack(MAGIC, Kind.REPORT, WIRE_VERSION, self.session_tag)
+            + _REPORT_HEAD.pack(
+                self.report_seq,
+                self.split_limit,
+                self.frag_memory,
+                self.frag_high_thresh,
+                self.refused,
+                len(ranges),
+            )
+            + b"".join(_RANGE.pack(a, b) for a, b in ranges)
+        )
+
+
+@dataclass(frozen=True)
 class Done:
     session_tag: bytes
 
@@ -116,7 +176,7 @@ class Done:
         return _PREFIX.pack(MAGIC, Kind.DONE, WIRE_VERSION, self.session_tag)
 
 
-Message = Hello | Challenge | Echo | ProbeHeader | Ack | Done
+Message = Hello | Challenge | Echo | ProbeHeader | Ack | Report | Done
 
 
 def decode(data: bytes) -> Message:
@@ -150,6 +210,18 @@ def decode(data: bytes) -> Message:
             raise WireError(f"ACK must be {_PREFIX.size + _ACK_TAIL.size} bytes")
         seq, received_len, frag, echo_ts = _ACK_TAIL.unpack(rest)
         return Ack(tag, seq, received_len, frag, echo_ts)
+    if k is Kind.REPORT:
+        if len(rest) < _REPORT_HEAD.size:
+            raise WireError("REPORT is too short")
+        *head, n = _REPORT_HEAD.unpack_from(rest)
+        if n > MAX_REPORT_RANGES or len(rest) != _REPORT_HEAD.size + n * _RANGE.size:
+            raise WireError(f"REPORT must carry 0..{MAX_REPORT_RANGES} ranges of 8 bytes")
+        ranges = tuple(
+            _RANGE.unpack_from(rest, _REPORT_HEAD.size + i * _RANGE.size) for i in range(n)
+        )
+        if any(a >= b for a, b in ranges):
+            raise WireError("REPORT range is empty or reversed")
+        return Report(tag, *head, invalid=ranges)
     if len(rest):
         raise WireError("DONE carries no body")
     return Done(tag)

@@ -78,6 +78,7 @@ def wire_vectors() -> dict:
         "probe_header": wire.ProbeHeader(tag, 0x01020304).encode(),
         "ack": wire.Ack(tag, 7, 1472, 1476, 0).encode(),
         "done": wire.Done(tag).encode(),
+        "report": wire.Report(tag, 3, 0x01020304, 123456, 4 << 20, 7, ((10, 20),)).encode(),
         "probe_payload_44": wire.probe_payload(tag, 1, 16),
     }
     return {"version": 1, "messages": {k: v.hex() for k, v in msgs.items()}}

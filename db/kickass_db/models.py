@@ -17,6 +17,7 @@ from kickass_core.verdict import VERDICTS
 from sqlalchemy import (
     REAL,
     BigInteger,
+    Boolean,
     CheckConstraint,
     DateTime,
     Float,
@@ -29,6 +30,7 @@ from sqlalchemy import (
     SmallInteger,
     Text,
     func,
+    text,
 )
 from sqlalchemy.dialects.postgresql import INET, JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -116,6 +118,12 @@ class SessionRow(Base):
     # The server process running it: a restarting server ends only its own
     # orphans, so servers sharing a database leave each other alone.
     server_instance: Mapped[str | None] = mapped_column(Text)
+    # What the client reported about itself (0007): "reassembly" (its kernel's
+    # reassembly limits and counters before, during and after the split
+    # phase; the flow-control budget) and "fragment_observation".
+    client_metadata: Mapped[dict[str, Any]] = mapped_column(
+        JSONB, server_default=text("'{}'::jsonb")
+    )
 
 
 class ProbeOutcomeRow(Base):
@@ -147,6 +155,13 @@ class ProbeOutcomeRow(Base):
     received_len: Mapped[int | None] = mapped_column(Integer)
     # The client's IP_RECVFRAGSIZE: largest fragment's IP length, 0 = arrived whole.
     observed_frag_size: Mapped[int | None] = mapped_column(Integer)
+    # 0007: measured while the client's kernel refused fragments (reassembly
+    # memory full); with outcome 'lost' the probe is invalid, not lost.
+    reassembly_invalid: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
+    # 0007, the privileged observation (AF_PACKET before reassembly): IP length
+    # of the fragment at offset 0 and how many distinct fragments arrived.
+    observed_leading_len: Mapped[int | None] = mapped_column(SmallInteger)
+    observed_fragments: Mapped[int | None] = mapped_column(SmallInteger)
 
 
 class RouterRun(Base):

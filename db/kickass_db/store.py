@@ -25,8 +25,18 @@ from typing import Any, TypeVar
 from kickass_core.errors import KickassError
 from kickass_core.plan import PHASES
 from kickass_core.states import FINAL_STATES, LIVE_STATES, OUTCOMES
-from kickass_core.verdict import VERDICTS, decide
-from sqlalchemy import Connection, bindparam, func, insert, select, text, update
+from kickass_core.verdict import VERDICTS, decide, excess
+from sqlalchemy import (
+    Connection,
+    bindparam,
+    func,
+    insert,
+    literal_column,
+    select,
+    text,
+    update,
+)
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import InterfaceError, OperationalError
 
@@ -61,6 +71,10 @@ class ProbeOutcome:
     ack_count: int = 0
     received_len: int | None = None
     observed_frag_size: int | None = None
+    # Measured while the client's kernel refused fragments (only meaningful
+    # with outcome 'lost'). Once set it stays set: the flag comes from the
+    # client's REPORTs and from its end-of-session report, in either order.
+    reassembly_invalid: bool = False
 
 
 # One statement for a whole batch: arrays in, rows out. executemany would
@@ -69,7 +83,7 @@ class ProbeOutcome:
 _UPSERT_OUTCOMES = text("""
 INSERT INTO probe_outcomes (
     session_pk, seq, phase, ip_len, sent_at, outcome, acked_at, rtt_ms, ack_count,
-    received_len, observed_frag_size
+    received_len, observed_frag_size, reassembly_invalid
 )
 SELECT s.id, u.*
 FROM sessions s
@@ -77,7 +91,7 @@ CROSS JOIN unnest(
     CAST(:seq AS integer[]), CAST(:phase AS text[]), CAST(:ip_len AS smallint[]),
     CAST(:sent_at AS timestamptz[]), CAST(:outcome AS text[]), CAST(:acked_at AS timestamptz[]),
     CAST(:rtt_ms AS real[]), CAST(:ack_count AS smallint[]), CAST(:received_len AS integer[]),
-    CAST(:observed_frag_size AS integer[])
+    CAST(:observed_frag_size AS integer[]), CAST(:reassembly_invalid AS boolean[])
 ) AS u
 WHERE s.session_id = :session_id
 ON CONFLICT (session_pk, seq) DO UPDATE SET
@@ -89,7 +103,8 @@ ON CONFLICT (session_pk, seq) DO UPDATE SET
     rtt_ms = excluded.rtt_ms,
     ack_count = excluded.ack_count,
     received_len = excluded.received_len,
-    observed_frag_size = excluded.observed_frag_size
+    observed_frag_size = excluded.observed_frag_size,
+    reassembly_invalid = probe_outcomes.reassembly_invalid OR excluded.reassembly_invalid
 """)
 _OUTCOME_FIELDS = (
     "seq",
@@ -102,20 +117,49 @@ _OUTCOME_FIELDS = (
     "ack_count",
     "received_len",
     "observed_frag_size",
+    "reassembly_invalid",
 )
 
 _WHOLE_ROWS = text("""
-SELECT ip_len, sent, acked, late, drop_rate, rtt_ms_median, fragmented_on_arrival
+SELECT ip_len, sent, acked, late, drop_rate, rtt_ms_median, fragmented_on_arrival,
+       reassembly_invalid, fragments_observed, fragmented_observed
 FROM v_whole_drop WHERE session_id = :session_id ORDER BY ip_len
 """)
 _SPLIT_ROWS = text("""
-SELECT leading_ip_len, sent, acked, late, drop_rate, frag_observed, arrived_as_sent
+SELECT leading_ip_len, sent, acked, late, drop_rate, frag_observed, arrived_as_sent,
+       largest_fragment_as_sent, reassembly_invalid, fragments_observed, leading_as_sent,
+       leading_swapped
 FROM v_split_drop WHERE session_id = :session_id ORDER BY leading_ip_len
 """)
 
+# Valid probes only: one lost while the client's kernel refused fragments
+# (reassembly_invalid) is evidence of nothing (migration 0007).
 _PHASE_COUNTS = text("""
-SELECT session_pk, phase, count(*) AS sent, count(*) FILTER (WHERE outcome = 'acked') AS acked
+SELECT session_pk, phase,
+       count(*) FILTER (WHERE NOT (reassembly_invalid AND outcome = 'lost')) AS sent,
+       count(*) FILTER (WHERE outcome = 'acked') AS acked,
+       count(*) FILTER (WHERE reassembly_invalid AND outcome = 'lost') AS invalid
 FROM probe_outcomes WHERE session_pk = ANY(:pks) GROUP BY session_pk, phase
+""")
+
+# A lost probe in one of the client's ranges of refused fragments becomes
+# invalid: a split always, a whole packet only from the smallest size the
+# path was seen to fragment (a small-MTU hop), as the engine's core does.
+_MARK_INVALID = text("""
+UPDATE probe_outcomes o SET reassembly_invalid = true
+FROM unnest(CAST(:first AS integer[]), CAST(:end AS integer[])) AS r(first, "end")
+WHERE o.session_pk = :pk AND o.seq >= r.first AND o.seq < r."end"
+  AND o.outcome = 'lost' AND NOT o.reassembly_invalid
+  AND (o.phase = 'split' OR o.ip_len >= (
+        SELECT min(w.ip_len) FROM probe_outcomes w
+        WHERE w.session_pk = :pk AND w.phase = 'whole' AND w.observed_frag_size > 0))
+""")
+_OBSERVE = text("""
+UPDATE probe_outcomes o SET observed_leading_len = u.lead_len, observed_fragments = u.pieces
+FROM unnest(
+    CAST(:seq AS integer[]), CAST(:lead_len AS smallint[]), CAST(:pieces AS smallint[])
+) AS u(seq, lead_len, pieces)
+WHERE o.session_pk = :pk AND o.seq = u.seq
 """)
 
 
@@ -199,6 +243,7 @@ class Store:
         client_version: str | None = None,
         platform: str | None = None,
         install_id: str | None = None,
+        client_metadata: dict[str, Any] | None = None,
     ) -> None:
         """Insert a session in state 'created', and its client (upserted by install id).
 
@@ -244,6 +289,7 @@ class Store:
                     server_version=server_version,
                     expires_at=expires_at,
                     server_instance=self.instance,
+                    client_metadata=client_metadata or {},
                 )
                 .on_conflict_do_nothing(index_elements=[_sessions.c.session_id])
                 .returning(_sessions.c.id)
@@ -313,9 +359,12 @@ class Store:
         verdict: str | None,
         verdict_reason: str | None,
         end_reason: str | None = None,
+        reassembly: dict[str, Any] | None = None,
     ) -> bool:
         """Put a live session in a final state. The first final state wins:
-        False (and nothing changed) if it had already finished, or is unknown."""
+        False (and nothing changed) if it had already finished, or is unknown.
+        ``reassembly``: what the engine learnt from the client's REPORTs, kept
+        as ``client_metadata.reassembly.server``."""
         if state not in FINAL_STATES:
             raise ValueError(f"state must be one of {FINAL_STATES}, got {state!r}")
         if verdict is not None and verdict not in VERDICTS:
@@ -329,9 +378,85 @@ class Store:
                 verdict_reason=verdict_reason,
                 end_reason=end_reason,
                 finished_at=func.now(),
+                **({} if reassembly is None else {"client_metadata": _with_server(reassembly)}),
             )
         )
         return self._run(lambda conn: conn.execute(stmt).rowcount > 0)
+
+    def record_client_report(
+        self,
+        session_id: str,
+        *,
+        metadata: dict[str, Any] | None = None,
+        invalid_ranges: Sequence[tuple[int, int]] = (),
+        observations: tuple[Sequence[int], Sequence[int], Sequence[int]] | None = None,
+    ) -> bool:
+        """The client's end-of-session report (``POST /sessions/<id>/report``).
+
+        ``metadata`` is merged into ``client_metadata`` one level deep
+        (``{"reassembly": {"client": ...}}`` keeps the ``server`` part);
+        ``invalid_ranges`` mark lost probes measured while the client's kernel
+        refused fragments; ``observations`` are the privileged observation's
+        (seqs, leading fragment IP lengths, fragment counts). When a final
+        session gains invalid probes its verdict is decided again from the
+        valid ones. Idempotent. False if the session is unknown.
+        """
+
+        def work(conn: Connection) -> bool:
+            row = conn.execute(
+                select(_sessions.c.id, _sessions.c.state, _sessions.c.client_metadata)
+                .where(_sessions.c.session_id == session_id)
+                .with_for_update()
+            ).first()
+            if row is None:
+                return False
+            pk, state, current = row
+            if metadata:
+                merged = dict(current or {})
+                for key, value in metadata.items():
+                    old = merged.get(key)
+                    if isinstance(old, dict) and isinstance(value, dict):
+                        merged[key] = {**old, **value}
+                    else:
+                        merged[key] = value
+                conn.execute(
+                    update(_sessions).where(_sessions.c.id == pk).values(client_metadata=merged)
+                )
+            marked = 0
+            if invalid_ranges:
+                marked = conn.execute(
+                    _MARK_INVALID,
+                    {
+                        "pk": pk,
+                        "first": [int(a) for a, _ in invalid_ranges],
+                        "end": [int(b) for _, b in invalid_ranges],
+                    },
+                ).rowcount
+            if observations is not None and observations[0]:
+                seqs, leading, fragments = observations
+                conn.execute(
+                    _OBSERVE,
+                    {
+                        "pk": pk,
+                        "seq": list(seqs),
+                        "lead_len": list(leading),
+                        "pieces": list(fragments),
+                    },
+                )
+            if marked and state in FINAL_STATES:
+                counts = {
+                    phase: (sent, acked, invalid)
+                    for _, phase, sent, acked, invalid in conn.execute(_PHASE_COUNTS, {"pks": [pk]})
+                }
+                v = _decide(counts)
+                conn.execute(
+                    update(_sessions)
+                    .where(_sessions.c.id == pk)
+                    .values(verdict=v.verdict, verdict_reason=v.reason)
+                )
+            return True
+
+        return self._run(work)
 
     def mark_orphans_incomplete(self) -> list[str]:
         """At server start: sessions this instance's previous run left live become
@@ -356,17 +481,14 @@ class Store:
             ).all()
             if not orphans:
                 return []
-            counts: dict[tuple[int, str], tuple[int, int]] = {
-                (pk, phase): (sent, acked)
-                for pk, phase, sent, acked in conn.execute(
-                    _PHASE_COUNTS, {"pks": [pk for pk, _ in orphans]}
-                )
-            }
+            counts: dict[int, dict[str, tuple[int, int, int]]] = {}
+            for pk, phase, sent, acked, invalid in conn.execute(
+                _PHASE_COUNTS, {"pks": [pk for pk, _ in orphans]}
+            ):
+                counts.setdefault(pk, {})[phase] = (sent, acked, invalid)
             updates = []
             for pk, _ in orphans:
-                whole = counts.get((pk, "whole"), (0, 0))
-                split = counts.get((pk, "split"), (0, 0))
-                v = decide(whole[0], whole[1], split[0], split[1])
+                v = _decide(counts.get(pk, {}))
                 updates.append({"pk": pk, "verdict": v.verdict, "reason": v.reason})
             conn.execute(
                 update(_sessions)
@@ -390,6 +512,16 @@ class Store:
         stmt = select(_sessions.c.cookie_hash).where(_sessions.c.session_id == session_id)
         return self._run(lambda conn: conn.execute(stmt).scalar_one_or_none())
 
+    def report_context(self, session_id: str) -> dict[str, Any] | None:
+        """What checking a client report needs: cookie hash, state, plan size."""
+        stmt = select(
+            _sessions.c.cookie_hash,
+            _sessions.c.state,
+            _sessions.c.plan["total_probes"].astext.label("total_probes"),
+        ).where(_sessions.c.session_id == session_id)
+        row = self._run(lambda conn: conn.execute(stmt).first())
+        return None if row is None else dict(row._mapping)
+
     def session_results(self, session_id: str) -> dict[str, Any] | None:
         """The session as the HTTP API serves it (JSON-able), or None if unknown."""
 
@@ -409,6 +541,29 @@ class Store:
         return self._run(work, isolation="REPEATABLE READ")
 
 
+def _with_server(reassembly: dict[str, Any]) -> Any:
+    """client_metadata with ``reassembly.server`` set (the rest kept)."""
+    meta = _sessions.c.client_metadata
+    return func.jsonb_set(
+        meta,
+        literal_column("'{reassembly}'"),
+        func.coalesce(meta["reassembly"], literal_column("'{}'::jsonb")).op("||")(
+            func.jsonb_build_object(
+                literal_column("'server'"), bindparam("reassembly", reassembly, type_=JSONB)
+            )
+        ),
+    )
+
+
+def _decide(counts: dict[str, tuple[int, int, int]]) -> Any:
+    """The verdict from per-phase (valid sent, acked, invalid) counts."""
+    whole = counts.get("whole", (0, 0, 0))
+    split = counts.get("split", (0, 0, 0))
+    return decide(
+        whole[0], whole[1], split[0], split[1], whole_invalid=whole[2], split_invalid=split[2]
+    )
+
+
 def _results(s: Any, whole: list[dict[str, Any]], split: list[dict[str, Any]]) -> dict[str, Any]:
     rows = whole + split
     if rows:
@@ -416,6 +571,9 @@ def _results(s: Any, whole: list[dict[str, Any]], split: list[dict[str, Any]]) -
         acked = sum(r["acked"] for r in rows)
     else:
         sent, acked = s["sent"], s["acked"]
+    ws, wa = sum(r["sent"] for r in whole), sum(r["acked"] for r in whole)
+    ss, sa = sum(r["sent"] for r in split), sum(r["acked"] for r in split)
+    x = excess(ws, wa, ss, sa)
     return {
         "session_id": s["session_id"],
         "state": s["state"],
@@ -432,6 +590,16 @@ def _results(s: Any, whole: list[dict[str, Any]], split: list[dict[str, Any]]) -
         "sent": sent,
         "acked": acked,
         "rtt_ms": s["rtt_ms"],
+        # 0007: invalid probes (the client's kernel refused fragments) are
+        # out of every count above; the excess over the two-fragment bound
+        # with its 95% interval (kickass_core.verdict.excess); what the
+        # client reported about its reassembly memory and observations.
+        "reassembly_invalid": {
+            "whole": sum(r["reassembly_invalid"] or 0 for r in whole),
+            "split": sum(r["reassembly_invalid"] or 0 for r in split),
+        },
+        "excess": None if x is None else x.to_json(),
+        "client_metadata": s["client_metadata"],
         "whole": whole,
         "split": split,
     }

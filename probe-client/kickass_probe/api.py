@@ -129,15 +129,24 @@ class ApiClient:
         return self._request("GET", "/health")
 
     def create_session(
-        self, plan_request: dict[str, Any], *, platform: str, client_version: str = __version__
+        self,
+        plan_request: dict[str, Any],
+        *,
+        platform: str,
+        client_version: str = __version__,
+        reassembly: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        body = {
+        body: dict[str, Any] = {
             "plan": plan_request,
             "client_version": client_version,
             "platform": platform,
             # No persistent identifier: the consent notice promises nothing else.
             "install_id": None,
         }
+        if reassembly is not None:
+            # This system's reassembly limits and counters, and the split
+            # credit: the server bounds the split phase by what we report.
+            body["reassembly"] = reassembly
         reply = self._request("POST", "/sessions", body, honour_retry_after=True)
         try:
             return validate_created(reply)
@@ -187,6 +196,27 @@ class ApiClient:
             "POST",
             f"/sessions/{session_id}/end",
             {},
+            headers={COOKIE_HEADER: cookie},
+            tries=tries,
+            timeout=timeout,
+        )
+        return validate_result(reply)
+
+    def report_session(
+        self,
+        session_id: str,
+        cookie: str,
+        report: dict[str, Any],
+        *,
+        tries: int | None = None,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """The end-of-session report (reassembly memory, refused-fragment
+        ranges, fragment observations); the reply is the session's results."""
+        reply = self._request(
+            "POST",
+            f"/sessions/{session_id}/report",
+            report,
             headers={COOKIE_HEADER: cookie},
             tries=tries,
             timeout=timeout,

@@ -27,8 +27,9 @@ from .errors import (
     EXIT_USAGE,
     ProbeError,
 )
+from .observe import ObserverUnavailable, open_packet_socket
 from .output import format_summary, make_progress, result_json
-from .runner import Runner
+from .runner import Runner, observe_error
 from .signals import WRITING, StopSignals
 
 ENV_SERVER = "KICKASS_SERVER"
@@ -43,7 +44,8 @@ DEFAULT_TIMEOUT_S = 10.0
 EPILOG = """\
 what is collected:
   the server stores your public IP address (as it sees it), the probe
-  results, this client's version and your OS name. Nothing else.
+  results, your system's IPv4 reassembly limits and counters (how full its
+  fragment memory was), this client's version and your OS name. Nothing else.
 
 exit codes:
   0    measurement complete (whatever the verdict)
@@ -121,6 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="the server's quick plan: coarse sizes, a few probes each (seconds)",
     )
+    p.add_argument(
+        "--observe-fragments",
+        action="store_true",
+        help="also read every probe's fragments before your system reassembles them (needs "
+        "root or CAP_NET_RAW): tells whether a split's leading fragment arrived as sent or "
+        "swapped; without it only the largest fragment is known",
+    )
     p.add_argument("--yes", "-y", action="store_true", help="agree to the data collection")
     p.add_argument(
         "--json", action="store_true", help="print one JSON object on stdout instead of a summary"
@@ -168,9 +177,15 @@ def plan_volume_bytes(plan: ProbePlan) -> int:
     return whole + split
 
 
-def consent_notice(server: str, plan: ProbePlan, os_name: str) -> str:
+def consent_notice(server: str, plan: ProbePlan, os_name: str, observe: bool = False) -> str:
     volume = plan_volume_bytes(plan)
     size = f"{volume / 1e6:.0f} MB" if volume >= 1e6 else f"{volume / 1e3:.0f} kB"
+    observed = (
+        "  - (--observe-fragments) the length and number of the fragments of each probe,\n"
+        "    read before your system reassembles them (only the server's probes)\n"
+        if observe
+        else ""
+    )
     return (
         "kickass-probe tests whether fragmented IPv4 packets reach this computer.\n"
         f"The server {server} will send you about {plan.total_probes:,} UDP probes "
@@ -178,6 +193,9 @@ def consent_notice(server: str, plan: ProbePlan, os_name: str) -> str:
         "  - your public IP address, as the server sees it\n"
         "  - the probe results (which probes arrived, their sizes, the fragment sizes\n"
         "    your system observed)\n"
+        "  - your system's IPv4 reassembly limits and counters (/proc/net: how full its\n"
+        "    fragment memory was; the study paces itself by them)\n"
+        f"{observed}"
         f"  - this client's version ({__version__}) and your OS name ({os_name})\n"
         "Nothing else is collected.\n"
     )
@@ -244,7 +262,14 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
             )
         server = normalize_server_url(server)
         request, estimate = plan_request(args)
-        ask_consent(consent_notice(server, estimate, os_name()), args.yes, sys.stdin, stderr)
+        if args.observe_fragments:
+            # Before the question: without the privilege there is nothing to ask.
+            try:
+                open_packet_socket(rcvbuf=4096).close()
+            except ObserverUnavailable as exc:
+                raise observe_error(str(exc)) from None
+        notice = consent_notice(server, estimate, os_name(), args.observe_fragments)
+        ask_consent(notice, args.yes, sys.stdin, stderr)
         api = ApiClient(server, timeout=args.timeout, log=log, notify=progress.note)
         runner = Runner(
             api,
@@ -254,6 +279,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
             progress=progress,
             log=log,
             stop=stop,
+            observe_fragments=args.observe_fragments,
         )
         # From here on a signal is only counted; the runner stops cleanly.
         stop.raise_now = False

@@ -13,7 +13,7 @@ from collections import Counter
 from typing import Any, TextIO
 
 from kickass_core.plan import ProbePlan
-from kickass_core.verdict import drop_rate, pool
+from kickass_core.verdict import drop_rate, excess, pool
 
 from . import __version__
 from .api import printable
@@ -79,6 +79,8 @@ def result_json(result: RunResult) -> dict[str, Any]:
     srv = result.server_result or {}
     whole = phase_rows(result, "whole")
     split = phase_rows(result, "split")
+    pw, ps = pool(whole), pool(split)
+    x = excess(pw["sent"], pw["acked"], ps["sent"], ps["acked"])
     return {
         "format_version": JSON_FORMAT_VERSION,
         "session_id": result.session_id,
@@ -92,7 +94,19 @@ def result_json(result: RunResult) -> dict[str, Any]:
         "source": "server" if result.server_result is not None else "local",
         "whole": whole,
         "split": split,
-        "pooled": {"whole": pool(whole), "split": pool(split)},
+        "pooled": {"whole": pw, "split": ps},
+        # Split drop minus the two-fragment bound 1 - (1 - whole)^2, with its
+        # 95% interval (kickass_core.verdict.excess); null without both phases.
+        "excess": None if x is None else x.to_json(),
+        # Probes lost while this client's kernel refused fragments (its
+        # reassembly memory was full): not in "sent" above, not loss.
+        "reassembly_invalid": invalid_counts(result),
+        # This client's reassembly memory before, during and after the split
+        # phase, and the flow-control budget (kickass_probe.reassembly).
+        "reassembly": result.reassembly,
+        # --observe-fragments: every probe's fragments before reassembly
+        # (null without the option: then only the largest fragment is known).
+        "fragment_observation": observation_json(result),
         "total_probes": result.total_probes,
         "plan": srv.get("plan") or result.plan.to_json(),
         "server": result.server_url,
@@ -116,6 +130,10 @@ def local_json(plan: ProbePlan, c: LocalCounts) -> dict[str, Any]:
         "highest_seq": c.highest_seq,
         "done_received": c.done_received,
         "frag_size_supported": c.frag_size_supported,
+        # The largest fragment as the server cut it (IP_RECVFRAGSIZE): all an
+        # unprivileged client can know; swapped pieces pass this test.
+        "split_largest_fragment_as_sent": sum(s.as_sent for s in split_counts),
+        # The same number under its pre-0007 name (kept for format_version 1).
         "split_as_sent": sum(s.as_sent for s in split_counts),
         "split_reassembled": sum(s.reassembled for s in split_counts),
         "split_refragmented": sum(s.refragmented for s in split_counts),
@@ -125,6 +143,7 @@ def local_json(plan: ProbePlan, c: LocalCounts) -> dict[str, Any]:
             {
                 "leading_ip_len": k,
                 "received": v.received,
+                "largest_fragment_as_sent": v.as_sent,
                 "as_sent": v.as_sent,
                 "reassembled": v.reassembled,
                 "refragmented": v.refragmented,
@@ -176,14 +195,17 @@ def format_summary(result: RunResult, verbose: bool = False) -> str:
         p = pool(rows)
         lines.append(f"  {label:<18}{p['sent']:>9,}{p['acked']:>9,}{pct(p['drop_rate']):>8}")
     lines.append("")
-    lines.append(
-        textwrap.fill(
-            f"Splits arrived as sent: {splits_as_sent(result.local)}",
-            width=96,
-            initial_indent="  ",
-            subsequent_indent="    ",
-        )
-    )
+    for text in (
+        f"Largest fragment as sent: {splits_as_sent(result.local)}",
+        leading_line(result),
+        whole_fragmented_line(result, whole),
+        excess_line(whole, split),
+        *reassembly_lines(result),
+    ):
+        if text:
+            lines.append(
+                textwrap.fill(text, width=96, initial_indent="  ", subsequent_indent="    ")
+            )
     for phase, all_rows in (("whole", whole), ("split", split)):
         # A partial session has sizes nothing was sent for: not worth a row.
         rows = [r for r in all_rows if r["sent"]]
@@ -228,8 +250,12 @@ def splits_as_sent(c: LocalCounts) -> str:
     reassembled = sum(s.reassembled for s in c.split.values())
     other = sum(s.refragmented for s in c.split.values())
     if as_sent == received:
-        return f"yes, in all {received:,} the largest fragment was as the server cut it"
-    parts = [f"{as_sent:,} of {received:,} as cut by the server"]
+        return (
+            f"yes, in all {received:,} splits the largest fragment was as the server cut it "
+            "(this cannot tell whether the pieces arrived swapped; --observe-fragments can, "
+            "as root)"
+        )
+    parts = [f"{as_sent:,} of {received:,} with the largest fragment as cut by the server"]
     if reassembled:
         parts.append(
             f"{reassembled:,} reassembled on the way (typical of a NAT or firewall with "
@@ -238,6 +264,121 @@ def splits_as_sent(c: LocalCounts) -> str:
     if other:
         parts.append(f"{other:,} cut differently on the way")
     return "; ".join(parts)
+
+
+def observation_json(result: RunResult) -> dict[str, Any] | None:
+    obs = result.observer
+    if obs is None:
+        return None
+    per = obs.per_split()
+    return {
+        **obs.summary(),
+        "split": [{"leading_ip_len": size, **row} for size, row in sorted(per.items())],
+    }
+
+
+def leading_line(result: RunResult) -> str | None:
+    """The privileged observation's answer: leading fragment as sent or swapped."""
+    obs = result.observer
+    if obs is None:
+        return None
+    s = obs.summary()
+    seen = s["split_observed"]
+    drops = f" ({s['kernel_drops']:,} packets missed by the observer)" if s["kernel_drops"] else ""
+    if not seen:
+        return f"Leading fragment (observed before reassembly): no split observed{drops}"
+    if s["split_leading_as_sent"] == seen:
+        return (
+            f"Leading fragment as sent (observed before reassembly): yes, in all {seen:,} "
+            f"splits{drops}"
+        )
+    parts = [f"{s['split_leading_as_sent']:,} of {seen:,} as sent"]
+    if s["split_swapped"]:
+        sizes = s["swapped_leading_ip_lens"]
+        span = f"{sizes[0]}-{sizes[-1]} B" if sizes else "?"
+        parts.append(
+            f"{s['split_swapped']:,} SWAPPED, largest piece first (leading fragment {span}): "
+            "something on the path reassembled and re-cut them, and a Kick-Ass receiver "
+            "would read another rate"
+        )
+    if s["split_recut"]:
+        parts.append(f"{s['split_recut']:,} cut differently")
+    return "Leading fragment (observed before reassembly): " + "; ".join(parts) + drops
+
+
+def whole_fragmented_line(result: RunResult, whole: list[dict[str, Any]]) -> str | None:
+    """A whole packet that arrived fragmented: a link with a smaller MTU."""
+    c = result.local
+    fragmented = {k: v.refragmented for k, v in c.whole.items() if v.refragmented}
+    if not fragmented:
+        return None
+    received = sum(v.received for v in c.whole.values())
+    smallest = min(fragmented)
+    return (
+        f"Whole packets arrived fragmented: {sum(fragmented.values()):,} of {received:,} "
+        f"(IP length {smallest} B and up): a link on the path has an MTU below {smallest} B, "
+        "and something on the way fragmented them"
+    )
+
+
+def excess_line(whole: list[dict[str, Any]], split: list[dict[str, Any]]) -> str | None:
+    pw, ps = pool(whole), pool(split)
+    x = excess(pw["sent"], pw["acked"], ps["sent"], ps["acked"])
+    if x is None:
+        return None
+    return (
+        f"Split loss beyond two whole-packet chances: {x.estimate * 100:+.1f} points "
+        f"(95% interval {x.low * 100:+.1f} to {x.high * 100:+.1f})"
+    )
+
+
+def invalid_counts(result: RunResult) -> dict[str, int]:
+    srv = result.server_result or {}
+    counts = srv.get("reassembly_invalid")
+    out = {"whole": 0, "split": 0}
+    if isinstance(counts, dict):
+        for k in out:
+            out[k] = _int(counts.get(k))
+    else:
+        for phase in out:
+            out[phase] = sum(_int(r.get("reassembly_invalid")) for r in srv.get(phase) or [])
+    return out
+
+
+def _mb(n: Any) -> str:
+    return f"{_int(n) / 1e6:.1f} MB"
+
+
+def reassembly_lines(result: RunResult) -> list[str]:
+    """What this system's reassembly memory did, and what it means."""
+    r = result.reassembly
+    if not isinstance(r, dict):
+        return []
+    during = r.get("during") or {}
+    limits = r.get("limits") or {}
+    budget = r.get("budget") or {}
+    refused = _int(during.get("refused"))
+    invalid = invalid_counts(result)
+    n_invalid = invalid["whole"] + invalid["split"]
+    limit = f"{_mb(limits['high_thresh'])}" if limits.get("high_thresh") else "unknown"
+    line = f"Reassembly memory of this system: peak {_mb(during.get('max_memory'))} of {limit}; "
+    if refused:
+        line += f"the kernel REFUSED {refused:,} fragments (memory full)"
+    else:
+        line += "no fragment refused"
+    wait = budget.get("zero_credit_s") or 0
+    if wait:
+        line += f"; the split phase paused {wait:.0f} s to keep it from filling"
+    lines = [line]
+    if n_invalid:
+        lines.append(
+            f"WARNING: {n_invalid:,} probes were measured while this system refused fragments "
+            "(its reassembly memory was full, not the path's fault); they are marked invalid "
+            "and left out of the drop rates"
+        )
+    elif refused:
+        lines.append("No probe was affected by the refused fragments.")
+    return lines
 
 
 def size_ranges(

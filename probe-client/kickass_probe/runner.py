@@ -24,8 +24,10 @@ from typing import Any, Protocol, TypeVar, cast
 from kickass_core.plan import ProbePlan
 from kickass_core.states import LIVE_STATES
 
+from . import reassembly as reasm
 from .api import ApiClient, ApiError, parse_plan, printable, server_host
-from .errors import EXIT_INCOMPLETE, EXIT_OK, ProbeError
+from .errors import EXIT_INCOMPLETE, EXIT_OK, EXIT_USAGE, ProbeError
+from .observe import FragmentObserver, ObserverUnavailable, open_packet_socket
 from .session import Failure, LocalCounts, ProbeSession, UdpShell, resolve_ipv4
 from .signals import HARD_STOP_PRESSES, STOPPING, StopSignals
 
@@ -80,6 +82,13 @@ class RunResult:
     incomplete: bool
     note: str | None
     exit_code: int
+    # This client's reassembly memory: limits, counters before, during and
+    # after the split phase, the flow-control budget (reassembly.py).
+    reassembly: dict[str, Any] | None = None
+    # Whether the end-of-session report reached the server.
+    report_sent: bool = False
+    # --observe-fragments: what the fragments looked like before reassembly.
+    observer: FragmentObserver | None = None
 
 
 class Runner:
@@ -95,9 +104,15 @@ class Runner:
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
         stop: StopSignals | None = None,
+        read_limits: Callable[[], reasm.Limits] = reasm.read_limits,
+        read_sample: Callable[[float], reasm.Sample] = reasm.read_sample,
+        observe_fragments: bool = False,
     ) -> None:
+        self.observe_fragments = observe_fragments
         self.api = api
         self.plan_request = plan_request
+        self._read_limits = read_limits
+        self._read_sample = read_sample
         self.timeout = timeout
         self.stall_timeout = STALL_TIMEOUTS * timeout
         self.stuck_timeout = max(STUCK_MIN_S, STUCK_TIMEOUTS * timeout)
@@ -114,10 +129,34 @@ class Runner:
     def run(self) -> RunResult:
         # Interrupted here (abandoned create): nothing measured yet. The
         # server expires a session whose HELLO never comes.
-        created = self._call(
-            lambda: self.api.create_session(self.plan_request, platform=self.platform_name),
-            abandon_at=1,
-        )
+        # The privileged observation first: without the privilege nothing
+        # is created.
+        psock = None
+        if self.observe_fragments:
+            try:
+                psock = open_packet_socket()
+            except ObserverUnavailable as exc:
+                raise observe_error(str(exc)) from None
+        # The reassembly memory before anything is sent: the server starts
+        # the split phase with this credit and follows our REPORTs after it.
+        limits = self._read_limits()
+        before = self._read_sample(self._clock())
+        announced = {
+            "limits": limits.to_json(),
+            "before": before.to_json(),
+            "split_credit": reasm.credits_for(limits, before.memory),
+        }
+        try:
+            created = self._call(
+                lambda: self.api.create_session(
+                    self.plan_request, platform=self.platform_name, reassembly=announced
+                ),
+                abandon_at=1,
+            )
+        except BaseException:
+            if psock is not None:
+                psock.close()
+            raise
         sid: str = created["session_id"]
         cookie: str = created["cookie"]
         host = created.get("probe_host") or server_host(self.api.base_url)
@@ -127,6 +166,10 @@ class Runner:
             # rather than passed around inside the reply dict.
             plan = parse_plan(created["plan"])
             addr = self._call(lambda: resolve_ipv4(host, port), abandon_at=1)
+            budget = reasm.ReassemblyBudget(
+                limits, plan.split_from, plan.total_probes, plan.window, start=before
+            )
+            observer = None if psock is None else FragmentObserver(bytes.fromhex(sid), plan)
             shell = UdpShell(
                 lambda frag_ok: ProbeSession(
                     bytes.fromhex(sid),
@@ -134,11 +177,17 @@ class Runner:
                     plan,
                     challenge_timeout=self.timeout,
                     frag_size_supported=frag_ok,
+                    budget=budget,
                     log=self.log,
                 ),
                 addr,
+                read_sample=self._read_sample,
+                observer=observer,
+                packet_socket=psock,
             )
         except (ProbeError, OSError, KeyboardInterrupt) as exc:
+            if psock is not None:
+                psock.close()
             self._end_quietly(sid, cookie)
             if isinstance(exc, OSError):
                 raise ProbeError(f"cannot open a UDP socket: {exc.strerror or exc}") from None
@@ -253,6 +302,7 @@ class Runner:
     # -- ways to finish ----------------------------------------------------------------
 
     def _finished(self, ctx: _Ctx, res: dict[str, Any]) -> RunResult:
+        res = self._report(ctx, res)
         state = res["state"]
         if state == "complete":
             self.progress.update(ctx.total, ctx.total, "done")
@@ -302,6 +352,8 @@ class Runner:
         except KeyboardInterrupt:
             # The third press: the handler said so; print what we have, now.
             self.log("stopped waiting for the server")
+        if res is not None and self.stop.presses < HARD_STOP_PRESSES:
+            res = self._report(ctx, res, deadline=deadline, abandon_at=HARD_STOP_PRESSES)
         note = f"interrupted by {label}: partial result"
         if res is None:
             note += "; the counts are what this client received"
@@ -320,6 +372,8 @@ class Runner:
 
     def _end_early(self, ctx: _Ctx, why: str) -> RunResult:
         res = self._end_quietly(ctx.sid, ctx.cookie) or self._last_result
+        if res is not None and res.get("state") not in LIVE_STATES:
+            res = self._report(ctx, res, deadline=self._clock() + END_BUDGET_S)
         return self._result(
             ctx,
             res,
@@ -339,6 +393,8 @@ class Runner:
         exit_code: int,
     ) -> RunResult:
         _, _, counts = ctx.shell.snapshot()
+        if ctx.reassembly is None:
+            ctx.reassembly = ctx.shell.reassembly_summary()
         return RunResult(
             server_url=self.api.base_url,
             session_id=ctx.sid,
@@ -352,7 +408,54 @@ class Runner:
             incomplete=state != "complete",
             note=note,
             exit_code=exit_code,
+            reassembly=ctx.reassembly,
+            report_sent=ctx.report_sent,
+            observer=ctx.shell.observation(),
         )
+
+    # -- the end-of-session report --------------------------------------------------------
+
+    def _report(
+        self,
+        ctx: _Ctx,
+        res: dict[str, Any],
+        *,
+        deadline: float | None = None,
+        abandon_at: int = 1,
+    ) -> dict[str, Any]:
+        """Send the reassembly summary (and refused-fragment ranges) of a
+        finished session; returns the results it answers with (the verdict
+        may change: invalid probes are left out), or ``res`` if it failed.
+        Never raises: the measurement is stored either way."""
+        ctx.reassembly = ctx.shell.reassembly_summary()
+        if ctx.reassembly is None:
+            return res  # nothing to report
+        body: dict[str, Any] = {
+            "reassembly": ctx.reassembly,
+            "invalid_ranges": [list(r) for r in ctx.shell.invalid_ranges()],
+        }
+        observer = ctx.shell.observation()
+        if observer is not None:
+            arrays = observer.encoded()
+            summary = observer.summary()
+            if arrays is None:
+                summary["per_probe"] = "omitted: too large for one report"
+            body["fragment_observation"] = {"summary": summary, **(arrays or {})}
+        each = min(self.timeout, END_TIMEOUT_S)
+        try:
+            new = self._call(
+                lambda: self.api.report_session(ctx.sid, ctx.cookie, body, tries=2, timeout=each),
+                abandon_at=abandon_at,
+                deadline=deadline,
+            )
+        except (ProbeError, KeyboardInterrupt) as exc:
+            # An older server (404/405) or an unreachable one: the result
+            # stands, without the report.
+            self.log(f"end-of-session report not stored: {getattr(exc, 'message', exc)}")
+            return res
+        ctx.report_sent = True
+        self._last_result = new
+        return new
 
     # -- helpers -----------------------------------------------------------------------
 
@@ -435,6 +538,17 @@ class _Ctx:
         self.total = total
         self.addr = addr
         self.shell = shell
+        self.reassembly: dict[str, Any] | None = None
+        self.report_sent = False
+
+
+def observe_error(why: str) -> ProbeError:
+    return ProbeError(
+        f"--observe-fragments {why}",
+        hint="run kickass-probe as root (or give its Python CAP_NET_RAW), or leave the option "
+        "out: without it the study reports the largest fragment of each split only",
+        exit_code=EXIT_USAGE,
+    )
 
 
 def describe_position(plan: ProbePlan, highest_seq: int, phase: str) -> str:

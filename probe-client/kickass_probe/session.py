@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import math
 import select
 import socket
 import sys
@@ -28,6 +29,9 @@ from dataclasses import dataclass, field
 
 from kickass_core import wire
 from kickass_core.plan import ProbePlan, expected_max_fragment
+
+from .observe import FragmentObserver, attach_filter, bpf_filter, packet_drops
+from .reassembly import REPORT_INTERVAL_S, ReassemblyBudget, Sample, read_sample
 
 # How often HELLO is repeated until the server's CHALLENGE arrives.
 HELLO_INTERVAL_S = 0.5
@@ -43,6 +47,8 @@ IP_RECVFRAGSIZE = 25
 # Large enough for any probe (at most 1472 bytes of UDP payload) with room
 # to notice an oversized datagram.
 RECV_BUFSIZE = 4096
+# Bytes of each observed packet read (IP header, UDP header, probe header).
+OBSERVE_SNAPLEN = 256
 # Probes arrive in windows; a larger receive buffer keeps a busy moment on a
 # small machine from turning into losses the path did not cause.
 SOCKET_RCVBUF = 1 << 20
@@ -98,6 +104,8 @@ class LocalCounts:
     frag_size_supported: bool = True
     first_probe_at: float | None = None
     last_probe_at: float | None = None
+    split_received: int = 0  # distinct split probes
+    reports_sent: int = 0
     whole: dict[int, SizeCounts] = field(default_factory=dict)
     split: dict[int, SizeCounts] = field(default_factory=dict)
 
@@ -127,6 +135,7 @@ class ProbeSession:
         *,
         challenge_timeout: float = 10.0,
         frag_size_supported: bool = True,
+        budget: ReassemblyBudget | None = None,
         log: Callable[[str], None] | None = None,
     ) -> None:
         if len(session_tag) != wire.SESSION_TAG_LEN:
@@ -153,6 +162,11 @@ class ProbeSession:
         self._started_at = 0.0
         self._echoed_at: float | None = None
         self._next_hello_at = 0.0
+        # Flow control of the split phase (reassembly.py); None: no REPORTs.
+        self.budget = budget
+        self._next_report_at = 0.0
+        self._report_seq = 0
+        self._lowest_since: int | None = None  # lowest new seq since the last sample
 
     # -- inputs ---------------------------------------------------------------
 
@@ -161,9 +175,45 @@ class ProbeSession:
         return self._hello(now, HELLO_INTERVAL_S)
 
     def next_deadline(self) -> float | None:
+        report = self._next_report_at if self._reporting() else math.inf
         if self.phase in (Phase.HELLO, Phase.ECHOED):
-            return min(self._next_hello_at, self._give_up_at())
-        return None
+            return min(self._next_hello_at, self._give_up_at(), report)
+        return None if report == math.inf else report
+
+    def _reporting(self) -> bool:
+        # REPORTs go to the proven address only: from the first challenge
+        # until the server's DONE.
+        return self.budget is not None and self.phase in (Phase.ECHOED, Phase.PROBING)
+
+    def sample_due(self, now: float) -> bool:
+        """A reassembly sample is wanted now (the shell reads one and calls
+        ``on_sample``)."""
+        return self._reporting() and now >= self._next_report_at
+
+    def on_sample(self, now: float, sample: Sample) -> list[bytes]:
+        """One reading of the reassembly counters: a REPORT to send."""
+        if self.budget is None or not self._reporting():
+            return []
+        c = self.counts
+        span = max(0, c.highest_seq + 1 - self.plan.split_from)
+        missing = max(0, span - c.split_received)
+        b = self.budget
+        b.on_sample(sample, c.highest_seq, missing, self._lowest_since)
+        self._lowest_since = None
+        self._next_report_at = now + REPORT_INTERVAL_S
+        self._report_seq += 1
+        c.reports_sent += 1
+        return [
+            wire.Report(
+                self.session_tag,
+                self._report_seq & 0xFFFFFFFF,
+                split_limit=b.split_limit,
+                frag_memory=_u32(sample.memory),
+                frag_high_thresh=_u32(b.limits.high_thresh),
+                refused=min(b.counters.refused, 0xFFFFFFFE),
+                invalid=b.report_ranges()[-wire.MAX_REPORT_RANGES :],
+            ).encode()
+        ]
 
     def on_timer(self, now: float) -> list[bytes]:
         if self.phase not in (Phase.HELLO, Phase.ECHOED):
@@ -202,6 +252,7 @@ class ProbeSession:
                 self._note("challenge received, echoing")
             if self._echoed_at is None:
                 self._echoed_at = now
+                self._next_report_at = now  # the first REPORT right after the ECHO
             self._next_hello_at = now + REHELLO_AFTER_ECHO_S
             # Echo every challenge, also a repeated one: the server may have
             # re-challenged because our previous ECHO was lost.
@@ -260,6 +311,8 @@ class ProbeSession:
             return ack
         self._seen[seq] = 1
         c.received += 1
+        if self._lowest_since is None or seq < self._lowest_since:
+            self._lowest_since = seq
         if seq < c.highest_seq:
             c.reordered += 1
         c.highest_seq = max(c.highest_seq, seq)
@@ -272,6 +325,8 @@ class ProbeSession:
             c.wrong_length += 1
         size = c.phase_counts(probe.phase).setdefault(probe.ip_len, SizeCounts())
         size.received += 1
+        if probe.phase == "split":
+            c.split_received += 1
         if probe.phase == "whole":
             if frag_size:
                 size.refragmented += 1
@@ -287,6 +342,10 @@ class ProbeSession:
     def _note(self, text: str) -> None:
         if self._log:
             self._log(text)
+
+
+def _u32(value: int | None) -> int:
+    return wire.UNKNOWN_U32 if value is None else min(value, wire.UNKNOWN_U32 - 1)
 
 
 def enable_recvfragsize(sock: socket.socket) -> bool:
@@ -341,9 +400,17 @@ class UdpShell:
         server_addr: tuple[str, int],
         *,
         clock: Callable[[], float] = time.monotonic,
+        read_sample: Callable[[float], Sample] = read_sample,
+        observer: FragmentObserver | None = None,
+        packet_socket: socket.socket | None = None,
     ) -> None:
         self.server_addr = server_addr
         self._clock = clock
+        self._read_sample = read_sample
+        # --observe-fragments: an AF_PACKET socket (opened by the caller, which
+        # has the privilege) whose kernel filter passes only our probes.
+        self.observer = observer
+        self._pkt = packet_socket
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         # A smaller buffer only matters on a very busy machine: not fatal.
         with contextlib.suppress(OSError):
@@ -351,6 +418,8 @@ class UdpShell:
         self._sock.bind(("0.0.0.0", 0))
         self._sock.setblocking(False)
         self._has_recvmsg = hasattr(self._sock, "recvmsg")
+        if self._pkt is not None:
+            attach_filter(self._pkt, bpf_filter(server_addr[0], server_addr[1], self.local_port))
         frag_ok = self._has_recvmsg and enable_recvfragsize(self._sock)
         self.session = make_session(frag_ok)
         self.lock = threading.Lock()
@@ -376,11 +445,37 @@ class UdpShell:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=2.0)
         self._sock.close()
+        if self._pkt is not None:
+            self._pkt.close()
 
     def snapshot(self) -> tuple[Phase, Failure | None, LocalCounts]:
         with self.lock:
             s = self.session
             return s.phase, s.failure, s.counts.copy()
+
+    def reassembly_summary(self) -> dict | None:
+        """The budget's summary with a sample taken now ("after")."""
+        with self.lock:
+            budget = self.session.budget
+            if budget is None:
+                return None
+            now = self._clock()
+            budget.finish(now)
+            return budget.summary(after=self._read_sample(now))
+
+    def observation(self) -> FragmentObserver | None:
+        """The fragment observer, its kernel drop count brought up to date."""
+        with self.lock:
+            if self.observer is not None and self._pkt is not None:
+                drops = packet_drops(self._pkt)
+                if drops:
+                    self.observer.kernel_drops += drops
+            return self.observer
+
+    def invalid_ranges(self) -> list[tuple[int, int]]:
+        with self.lock:
+            budget = self.session.budget
+            return [] if budget is None else list(budget.invalid_ranges)
 
     def _send(self, datagrams: list[bytes]) -> None:
         for d in datagrams:
@@ -413,8 +508,9 @@ class UdpShell:
                 with self.lock:
                     deadline = self.session.next_deadline()
                 wait = 0.2 if deadline is None else deadline - self._clock()
-                readable, _, _ = select.select([self._sock], [], [], max(0.0, min(wait, 0.2)))
-                if readable:
+                socks = [self._sock] if self._pkt is None else [self._sock, self._pkt]
+                readable, _, _ = select.select(socks, [], [], max(0.0, min(wait, 0.2)))
+                if self._sock in readable:
                     # Drain what is queued, ACKing each probe as it is read.
                     for _ in range(256):
                         got = self._recv()
@@ -423,14 +519,30 @@ class UdpShell:
                         with self.lock:
                             out = self.session.on_datagram(got[0], got[1], self._clock())
                         self._send(out)
+                if self._pkt is not None and self._pkt in readable:
+                    # After the ACKs: observing never delays one.
+                    self._observe()
                 with self.lock:
-                    out = self.session.on_timer(self._clock())
+                    now = self._clock()
+                    out = self.session.on_timer(now)
+                    if self.session.sample_due(now):
+                        out += self.session.on_sample(now, self._read_sample(now))
                 self._send(out)
         except (OSError, ValueError):
             if not self._stop.is_set():
                 raise
             # The socket was closed under us by stop(): nothing left to do.
             return
+
+    def _observe(self) -> None:
+        assert self._pkt is not None and self.observer is not None
+        for _ in range(512):
+            try:
+                pkt = self._pkt.recv(OBSERVE_SNAPLEN)
+            except (BlockingIOError, InterruptedError):
+                return
+            with self.lock:
+                self.observer.on_packet(pkt)
 
     def _run_guarded(self) -> None:
         try:

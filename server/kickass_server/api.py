@@ -13,6 +13,8 @@ traceback.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import ipaddress
 import logging
 import math
@@ -32,6 +34,7 @@ from kickass_db.retry import DatabaseUnavailable
 from werkzeug.exceptions import HTTPException
 
 from . import __version__
+from .client_report import ReportError, parse_announced, parse_report
 from .engine import AdmissionDenied, EngineUnavailable, ProbeEngine
 
 log = logging.getLogger("kickass.api")
@@ -53,6 +56,10 @@ class ApiConfig:
     # Behind a reverse proxy: the client address is the last X-Forwarded-For hop.
     trust_proxy: bool = False
     max_body_bytes: int = 16 * 1024
+    # The end-of-session report carries the privileged fragment observation
+    # (two compressed arrays of the plan's length): its own, larger limit,
+    # within the HTTP front's (front.py, 256 KiB).
+    max_report_bytes: int = 256 * 1024
     max_json_depth: int = 8
     # Retry-After (s) on 503: the database or engine should be back by then.
     unavailable_retry_after_s: int = 10
@@ -109,6 +116,10 @@ def create_session() -> tuple[Response, int]:
     client_version = _text(body, "client_version", 64)
     platform = _text(body, "platform", 128)
     install_id = _text(body, "install_id", 64)
+    try:
+        reassembly = parse_announced(body.get("reassembly"))
+    except ReportError as exc:
+        raise ApiError(400, "bad-request", str(exc)) from None
     address = _client_address(svc.config)
     try:
         new = svc.engine.create_session(
@@ -117,6 +128,7 @@ def create_session() -> tuple[Response, int]:
             client_version=client_version,
             platform=platform,
             install_id=install_id,
+            reassembly=reassembly,
         )
     except AdmissionDenied as exc:
         log.info("429 rate-limited %s: %s", address, exc)
@@ -160,6 +172,48 @@ def end_session(session_id: str) -> Response:
         if res is None:
             raise ApiError(404, "not-found", "no such session")
         return jsonify(res)
+    return jsonify(_results(svc, sid))
+
+
+@sessions.post("/<session_id>/report")
+def report_session(session_id: str) -> Response:
+    """The client's end-of-session report (header ``X-Kickass-Cookie``): its
+    reassembly memory before, during and after the split phase, the ranges it
+    measured while its kernel refused fragments, and, when it observed
+    fragments before reassembly (``--observe-fragments``), every probe's
+    leading fragment. Only for a finished session; idempotent. Returns the
+    results, whose verdict may have changed (invalid probes left out)."""
+    svc = _services()
+    sid = _session_id(session_id)
+    request.max_content_length = svc.config.max_report_bytes
+    body = _json_object(svc.config)
+    info = svc.store.report_context(sid)
+    if info is None:
+        raise ApiError(404, "not-found", "no such session")
+    cookie = request.headers.get(COOKIE_HEADER, "")
+    try:
+        cookie_bytes = bytes.fromhex(cookie)
+    except ValueError:
+        cookie_bytes = b""
+    stored = info["cookie_hash"] or b""
+    if not cookie_bytes or not hmac.compare_digest(hashlib.sha256(cookie_bytes).digest(), stored):
+        raise ApiError(403, "forbidden", f"wrong or missing {COOKIE_HEADER}")
+    snap = svc.engine.snapshot(sid)
+    if info["state"] not in FINAL_STATES and (snap is None or snap.state not in FINAL_STATES):
+        raise ApiError(409, "not-finished", "the session is still running")
+    if snap is not None and info["state"] not in FINAL_STATES:
+        svc.engine.writer_sync()  # finished in the engine: its rows first
+    try:
+        report = parse_report(body, int(info["total_probes"]))
+    except ReportError as exc:
+        raise ApiError(400, "bad-request", str(exc)) from None
+    obs = report.observations
+    svc.store.record_client_report(
+        sid,
+        metadata=report.metadata,
+        invalid_ranges=report.invalid_ranges,
+        observations=None if obs is None else (obs.seqs, obs.leading, obs.fragments),
+    )
     return jsonify(_results(svc, sid))
 
 

@@ -28,9 +28,18 @@ packet, and nothing larger than what arrived is ever sent to an unproven
 address.
 
 Probing: W probes in flight, each with its own timeout (``RttEstimator``),
-paced by ``Pacer``. No ACK before the timeout: ``lost`` (the paper's rule); an
-ACK after it turns the probe ``late``; duplicates are counted. A probe the
-shell could not put on the wire is handed back (``probes_not_sent``) and
+paced by ``Pacer``. A client that announced flow control (``split_credit`` at
+admission) also bounds the split phase: its REPORTs (about 20 per second)
+carry ``split_limit``, and no split probe with a higher seq is sent, so the
+study's own unfinished datagrams never fill the client's reassembly memory
+(kickass_probe.reassembly explains the budget). REPORTs also name ranges of
+seqs measured while the client's kernel refused fragments: a probe there that
+was not acknowledged is *invalid* (``reassembly_invalid``), not lost, and
+stays out of the verdict's counts. Such a run finishes ``REPORT_GRACE_S``
+after its last probe resolved, so the client's last REPORT can still arrive.
+No ACK before the timeout: ``lost`` (the paper's rule); an ACK after it
+turns the probe ``late``; duplicates are counted. A probe the shell could not
+put on the wire is handed back (``probes_not_sent``) and
 never counted as sent, so a full socket buffer is not mistaken for path loss.
 """
 
@@ -83,6 +92,11 @@ SEND_RETRY_S = 0.001
 SEND_ERROR_HOLD_S = 0.1
 # How often the admission's hourly windows are swept for forgotten addresses.
 SWEEP_INTERVAL_S = 60.0
+# A run with flow control finishes this long after its last probe resolved:
+# the client reports every 50 ms, so its last word on refused fragments is in.
+REPORT_GRACE_S = 0.5
+# Invalid ranges a run keeps (each REPORT names up to 4; merged when adjacent).
+MAX_INVALID_RANGES = 4096
 
 # Per-seq probe state (one byte per probe of the plan).
 _UNSENT, _OUT, _ACKED, _LOST, _LATE = 0, 1, 2, 3, 4
@@ -106,6 +120,9 @@ COUNTERS = (
     "paced",
     "admission_denied",
     "polls_without_cookie",
+    "reports",
+    "stale_reports",
+    "credit_waits",
 )
 
 
@@ -146,6 +163,7 @@ class OutcomeEntry(NamedTuple):
     ack_count: int
     received_len: int | None
     observed_frag_size: int | None
+    reassembly_invalid: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +204,9 @@ class RunFinished:
     verdict: str
     verdict_reason: str
     end_reason: str | None
+    # What the server learnt of the client's reassembly memory (None: the
+    # client sent no flow control); stored in the session's metadata.
+    reassembly: Mapping[str, object] | None = None
 
 
 Transmit = SendDatagram | SendProbe
@@ -202,6 +223,36 @@ class Admitted:
     cookie_hash: bytes
     plan: ProbePlan
     source_address: str
+
+
+@dataclass
+class ReassemblyLog:
+    """What a flow-controlled run learnt from its client's REPORTs."""
+
+    initial_credit: int | None
+    reports: int = 0
+    last_report_seq: int = -1
+    max_memory: int = 0
+    high_thresh: int | None = None
+    refused: int = 0
+    credit_waits: int = 0
+    credit_wait_s: float = 0.0
+    waiting_since: float | None = None
+    ranges: list[tuple[int, int]] = field(default_factory=list)
+
+    def to_json(self, invalid: Mapping[str, int]) -> dict[str, object]:
+        return {
+            "budget": "client-credit",
+            "initial_credit": self.initial_credit,
+            "reports": self.reports,
+            "max_memory": self.max_memory,
+            "high_thresh": self.high_thresh,
+            "refused": self.refused,
+            "credit_waits": self.credit_waits,
+            "credit_wait_s": round(self.credit_wait_s, 3),
+            "invalid_ranges": [list(r) for r in self.ranges],
+            "invalid": dict(invalid),
+        }
 
 
 @dataclass(frozen=True)
@@ -222,6 +273,8 @@ class RunSnapshot:
     timeout_ms: float
     end_requested: bool
     end_reason: str | None
+    split_limit: int | None = None
+    invalid: Mapping[str, int] = field(default_factory=dict)
 
 
 # -- the live state of one session --------------------------------------------------
@@ -259,12 +312,24 @@ class ProbeRun:
     # costs no memory proportional to its plan.
     codes: bytearray = field(default_factory=bytearray)
     ack_counts: bytearray = field(default_factory=bytearray)
+    # 1 = measured while the client's kernel refused fragments (REPORT ranges)
+    invalid: bytearray = field(default_factory=bytearray)
     sent_at: array = field(default_factory=lambda: array("d"))
     acked_at: array = field(default_factory=lambda: array("d"))
     sent: int = 0
     acked: int = 0
     phase_sent: dict[str, int] = field(default_factory=lambda: {WHOLE: 0, SPLIT: 0})
     phase_acked: dict[str, int] = field(default_factory=lambda: {WHOLE: 0, SPLIT: 0})
+    # Probes marked invalid and not acknowledged, per phase (out of phase_sent).
+    phase_invalid: dict[str, int] = field(default_factory=lambda: {WHOLE: 0, SPLIT: 0})
+    # Flow control (None: the client sent none): split seqs below this may go.
+    split_limit: int | None = None
+    reasm: ReassemblyLog | None = None
+    # Smallest whole IP length an ACK showed fragmented (a small-MTU hop):
+    # lost whole probes from it up can be refused by a full reassembly memory too.
+    min_fragmented_whole: int = 1 << 16
+    # A flow-controlled run whose plan is done finishes at this time.
+    complete_at: float | None = None
     last_seen: float = 0.0  # last ACK from the peer, or the owner's HTTP poll
     packets: SessionPackets | None = None
     lane: PacingLane | None = None
@@ -284,6 +349,15 @@ class ProbeRun:
             and self.end_requested is None
             and self.next_seq < self.plan.total_probes
             and len(self.outstanding) < self.plan.window
+            and not self.credit_blocked()
+        )
+
+    def credit_blocked(self) -> bool:
+        """The next probe is a split the client has not given credit for."""
+        return (
+            self.split_limit is not None
+            and self.next_seq >= self.plan.split_from
+            and self.next_seq >= self.split_limit
         )
 
     def snapshot(self) -> RunSnapshot:
@@ -302,7 +376,53 @@ class ProbeRun:
             timeout_ms=self.rtt.timeout * 1000.0,
             end_requested=self.end_requested is not None,
             end_reason=self.end_reason,
+            split_limit=self.split_limit,
+            invalid=MappingProxyType(dict(self.phase_invalid)),
         )
+
+
+def _uncovered(ranges: list[tuple[int, int]], first: int, end: int) -> list[tuple[int, int]]:
+    """The parts of [first, end) outside the sorted, disjoint ``ranges``."""
+    out, at = [], first
+    for a, b in ranges:
+        if b <= at:
+            continue
+        if a >= end:
+            break
+        if a > at:
+            out.append((at, a))
+        at = max(at, b)
+        if at >= end:
+            break
+    if at < end:
+        out.append((at, end))
+    return out
+
+
+def _cover(ranges: list[tuple[int, int]], first: int, end: int) -> None:
+    """Add [first, end) to the sorted, disjoint ``ranges`` (merging), bounded
+    by MAX_INVALID_RANGES: beyond it the last two merge, and the gap between
+    them counts as walked (the client's end-of-session report, which the store
+    applies, still marks anything there)."""
+    merged = []
+    placed = False
+    for a, b in ranges:
+        if b < first:
+            merged.append((a, b))
+        elif a > end:
+            if not placed:
+                merged.append((first, end))
+                placed = True
+            merged.append((a, b))
+        else:
+            first, end = min(first, a), max(end, b)
+    if not placed:
+        merged.append((first, end))
+        merged.sort()
+    while len(merged) > MAX_INVALID_RANGES:
+        (a, _), (_, d) = merged[-2], merged.pop()
+        merged[-1] = (a, d)
+    ranges[:] = merged
 
 
 # -- the core -------------------------------------------------------------------------
@@ -342,10 +462,19 @@ class ProbeCore:
 
     # -- the HTTP side ----------------------------------------------------------------
 
-    def admit(self, now: float, plan: ProbePlan, source_address: str) -> Admitted:
+    def admit(
+        self,
+        now: float,
+        plan: ProbePlan,
+        source_address: str,
+        *,
+        split_credit: int | None = None,
+    ) -> Admitted:
         """Admission for a new session (AdmissionDenied if refused). The run
         exists only once ``register``ed, after the database stored it; if
-        that fails, ``cancel`` gives the admission back."""
+        that fails, ``cancel`` gives the admission back. ``split_credit``:
+        the client does flow control of the split phase (REPORTs), and this
+        many splits may go before its first REPORT arrives."""
         nbytes = plan_bytes(plan)
         reason = self.admission.check(source_address, nbytes, now)
         if reason:
@@ -368,6 +497,10 @@ class ProbeCore:
             rtt=RttEstimator(p.min_timeout_ms / 1000.0, p.max_timeout_ms / 1000.0),
             ip_id=int.from_bytes(self._random(2), "big") % 0xFFFF + 1,
         )
+        if split_credit is not None:
+            credit = max(0, split_credit)
+            run.split_limit = min(plan.total_probes, plan.split_from + credit)
+            run.reasm = ReassemblyLog(initial_credit=credit)
         self._admitted[run.session_id] = run
         return Admitted(run.session_id, cookie, run.cookie_hash, plan, source_address)
 
@@ -448,7 +581,9 @@ class ProbeCore:
         run = self._by_tag.get(msg.session_tag)
         # A finished run lingers so late and duplicate ACKs are still
         # accounted; nothing else reaches it.
-        if run is None or (run.state in FINAL_STATES and not isinstance(msg, wire.Ack)):
+        if run is None or (
+            run.state in FINAL_STATES and not isinstance(msg, wire.Ack | wire.Report)
+        ):
             self.counters["unknown_session"] += 1
             return out
         if isinstance(msg, wire.Hello):
@@ -457,6 +592,8 @@ class ProbeCore:
             self._on_echo(now, run, msg, addr, out)
         elif isinstance(msg, wire.Ack):
             self._on_ack(now, run, msg, addr, out)
+        elif isinstance(msg, wire.Report):
+            self._on_report(now, run, msg, addr)
         else:
             self.counters["malformed"] += 1  # server-to-client kinds never come in
         return out
@@ -519,6 +656,7 @@ class ProbeCore:
         n = run.plan.total_probes
         run.codes = bytearray(n)
         run.ack_counts = bytearray(n)
+        run.invalid = bytearray(n)
         run.sent_at = array("d", bytes(8 * n))
         run.acked_at = array("d", bytes(8 * n))
         run.state = PROBING
@@ -547,6 +685,8 @@ class ProbeCore:
         run.last_seen = max(run.last_seen, now)
         code = run.codes[seq]
         run.ack_counts[seq] = min(255, run.ack_counts[seq] + 1)
+        if msg.observed_frag_size and seq < run.plan.split_from:
+            run.min_fragmented_whole = min(run.min_fragmented_whole, self._ip_len(run, seq))
         if code == _OUT:
             sent_at = run.outstanding.pop(seq)
             run.rtt.sample(max(now - sent_at, 0.0))
@@ -558,6 +698,8 @@ class ProbeCore:
             self._settle(now, run, out)
             self._make_ready(run)
         elif code == _LOST:
+            if run.invalid and run.invalid[seq]:
+                run.phase_invalid[self._phase(run, seq)] -= 1
             run.codes[seq] = _LATE
             run.acked_at[seq] = now
             self.counters["late_acks"] += 1
@@ -565,6 +707,79 @@ class ProbeCore:
         else:
             self.counters["dup_acks"] += 1
             self._record(now, run, seq, ACKED if code == _ACKED else LATE, msg)
+
+    def _on_report(
+        self, now: float, run: ProbeRun, msg: wire.Report, addr: tuple[str, int]
+    ) -> None:
+        """The client's reassembly memory: new credit, refused-fragment ranges."""
+        if addr != run.peer or run.state == CREATED:
+            self.counters["wrong_peer"] += 1
+            return
+        if run.reasm is None:
+            # A client that did not announce flow control at admission: it
+            # starts with its first REPORT.
+            run.reasm = ReassemblyLog(initial_credit=None)
+        log = run.reasm
+        self.counters["reports"] += 1
+        run.last_seen = max(run.last_seen, now)
+        for first, end in msg.invalid:
+            self._mark_invalid(now, run, first, end)
+        if msg.report_seq <= log.last_report_seq:
+            self.counters["stale_reports"] += 1
+            return
+        log.last_report_seq = msg.report_seq
+        log.reports += 1
+        if msg.frag_memory != wire.UNKNOWN_U32:
+            log.max_memory = max(log.max_memory, msg.frag_memory)
+        if msg.frag_high_thresh != wire.UNKNOWN_U32:
+            log.high_thresh = msg.frag_high_thresh
+        log.refused = max(log.refused, msg.refused)
+        if run.state != PROBING:
+            return
+        run.split_limit = min(msg.split_limit, run.plan.total_probes)
+        self._credit_wait(now, run)
+        self._make_ready(run)
+
+    def _credit_wait(self, now: float, run: ProbeRun) -> None:
+        """Account the time a run waits for credit (the client's memory full)."""
+        log = run.reasm
+        if log is None:
+            return
+        waiting = run.credit_blocked() and run.next_seq < run.plan.total_probes
+        if waiting and log.waiting_since is None:
+            log.waiting_since = now
+            log.credit_waits += 1
+            self.counters["credit_waits"] += 1
+        elif not waiting and log.waiting_since is not None:
+            log.credit_wait_s += now - log.waiting_since
+            log.waiting_since = None
+
+    def _mark_invalid(self, now: float, run: ProbeRun, first: int, end: int) -> None:
+        """Probes in [first, end) were measured while the client's kernel
+        refused fragments: those not acknowledged are invalid, not lost.
+
+        Every REPORT repeats its ranges (20 a second): only the part of a
+        range not covered before is walked, so a repeated range costs nothing.
+        """
+        log = run.reasm
+        assert log is not None
+        first, end = max(0, first), min(end, len(run.codes))
+        if first >= end:
+            return
+        for a, b in _uncovered(log.ranges, first, end):
+            for seq in range(a, b):
+                if run.invalid[seq] or not self._refusable(run, seq):
+                    continue
+                run.invalid[seq] = 1
+                if run.codes[seq] == _LOST:
+                    run.phase_invalid[self._phase(run, seq)] += 1
+                    self._record(now, run, seq, LOST, None)
+        _cover(log.ranges, first, end)
+
+    def _refusable(self, run: ProbeRun, seq: int) -> bool:
+        """Could a full reassembly memory have refused this probe? Splits
+        always; whole packets only from a size the path fragments."""
+        return seq >= run.plan.split_from or self._ip_len(run, seq) >= run.min_fragmented_whole
 
     @staticmethod
     def _phase(run: ProbeRun, seq: int) -> str:
@@ -598,6 +813,9 @@ class ProbeCore:
                 run.ack_counts[seq],
                 None if ack is None else ack.received_len,
                 None if ack is None else ack.observed_frag_size,
+                # Only a probe that never arrived can be invalid: a late one
+                # got through, whatever the kernel refused meanwhile.
+                outcome == LOST and bool(run.invalid) and bool(run.invalid[seq]),
             )
         )
         self._arm_flush(now)
@@ -614,7 +832,12 @@ class ProbeCore:
         if run.end_requested is not None:
             self._finish(now, run, ENDED, run.end_requested, out)
         elif run.next_seq >= run.plan.total_probes:
-            self._finish(now, run, COMPLETE, None, out)
+            if run.reasm is None:
+                self._finish(now, run, COMPLETE, None, out)
+            elif run.complete_at is None:
+                # The client's last REPORT (refused fragments) may be on its way.
+                run.complete_at = now + REPORT_GRACE_S
+                self._lifecycle_due = min(self._lifecycle_due, run.complete_at)
 
     # -- time -------------------------------------------------------------------------------
 
@@ -659,6 +882,8 @@ class ProbeCore:
                 continue
             del run.outstanding[seq]
             run.codes[seq] = _LOST
+            if run.invalid and run.invalid[seq]:
+                run.phase_invalid[self._phase(run, seq)] += 1
             self._record(now, run, seq, LOST, None)
             self._settle(now, run, out)
             self._make_ready(run)
@@ -719,6 +944,8 @@ class ProbeCore:
         heapq.heappush(self._timers, (now + run.rtt.timeout, run.session_id, seq))
         self._arm_flush(now)
         out.append(SendProbe(run.session_id, seq, peer[0], tuple(packets)))
+        if run.reasm is not None:
+            self._credit_wait(now, run)
 
     def probes_not_sent(
         self, now: float, probes: list[SendProbe], *, buffer_full: bool = False
@@ -771,7 +998,10 @@ class ProbeCore:
                 if run.end_requested is not None and not run.outstanding:
                     self._finish(now, run, ENDED, run.end_requested, out)
                 elif run.next_seq >= run.plan.total_probes and not run.outstanding:
-                    self._finish(now, run, COMPLETE, None, out)
+                    if run.complete_at is None or now >= run.complete_at:
+                        self._finish(now, run, COMPLETE, None, out)
+                    else:
+                        due = min(due, run.complete_at)
                 elif now >= silent_at:
                     self._finish(now, run, INCOMPLETE, "client-silent", out)
                 elif now >= run.expires:
@@ -792,22 +1022,33 @@ class ProbeCore:
         # resolved: record them lost, so what was sent is what was stored.
         for seq in sorted(run.outstanding):
             run.codes[seq] = _LOST
+            if run.invalid and run.invalid[seq]:
+                run.phase_invalid[self._phase(run, seq)] += 1
             self._record(now, run, seq, LOST, None)
         run.outstanding.clear()
         if state == EXPIRED:
             v = verdicts.Verdict(verdicts.INCONCLUSIVE, "no probes were sent")
         else:
+            inv = run.phase_invalid
             v = verdicts.decide(
-                run.phase_sent[WHOLE],
+                run.phase_sent[WHOLE] - inv[WHOLE],
                 run.phase_acked[WHOLE],
-                run.phase_sent[SPLIT],
+                run.phase_sent[SPLIT] - inv[SPLIT],
                 run.phase_acked[SPLIT],
+                whole_invalid=inv[WHOLE],
+                split_invalid=inv[SPLIT],
             )
+        reasm = None
+        if run.reasm is not None:
+            if run.reasm.waiting_since is not None:
+                run.reasm.credit_wait_s += now - run.reasm.waiting_since
+                run.reasm.waiting_since = None
+            reasm = run.reasm.to_json(run.phase_invalid)
         self._flush_run(run, out)
         run.state = state
         run.end_reason = end_reason
         run.finished_at = now
-        out.append(RunFinished(run.session_id, state, v.verdict, v.reason, end_reason))
+        out.append(RunFinished(run.session_id, state, v.verdict, v.reason, end_reason, reasm))
         self.admission.release(run.ticket)
         if run.lane is not None:
             self.pacer.release(run.lane)

@@ -5,6 +5,20 @@
                                             ├── lossy     (198.18.3.2)  5% random loss each way
                                             └── nat box (198.18.4.2) ── natted (100.64.4.2)
 
+More kinds for the study's known-answer tests (issue 11), by name:
+
+* ``smallfrag``: fragments with an IP length under 200 bytes are dropped
+  (either piece of the splits with a leading fragment < 200 or > 1320).
+* ``duplicating``: every packet is duplicated, both ways (nft ``dup``), so
+  every split leaves its duplicate piece in the client's reassembly queue.
+* ``smallmtu``: the router's link to the client has MTU 1400: whole packets
+  above it arrive fragmented.
+* ``swapped``: a middlebox with connection tracking (which reassembles)
+  forwards onto a VXLAN overlay to the client (MTU 1450): Linux re-cuts the
+  datagram by its largest fragment, largest piece first, so a 604 + 916 split
+  arrives as 916 + 604 (DESIGN.md section 7). The client's address is on
+  the overlay (100.65.<i>.2) and the probes reach it on ``vx0``.
+
 ``study_internet`` is the spec; ``probe_internet`` builds it (topology.build)
 with the measurement server running and yields a ``ProbeInternet`` to run
 clients in it. The middleboxes are single nftables rules in the router
@@ -36,7 +50,12 @@ HTTP_PORT = 8080
 PROBE_PORT = 9000
 
 CLIENT_KINDS = ("clean", "fragdrop", "lossy", "natted")
+EXTRA_KINDS = ("smallfrag", "duplicating", "smallmtu", "swapped")
 DEFAULT_LOSS_PERCENT = 5
+# smallfrag drops fragments shorter than this (IP length).
+SMALL_FRAGMENT_LEN = 200
+SMALL_MTU = 1400
+VXLAN_ID = 42
 
 
 @dataclass(frozen=True)
@@ -57,8 +76,15 @@ def client_places(kinds: Sequence[str] = CLIENT_KINDS) -> list[ClientPlace]:
     for i, kind in enumerate(kinds, start=1):
         public = f"198.18.{i}.2"
         own = f"100.64.{i}.2" if kind == "natted" else public
+        if kind == "swapped":
+            own = public = f"100.65.{i}.2"
         out.append(ClientPlace(kind, f"c{i}", own, public))
     return out
+
+
+def capture_interface(kind: str) -> str:
+    """The client's interface the probes arrive on (for tcpdump)."""
+    return "vx0" if kind == "swapped" else "uplink"
 
 
 def study_internet(
@@ -103,8 +129,36 @@ def study_internet(
                 )
             )
             continue
+        if place.kind == "swapped":
+            mb = f"mb{i}"
+            hosts += [Host(mb, router=True), Host(cl)]
+            links += [
+                Link(End(mb, "wan", (f"{net}.2/24",)), rtr_end),
+                # The underlay of the overlay; its default MTU (1500) leaves
+                # the VXLAN device 1450.
+                Link(
+                    End(mb, "lan", (f"10.200.{i}.1/24",)), End(cl, "under", (f"10.200.{i}.2/24",))
+                ),
+            ]
+            routes += [
+                Route(mb, "default", via=f"{net}.1"),
+                Route("rtr", f"100.65.{i}.0/24", via=f"{net}.2"),
+            ]
+            # Any ct expression loads connection tracking in this namespace,
+            # and with it the defragmenter.
+            nft.append(
+                NftRule(
+                    mb,
+                    "ct state new,established,related accept",
+                    hook="forward",
+                    family="ip",
+                    table="conntrack",
+                )
+            )
+            continue
         hosts.append(Host(cl))
-        links.append(Link(End(cl, "uplink", (f"{net}.2/24",)), rtr_end))
+        mtu = SMALL_MTU if place.kind == "smallmtu" else 1500
+        links.append(Link(End(cl, "uplink", (f"{net}.2/24",)), rtr_end, mtu=mtu))
         routes.append(Route(cl, "default", via=f"{net}.1"))
         if place.kind == "fragdrop":
             nft.append(_middlebox(f'oifname "{iface}" ip frag-off & 0x3fff != 0 drop'))
@@ -112,6 +166,20 @@ def study_internet(
             p = loss_percent
             nft.append(_middlebox(f'oifname "{iface}" numgen random mod 100 < {p} drop'))
             nft.append(_middlebox(f'iifname "{iface}" numgen random mod 100 < {p} drop'))
+        elif place.kind == "smallfrag":
+            nft.append(
+                _middlebox(
+                    f'oifname "{iface}" ip frag-off & 0x3fff != 0 '
+                    f"ip length < {SMALL_FRAGMENT_LEN} drop"
+                )
+            )
+        elif place.kind == "duplicating":
+            # dup needs the ip family; the copy goes out of the same device.
+            for rule in (
+                f'oifname "{iface}" dup to {net}.2 device "{iface}"',
+                f'iifname "{iface}" dup to {SERVER_IP} device "srv"',
+            ):
+                nft.append(NftRule("rtr", rule, hook="forward", family="ip", table="duplicator"))
     return Topology(
         name="kd",
         hosts=tuple(hosts),
@@ -240,7 +308,30 @@ def probe_internet(
     server = (server_process(bin_dir, database_url, env),) if start_server else ()
     spec = study_internet(kinds, loss_percent, processes=server)
     with build(spec, prefix=prefix, log_dir=log_dir) as built:
+        for i, place in enumerate(client_places(kinds), start=1):
+            if place.kind == "swapped":
+                _vxlan_overlay(built, i, place.host)
         yield ProbeInternet(built, kinds, bin_dir, database_url, env)
+
+
+def _vxlan_overlay(built: Built, i: int, client_host: str) -> None:
+    """The "swapped" client's VXLAN overlay to its middlebox (the topology
+    builder has no VXLAN devices, so it is added once the underlay is up)."""
+    mb, cl = built[f"mb{i}"], built[client_host]
+    for ns, local, remote, under, addr in (
+        (mb, f"10.200.{i}.1", f"10.200.{i}.2", "lan", f"100.65.{i}.1/24"),
+        (cl, f"10.200.{i}.2", f"10.200.{i}.1", "under", f"100.65.{i}.2/24"),
+    ):
+        ns.ip(
+            f"link add vx0 type vxlan id {VXLAN_ID} local {local} remote {remote} "
+            f"dstport 4789 dev {under}",
+            "link set vx0 up",
+            f"addr add {addr} dev vx0",
+        )
+    cl.ip(f"route add default via 100.65.{i}.1 dev vx0")
+    for ns in (mb, cl):
+        # See the packets as they are, fragments included.
+        ns.run(["ethtool", "-K", "vx0", "gro", "off", "gso", "off", "tso", "off"], check=False)
 
 
 def parse_json_output(proc: subprocess.CompletedProcess[str]) -> dict:
