@@ -28,10 +28,10 @@ from sqlalchemy import create_engine, text
 
 from .binaries import rust_binary
 from .topology import Process
-from .wan import TestbedConfig, receiver_address, testbed
+from .wan import Testbed, TestbedConfig, receiver_address, sender_address, testbed
 
 AGENT_CONTROL_PORT = 8700
-SERVER_HTTP = "127.0.0.1:8080"
+SERVER_HTTP_PORT = 8080
 
 
 @dataclass
@@ -66,52 +66,49 @@ def run_trial(
     testbed_config: TestbedConfig,
     spec: TrialSpec,
     *,
-    during: Callable[[Any], None] | None = None,
+    during: Callable[[Testbed], None] | None = None,
     senders: Sequence[str] = ("s1",),
     timeout_s: float | None = None,
     keep_logs: bool = False,
+    prepare: Callable[[Testbed], None] | None = None,
+    after: Callable[[Testbed], None] | None = None,
+    work_dir: Path | None = None,
+    agent_secret: str | None = None,
 ) -> TrialOutcome:
     """Build the testbed, run one trial per sender in ``senders`` at once, return what was stored.
 
-    ``during(tb)`` runs once the trial has started (cross traffic, floods...).
+    Hooks, each called with the ``Testbed``: ``prepare(tb)`` once the network
+    is up, before any agent starts or any flow is sent (a middlebox, an MTU
+    change); ``during(tb)`` once the trials have started (cross traffic,
+    floods, restarts...); ``after(tb)`` once every sender's runner has ended,
+    before anything is checked or read (e.g. `kickass trials upload` of what
+    waited in a spool while the server was away). Records still spooled
+    after it are an error.
+
+    ``work_dir`` holds the runner token (``runner-token``), the agents' state
+    (``agent-<host>``) and each sender's spool (``spool-<host>``); given, it
+    is kept, else a temporary directory is used and removed.
+    ``agent_secret``: the agents' secret (default a fresh one), for hooks
+    that ask an agent for flow tokens themselves.
     """
     db.upgrade(database_url)
-    secret = secrets.token_hex(32)
+    secret = agent_secret or secrets.token_hex(32)
     token = _runner_token(database_url)
-    work = Path(tempfile.mkdtemp(prefix="kickass-trial-"))
+    # The server runs in the first sender, on its LAN address, so every
+    # sender's runner reaches it across the LAN bridge (not through ka-router).
+    server_http = f"{sender_address(int(senders[0].removeprefix('s')))}:{SERVER_HTTP_PORT}"
+    own_work = work_dir is None
+    work = Path(tempfile.mkdtemp(prefix="kickass-trial-")) if work_dir is None else work_dir
+    work.mkdir(parents=True, exist_ok=True)
     try:
         (work / "runner-token").write_text(token)
         with testbed(testbed_config, database_url=database_url, keep_logs=keep_logs) as tb:
             if keep_logs:
                 print(f"trial logs kept in {tb.log_dir} and {work}", file=sys.stderr)
             built = tb.built
-            agents = []
-            for i in range(1, testbed_config.receivers + 1):
-                host = f"r{i}"
-                built.start(
-                    Process(
-                        name=f"agent-{host}",
-                        host=host,
-                        argv=(
-                            _bin("kickass-agent"),
-                            "--name",
-                            f"far-{i}",
-                            "--listen",
-                            f"{receiver_address(i)}:{AGENT_CONTROL_PORT}",
-                            "--tcp-port",
-                            "8701",
-                            "--kickass-port",
-                            "8702",
-                            "--kickass-receiver",
-                            str(rust_binary("ka-agent-recv")),
-                            "--state-dir",
-                            str(work / f"agent-{host}"),
-                        ),  # fmt: skip
-                        env={"KICKASS_AGENT_SECRET": secret},
-                        ready_text="ready on",
-                    )
-                )
-                agents.append(f"far-{i}=http://{receiver_address(i)}:{AGENT_CONTROL_PORT}")
+            if prepare is not None:
+                prepare(tb)
+            agents = start_agents(tb, secret, work)
             built.start(
                 Process(
                     name="server",
@@ -120,11 +117,16 @@ def run_trial(
                         _bin("kickass"),
                         "server",
                         "--listen",
-                        SERVER_HTTP,
+                        server_http,
                         "--probe-bind",
                         "127.0.0.1",
                         "--probe-port",
                         "9000",
+                        # Its own journal: the default (.kickass/journal in the
+                        # working directory) is shared by every server started
+                        # there, and replaying another's journal races with it.
+                        "--journal-dir",
+                        str(work / "journal"),
                     ),  # fmt: skip
                     env={"KICKASS_DATABASE_URL": database_url},
                     ready_text="listening http",
@@ -137,12 +139,13 @@ def run_trial(
                     *[a for agent in agents for a in ("--agent", agent)],
                     "--pairs", str(spec.pairs), "--period", str(spec.period_s),
                     "--mean-gap", str(spec.mean_gap_s), "--mean-packets", str(spec.mean_packets),
-                    "--max-packets", str(spec.max_packets), "--seed", str(spec.seed + n),
+                    "--max-packets", str(spec.max_packets), "--seed", str(spec.seed),
+                    "--sender-index", str(n),
                     "--protocols", spec.protocols, "--cc", spec.cc, "--handshake", spec.handshake,
                     "--access-capacity", str(_bps(testbed_config.capacity)),
                     "--router-run-name", tb.prefix,
                     "--ka-send", str(rust_binary("ka-send")),
-                    "--server", f"http://{SERVER_HTTP}",
+                    "--server", f"http://{server_http}",
                     "--runner-token-file", str(work / "runner-token"),
                     "--spool-dir", str(work / f"spool-{host}"),
                     "--json", *spec.extra_args,
@@ -171,21 +174,60 @@ def run_trial(
                     ) from None
                 if p.returncode not in (0, 1) or not out.strip():
                     raise KickassError(f"kickass trials run failed ({p.returncode}): {err[-800:]}")
-                res = json.loads(out)
-                if res.get("rejected") or res.get("spooled"):
+                results.append(json.loads(out))
+            if after is not None:
+                after(tb)
+            for host, res in zip(senders, results, strict=True):
+                # Counted again (one file per record, kickass_wan.spool): ``after``
+                # may have uploaded what the run left spooled.
+                spooled = sum(1 for _ in (work / f"spool-{host}").glob("*.json"))
+                if res.get("rejected") or spooled:
                     raise KickassError(
                         f"trial results not stored: {res.get('rejected')} refused, "
-                        f"{res.get('spooled')} left spooled: {res.get('upload_errors')}"
+                        f"{spooled} left spooled: {res.get('upload_errors')}"
                     )
-                results.append(res)
             telemetry = tb.telemetry()
             prefix = tb.prefix
         summary, flows = _stored(database_url, [t for r in results for t in r["trials"].values()])
         merged = {"runs": results, "failed_flows": sum(r["failed_flows"] for r in results)}
         return TrialOutcome(merged, summary, flows, telemetry, prefix)
     finally:
-        if not keep_logs:
+        if own_work and not keep_logs:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def start_agents(tb: Testbed, secret: str, work: Path) -> list[str]:
+    """A `kickass-agent` (process ``agent-<host>``) in each receiver namespace,
+    its used tokens kept in ``work/agent-<host>``; returns the runner's
+    ``--agent NAME=URL`` values (agent ``far-<i>`` in ``r<i>``)."""
+    agents = []
+    for i in range(1, tb.config.receivers + 1):
+        host = f"r{i}"
+        tb.built.start(
+            Process(
+                name=f"agent-{host}",
+                host=host,
+                argv=(
+                    _bin("kickass-agent"),
+                    "--name",
+                    f"far-{i}",
+                    "--listen",
+                    f"{receiver_address(i)}:{AGENT_CONTROL_PORT}",
+                    "--tcp-port",
+                    "8701",
+                    "--kickass-port",
+                    "8702",
+                    "--kickass-receiver",
+                    str(rust_binary("ka-agent-recv")),
+                    "--state-dir",
+                    str(work / f"agent-{host}"),
+                ),
+                env={"KICKASS_AGENT_SECRET": secret},
+                ready_text="ready on",
+            )
+        )
+        agents.append(f"far-{i}=http://{receiver_address(i)}:{AGENT_CONTROL_PORT}")
+    return agents
 
 
 def _bps(rate: str) -> float:

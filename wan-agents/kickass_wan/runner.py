@@ -111,6 +111,9 @@ class TrialConfig:
     ka_send: str | None = None
     source: str | None = None
     protocols: tuple[str, ...] = ("kickass", "tcp")
+    # Several runners sharing a seed keep the same period order (aligned
+    # periods across senders) but draw their own flows.
+    sender_index: int = 0
 
     def parameters(self) -> dict[str, Any]:
         return {
@@ -120,6 +123,7 @@ class TrialConfig:
             "congestion_control": self.congestion_control,
             "handshake": self.handshake,
             "protocols": list(self.protocols),
+            "sender_index": self.sender_index,
         }
 
 
@@ -252,7 +256,8 @@ class TrialRunner:
         ka_send: str | None,
     ) -> None:
         cfg = self.cfg
-        period_flows = list(flows(cfg.workload, period.duration_s, stream=period.index))
+        stream = period.index + 100_000 * cfg.sender_index
+        period_flows = list(flows(cfg.workload, period.duration_s, stream=stream))
         if not period_flows:
             time.sleep(period.duration_s)
             return
