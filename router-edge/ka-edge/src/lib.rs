@@ -3,6 +3,7 @@
 
 pub mod afpacket;
 pub mod linkem_shell;
+pub mod packet_path;
 pub mod router_shell;
 pub mod sys;
 pub mod tun;

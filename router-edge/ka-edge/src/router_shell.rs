@@ -18,14 +18,30 @@ use ka_core::wire::ipv4::Packet;
 use ka_core::Nanos;
 use serde::Serialize;
 
+use crate::packet_path::{self, LanRx, NextHops, Received, WanTx, BATCH};
 use crate::sys::{self, Error, Result};
 use crate::tun::Tun;
+
+/// How packets get from LAN into the router and from it onto WAN.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DatapathKind {
+    /// Policy routing into a TUN device; the kernel forwards what we write.
+    Tun,
+    /// AF_PACKET on both interfaces (see `packet_path`).
+    Packet,
+}
 
 /// Everything the CLI decided.
 #[derive(Debug, Clone, Serialize)]
 pub struct Options {
     pub lan: String,
     pub wan: String,
+    pub datapath: DatapathKind,
+    /// Packet datapath: slots of the LAN receive ring (0: recvmmsg).
+    pub rx_ring_frames: usize,
+    /// SCHED_FIFO priority of the router (0: ordinary).
+    pub rt_priority: i32,
     pub tun: String,
     pub table: u32,
     pub rule_priority: u32,
@@ -42,14 +58,24 @@ struct Installed {
     table: String,
     rule: bool,
     route: bool,
+    /// Packet datapath: LAN forwarding was switched off; the value to put
+    /// back.
+    lan_forwarding: Option<String>,
+    /// Packet datapath: GRO was on on LAN and we turned it off.
+    lan_gro: bool,
     restore_sysctls: Vec<(String, String)>,
 }
 
 impl Installed {
+    /// Hand new LAN traffic back to plain kernel forwarding (the policy
+    /// rule goes, or LAN forwarding comes back on).
     fn remove_rule(&mut self) {
         if self.rule {
             while sys::ip_quiet(&["rule", "del", "iif", &self.lan, "table", &self.table]) {}
             self.rule = false;
+        }
+        if let Some(v) = self.lan_forwarding.take() {
+            let _ = sys::sysctl_write(&format!("net.ipv4.conf.{}.forwarding", self.lan), &v);
         }
     }
 }
@@ -57,6 +83,9 @@ impl Installed {
 impl Drop for Installed {
     fn drop(&mut self) {
         self.remove_rule();
+        if self.lan_gro {
+            let _ = packet_path::gro(&self.lan, Some(true));
+        }
         if self.route {
             sys::ip_quiet(&["route", "flush", "table", &self.table]);
         }
@@ -69,6 +98,15 @@ impl Drop for Installed {
 /// Remove what a crashed earlier run may have left: our policy rules and
 /// the routes of our table. (A TUN device dies with its process.)
 fn remove_stale(lan: &str, table: &str) {
+    // A crashed packet-datapath router leaves LAN forwarding off while the
+    // rest of the router forwards: put it back (both datapaths need it).
+    let lan_fwd = format!("net.ipv4.conf.{lan}.forwarding");
+    if sys::sysctl_read("net.ipv4.conf.all.forwarding").is_ok_and(|v| v == "1")
+        && sys::sysctl_read(&lan_fwd).is_ok_and(|v| v == "0")
+    {
+        eprintln!("ka-router: IPv4 forwarding was off on {lan} alone (left by a crashed ka-router?): turned on");
+        let _ = sys::sysctl_write(&lan_fwd, "1");
+    }
     let mut n = 0;
     while n < 64 && sys::ip_quiet(&["rule", "del", "iif", lan, "table", table]) {
         n += 1;
@@ -86,6 +124,8 @@ fn install(o: &Options, tun: &Tun) -> Result<Installed> {
         table: table.clone(),
         rule: false,
         route: false,
+        lan_forwarding: None,
+        lan_gro: false,
         restore_sysctls: vec![],
     };
     let wan_mtu = sys::iface_mtu(&o.wan)?;
@@ -116,6 +156,33 @@ fn install(o: &Options, tun: &Tun) -> Result<Installed> {
     }
     if sys::sysctl_read(&format!("net.ipv4.conf.{}.forwarding", tun.name()))? != "1" {
         sys::sysctl_write(&format!("net.ipv4.conf.{}.forwarding", tun.name()), "1")?;
+    }
+    let lan_fwd = format!("net.ipv4.conf.{}.forwarding", o.lan);
+    if o.datapath == DatapathKind::Packet {
+        // We forward LAN traffic ourselves from the packet tap: the kernel
+        // must not forward a second copy. With forwarding off on the input
+        // device its route lookup ends in a silent drop (no ICMP); local
+        // delivery, ARP and WAN -> LAN forwarding are unaffected. The TUN
+        // device stays as the slow path (no route points into it).
+        inst.lan_forwarding = Some(sys::sysctl_read(&lan_fwd)?);
+        sys::sysctl_write(&lan_fwd, "0")?;
+        // Merged super-packets (GRO) would reach the tap whole: we want
+        // the frames as they were on the wire. Off while we run.
+        match packet_path::gro(&o.lan, None) {
+            Ok(true) => {
+                packet_path::gro(&o.lan, Some(false)).map_err(|e| {
+                    Error::new(format!("cannot turn GRO off on {}: {e}", o.lan))
+                        .hint(format!("ethtool -K {} gro off, or --datapath tun", o.lan))
+                })?;
+                inst.lan_gro = true;
+            }
+            Ok(false) => {}
+            Err(e) => eprintln!(
+                "ka-router: warning: cannot read GRO on {} ({e}); merged packets would be dropped",
+                o.lan
+            ),
+        }
+        return Ok(inst);
     }
     sys::ip(&[
         "route",
@@ -203,6 +270,15 @@ struct ExitLine<'a> {
     drained_packets: u64,
     abandoned_packets: u64,
     write_errors: u64,
+    /// Packet datapath: packets handed to the kernel through the TUN
+    /// device (TTL <= 1, too big, next hop not on WAN or unresolved).
+    slow_path_packets: u64,
+    /// Packet datapath: LAN packets the kernel dropped because our socket
+    /// buffer was full (they never reached the router's queue).
+    rx_socket_drops: u64,
+    /// Packet datapath: LAN frames dropped as unusable (bad IPv4 header,
+    /// GSO super-packet, truncated).
+    rx_unusable_packets: u64,
     counters: &'a ka_core::router::Counters,
 }
 
@@ -231,8 +307,26 @@ impl Pool {
     }
 }
 
+/// The packet datapath's sockets and state (see `packet_path`).
+struct PacketIo {
+    rx: LanRx,
+    tx: WanTx,
+    hops: NextHops,
+    wan_mtu: usize,
+    /// Receive buffers handed to the kernel (one per batch slot).
+    rx_bufs: Vec<Vec<u8>>,
+    rx_out: Vec<Received>,
+    /// Still reading LAN (false once the drain handed LAN back).
+    rx_open: bool,
+    /// Transmissions waiting for the next `sendmmsg`.
+    pending: Vec<Transmit>,
+    /// Packets that went the slow way (through the TUN device).
+    slow: u64,
+}
+
 struct Datapath {
     tun: Tun,
+    packet: Option<PacketIo>,
     router: Router,
     pool: Pool,
     ttl_fix: bool,
@@ -241,9 +335,12 @@ struct Datapath {
 }
 
 impl Datapath {
-    /// Read everything waiting on the TUN (bounded per round so transmit
-    /// keeps its turn). Returns the number of packets read.
+    /// Read everything waiting (bounded per round so transmit keeps its
+    /// turn). Returns the number of packets read.
     fn receive(&mut self, now: Nanos) -> Result<usize> {
+        if self.packet.is_some() {
+            return self.receive_packet(now);
+        }
         let mut n = 0;
         while n < 256 {
             let mut buf = self.pool.get();
@@ -269,15 +366,78 @@ impl Datapath {
                 }
                 Err(e) => {
                     self.pool.put(buf);
+                    self.note_read_error(e)?;
+                    break;
+                }
+            }
+        }
+        Ok(n)
+    }
+
+    fn note_read_error(&mut self, e: std::io::Error) -> Result<()> {
+        self.read_errors += 1;
+        if self.read_errors > 1000 {
+            return Err(Error::new(format!(
+                "reading LAN packets keeps failing: {e}"
+            )));
+        }
+        Ok(())
+    }
+
+    fn receive_packet(&mut self, now: Nanos) -> Result<usize> {
+        let Some(io) = self.packet.as_mut() else {
+            return Ok(0);
+        };
+        if !io.rx_open {
+            return Ok(0);
+        }
+        let mut n = 0;
+        while n < 256 {
+            let got = match io.rx.recv_batch(&mut io.rx_bufs, &mut io.rx_out) {
+                Ok(g) => g,
+                Err(e) => {
                     self.read_errors += 1;
                     if self.read_errors > 1000 {
                         return Err(Error::new(format!(
                             "reading {} keeps failing: {e}",
-                            self.tun.name()
+                            io.rx.name
                         )));
                     }
                     break;
                 }
+            };
+            for i in 0..got {
+                let len = io.rx_out[i].len;
+                if len == 0 {
+                    continue; // unusable: the buffer stays for the next read
+                }
+                let mut buf = std::mem::replace(&mut io.rx_bufs[i], self.pool.get());
+                buf.truncate(len);
+                let dst = u32::from_be_bytes([buf[16], buf[17], buf[18], buf[19]]);
+                if io.hops.is_local(dst) {
+                    // For this host (or broadcast): the kernel has its own
+                    // copy and delivers it.
+                    self.pool.put(buf);
+                    continue;
+                }
+                if buf[8] <= 1 || len > io.wan_mtu {
+                    // ICMP time exceeded / fragmentation needed, or the
+                    // kernel's own fragmentation: the kernel's job.
+                    io.slow += 1;
+                    if sys::writev2(self.tun.fd(), &buf, &[]).is_err() {
+                        self.write_errors += 1;
+                    }
+                    self.pool.put(buf);
+                    continue;
+                }
+                packet_path::decrement_ttl(&mut buf);
+                if let Err(b) = self.router.on_packet(now, buf) {
+                    self.pool.put(b);
+                }
+            }
+            n += got;
+            if got < io.rx_bufs.len() {
+                break;
             }
         }
         Ok(n)
@@ -309,12 +469,146 @@ impl Datapath {
 
     fn transmit(&mut self, now: Nanos) -> usize {
         let mut n = 0;
+        if self.packet.is_some() {
+            // Everything the pacer releases at this instant leaves in
+            // sendmmsg batches: the same departures as one write each.
+            while let Some(t) = self.router.poll_transmit(now) {
+                self.queue_frame(t);
+                n += 1;
+            }
+            self.flush_frames();
+            return n;
+        }
         while let Some(t) = self.router.poll_transmit(now) {
             self.send(t);
             n += 1;
         }
         n
     }
+
+    /// Packet datapath: queue `t` for the next batch, or send it the slow
+    /// way (through the TUN device, kernel forwarding) when its next hop
+    /// is not on WAN or not resolved yet.
+    fn queue_frame(&mut self, t: Transmit) {
+        let Some(io) = self.packet.as_mut() else {
+            return self.send(t);
+        };
+        let dst = u32::from_be_bytes([t.packet[16], t.packet[17], t.packet[18], t.packet[19]]);
+        if io.hops.lookup(dst).is_none() {
+            io.slow += 1;
+            // The kernel decrements TTL again on this way: give ours back.
+            let fd = self.tun.fd();
+            let res = match &t.split {
+                Some(s) => {
+                    let (a, b) = (hdr_ttl_up(&s.lead), hdr_ttl_up(&s.rest));
+                    sys::writev2(fd, &a, &t.packet[s.lead_payload.clone()])
+                        .and_then(|_| sys::writev2(fd, &b, &t.packet[s.rest_payload.clone()]))
+                }
+                None => {
+                    let mut p = t.packet;
+                    packet_path::increment_ttl(&mut p);
+                    let r = sys::writev2(fd, &p, &[]);
+                    self.pool.put(p);
+                    if r.is_err() {
+                        self.write_errors += 1;
+                    }
+                    return;
+                }
+            };
+            if res.is_err() {
+                self.write_errors += 1;
+            }
+            self.pool.put(t.packet);
+            return;
+        }
+        io.pending.push(t);
+        let frames: usize = io
+            .pending
+            .iter()
+            .map(|t| 1 + t.split.is_some() as usize)
+            .sum();
+        if frames + 2 > BATCH {
+            self.flush_frames();
+        }
+    }
+
+    fn flush_frames(&mut self) {
+        let Some(io) = self.packet.as_mut() else {
+            return;
+        };
+        if io.pending.is_empty() {
+            return;
+        }
+        let mut batch: Vec<(Transmit, [u8; 6])> = Vec::with_capacity(io.pending.len());
+        for t in io.pending.drain(..) {
+            let dst = u32::from_be_bytes([t.packet[16], t.packet[17], t.packet[18], t.packet[19]]);
+            let mac = io.hops.lookup(dst).unwrap_or([0xff; 6]);
+            batch.push((t, mac));
+        }
+        self.write_errors += send_frames(&io.tx, &batch);
+        for (t, _) in batch {
+            self.pool.put(t.packet);
+        }
+    }
+}
+
+/// `sendmmsg` one batch of frames (each a packet or its two pieces, to the
+/// given next-hop MAC) out of WAN. Returns the number of frames lost.
+fn send_frames(tx: &WanTx, batch: &[(Transmit, [u8; 6])]) -> u64 {
+    let mut eth: Vec<[u8; 14]> = Vec::with_capacity(batch.len());
+    for (_, mac) in batch {
+        let mut h = [0u8; 14];
+        h[..6].copy_from_slice(mac);
+        h[6..12].copy_from_slice(&tx.mac);
+        h[12..].copy_from_slice(&(libc::ETH_P_IP as u16).to_be_bytes());
+        eth.push(h);
+    }
+    let iov = |s: &[u8]| libc::iovec {
+        iov_base: s.as_ptr() as *mut libc::c_void,
+        iov_len: s.len(),
+    };
+    let mut iovs: Vec<[libc::iovec; 3]> = Vec::with_capacity(BATCH);
+    let mut counts: Vec<usize> = Vec::with_capacity(BATCH);
+    for ((t, _), h) in batch.iter().zip(&eth) {
+        match &t.split {
+            Some(s) => {
+                iovs.push([
+                    iov(h),
+                    iov(s.lead.as_bytes()),
+                    iov(&t.packet[s.lead_payload.clone()]),
+                ]);
+                iovs.push([
+                    iov(h),
+                    iov(s.rest.as_bytes()),
+                    iov(&t.packet[s.rest_payload.clone()]),
+                ]);
+                counts.extend([3, 3]);
+            }
+            None => {
+                iovs.push([iov(h), iov(&t.packet), iov(&[])]);
+                counts.push(2);
+            }
+        }
+    }
+    let sent = match tx.send_batch(&mut iovs, &counts) {
+        Ok(k) => k,
+        Err(e) => {
+            static REPORTED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+            let n = REPORTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+            if n.is_power_of_two() {
+                eprintln!("ka-router: sendmmsg on WAN failed ({n} times): {e}");
+            }
+            0
+        }
+    };
+    (counts.len() - sent) as u64
+}
+
+/// A copy of a core-made header with TTL + 1.
+fn hdr_ttl_up(h: &ka_core::fragment::Header) -> Vec<u8> {
+    let mut v = h.as_bytes().to_vec();
+    packet_path::increment_ttl(&mut v);
+    v
 }
 
 pub fn run(o: Options) -> Result<()> {
@@ -339,6 +633,12 @@ pub fn run(o: Options) -> Result<()> {
         );
     }
     let mut telemetry = Telemetry::open(o.telemetry.as_deref())?;
+    if o.rt_priority > 0 && !sys::realtime_priority(o.rt_priority) {
+        eprintln!(
+            "ka-router: warning: SCHED_FIFO priority {} not permitted; running as an ordinary process",
+            o.rt_priority
+        );
+    }
     sys::install_stop_handlers()?;
     sys::tight_timer_slack();
     remove_stale(&o.lan, &o.table.to_string());
@@ -357,22 +657,44 @@ pub fn run(o: Options) -> Result<()> {
         "ka-router: {} -> {} via {} at {} bit/s, buffer {}, mode {:?}",
         o.lan, o.wan, o.tun, o.router.capacity_bps, o.router.buffer, o.router.kind
     );
+    let pool_size = mtu.max(1500) + 64;
+    let packet = match o.datapath {
+        DatapathKind::Tun => None,
+        DatapathKind::Packet => Some(PacketIo {
+            rx: LanRx::open(&o.lan, o.rx_ring_frames, sys::iface_mtu(&o.lan)? + 14)?,
+            tx: WanTx::open(&o.wan)?,
+            hops: NextHops::new(&o.wan, sys::now()),
+            wan_mtu: sys::iface_mtu(&o.wan)?,
+            rx_bufs: (0..BATCH).map(|_| vec![0u8; pool_size]).collect(),
+            rx_out: Vec::with_capacity(BATCH),
+            rx_open: true,
+            pending: Vec::with_capacity(BATCH),
+            slow: 0,
+        }),
+    };
     let mut dp = Datapath {
         router: Router::new(o.router.clone(), sys::now()),
         tun,
+        packet,
         pool: Pool {
             free: Vec::new(),
-            size: mtu.max(1500) + 64,
+            size: pool_size,
         },
         ttl_fix: o.ttl_fix,
         write_errors: 0,
         read_errors: 0,
     };
-    let fds = [dp.tun.fd()];
+    let fds: Vec<_> = match &dp.packet {
+        Some(io) => vec![io.rx.fd()],
+        None => vec![dp.tun.fd()],
+    };
     // Which fd woke us does not matter: every pass reads them all.
     let mut ready = Vec::with_capacity(fds.len());
     while !sys::stop_requested() {
         let now = sys::now();
+        if let Some(io) = dp.packet.as_mut() {
+            io.hops.maybe_refresh(now);
+        }
         dp.receive(now)?;
         if let Some(s) = dp.router.handle_timeout(now) {
             telemetry.line(&SampleLine {
@@ -397,6 +719,11 @@ pub fn run(o: Options) -> Result<()> {
 
     // Drain: new LAN traffic goes back to plain kernel forwarding at once;
     // what we hold leaves at the configured rate, within a time limit.
+    if let Some(io) = dp.packet.as_mut() {
+        // Nothing new queues on the tap from here on; what is queued
+        // arrived while the kernel dropped its copy, so it is still ours.
+        io.rx.stop_queueing();
+    }
     installed.remove_rule();
     let reason = "signal";
     let drain_until = sys::now() + o.drain_timeout_ns;
@@ -431,6 +758,9 @@ pub fn run(o: Options) -> Result<()> {
         drained_packets: drained,
         abandoned_packets: abandoned,
         write_errors: dp.write_errors,
+        slow_path_packets: dp.packet.as_ref().map_or(0, |io| io.slow),
+        rx_socket_drops: dp.packet.as_ref().map_or(0, |io| io.rx.kernel_drops()),
+        rx_unusable_packets: dp.packet.as_ref().map_or(0, |io| io.rx.bad),
         counters: dp.router.counters(),
     });
     drop(installed);

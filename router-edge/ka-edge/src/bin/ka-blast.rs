@@ -37,6 +37,10 @@ enum Cmd {
         /// UDP payload bytes (1472 makes 1500-byte IP packets)
         #[arg(long, default_value_t = 1472)]
         payload: usize,
+        /// Mixed sizes instead of --payload: UDP payload bytes used in turn,
+        /// e.g. 72,548,1472 (100-, 576- and 1500-byte IP packets)
+        #[arg(long, value_delimiter = ',')]
+        mix: Vec<usize>,
         /// Packets per second; 0 = as fast as possible
         #[arg(long, default_value_t = 0)]
         pps: u64,
@@ -154,17 +158,21 @@ fn send(
     dst: SocketAddrV4,
     bind: Option<SocketAddrV4>,
     payload: usize,
+    mix: Vec<usize>,
     pps: u64,
     duration: u64,
     count: Option<u64>,
     df: bool,
     batch: usize,
 ) -> Result<SendReport, sys::Error> {
-    if payload < HEADER {
+    let sizes = if mix.is_empty() { vec![payload] } else { mix };
+    if sizes.iter().any(|&p| p < HEADER) {
         return Err(sys::Error::new(format!(
-            "--payload must be at least {HEADER} bytes"
+            "--payload and --mix sizes must be at least {HEADER} bytes"
         )));
     }
+    let payload = sizes.iter().copied().max().unwrap_or(payload);
+    let mut bytes = 0u64;
     let fd = udp_socket(bind)?;
     // Best effort, as the buffers.
     let _ = sys::set_dont_fragment(fd.0, df);
@@ -204,9 +212,10 @@ fn send(
         let mut iovs: Vec<libc::iovec> = bufs
             .iter()
             .take(n)
-            .map(|b| libc::iovec {
+            .enumerate()
+            .map(|(i, b)| libc::iovec {
                 iov_base: b.as_ptr() as *mut _,
-                iov_len: b.len(),
+                iov_len: sizes[(seq as usize + i) % sizes.len()],
             })
             .collect();
         // SAFETY: mmsghdr is plain data; the iovecs outlive the call.
@@ -227,6 +236,10 @@ fn send(
             std::thread::yield_now();
             continue;
         }
+        bytes += iovs[..rc as usize]
+            .iter()
+            .map(|v| (v.iov_len + 28) as u64)
+            .sum::<u64>();
         seq += rc as u64;
     }
     let secs = (sys::now() - start) as f64 / 1e9;
@@ -235,7 +248,7 @@ fn send(
         errors,
         seconds: secs,
         pps: seq as f64 / secs,
-        bits_per_second: seq as f64 * (payload + 28) as f64 * 8.0 / secs,
+        bits_per_second: bytes as f64 * 8.0 / secs,
     })
 }
 
@@ -374,12 +387,13 @@ fn main() {
             dst,
             bind,
             payload,
+            mix,
             pps,
             duration,
             count,
             df,
             batch,
-        } => send(dst, bind, payload, pps, duration, count, df, batch)
+        } => send(dst, bind, payload, mix, pps, duration, count, df, batch)
             .and_then(|r| serde_json::to_string(&r).map_err(|e| sys::Error::new(e.to_string()))),
         Cmd::Recv {
             bind,

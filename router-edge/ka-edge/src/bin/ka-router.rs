@@ -3,8 +3,17 @@
 use clap::{Parser, ValueEnum};
 use ka_core::router::{RouterConfig, RouterKind};
 use ka_core::units::{parse_duration_ns, parse_limit, parse_rate_bps, Limit};
-use ka_edge::router_shell::{run, Options};
+use ka_edge::router_shell::{run, DatapathKind, Options};
 use ka_edge::sys;
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum DatapathArg {
+    /// Policy routing into a TUN device; the kernel forwards what we write
+    Tun,
+    /// AF_PACKET on LAN (recvmmsg) and WAN (sendmmsg, qdisc bypass); the
+    /// kernel stops forwarding LAN traffic while we run
+    Packet,
+}
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum ModeArg {
@@ -37,6 +46,16 @@ struct Cli {
     buffer: Option<Limit>,
     #[arg(long, value_enum, default_value = "kickass")]
     mode: ModeArg,
+    /// How packets reach the router and leave it (see router-edge/README.md); "packet" is
+    /// about twice as cheap per datagram but not yet the default (issue 10 is open)
+    #[arg(long, value_enum, default_value = "tun")]
+    datapath: DatapathArg,
+    /// Packet datapath: slots of the LAN receive ring (TPACKET_V2); 0 reads with recvmmsg
+    #[arg(long, default_value_t = 4096)]
+    rx_ring_frames: usize,
+    /// SCHED_FIFO priority of the router (0 = ordinary scheduling)
+    #[arg(long, default_value_t = 0)]
+    rt_priority: i32,
     /// RCP alpha (spare-capacity gain); the paper's FCT study uses 0.1
     #[arg(long, default_value_t = 0.4)]
     alpha: f64,
@@ -141,6 +160,12 @@ fn options(c: Cli) -> Result<Options, sys::Error> {
     Ok(Options {
         lan: c.lan,
         wan: c.wan,
+        datapath: match c.datapath {
+            DatapathArg::Tun => DatapathKind::Tun,
+            DatapathArg::Packet => DatapathKind::Packet,
+        },
+        rx_ring_frames: c.rx_ring_frames,
+        rt_priority: c.rt_priority,
         tun: c.tun,
         table: c.table,
         rule_priority: c.rule_priority,
