@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -36,6 +38,7 @@ def _free_port(kind: int) -> int:
 
 @contextmanager
 def server(database_url: str, probe_port: int, http_port: int) -> Iterator[subprocess.Popen]:
+    journal = tempfile.mkdtemp(prefix="kickass-journal-")
     proc = subprocess.Popen(
         [
             KICKASS,
@@ -48,6 +51,8 @@ def server(database_url: str, probe_port: int, http_port: int) -> Iterator[subpr
             str(probe_port),
             "--database-url",
             database_url,
+            "--journal-dir",
+            journal,
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -63,6 +68,7 @@ def server(database_url: str, probe_port: int, http_port: int) -> Iterator[subpr
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        shutil.rmtree(journal, ignore_errors=True)
 
 
 def _wait_http(port: int, proc: subprocess.Popen, timeout: float = 20) -> None:

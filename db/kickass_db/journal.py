@@ -15,6 +15,7 @@ on close and when it is rotated, not per write.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -109,6 +110,9 @@ class Journal:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / f"journal-{os.getpid()}-{time.time_ns()}.ndjson"
         self._f = self.path.open("a", encoding="utf-8")
+        # Held while this process lives: a server starting beside it (another
+        # instance sharing the directory) must not replay or remove a live journal.
+        fcntl.flock(self._f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         self._lock = threading.Lock()
         self.open_writes = 0
 
@@ -171,22 +175,35 @@ def replay(store: Store, directory: str | Path, skip: Path | None = None) -> dic
     for path in sorted(d.glob("journal-*.ndjson")):
         if skip is not None and path.resolve() == skip.resolve():
             continue
-        calls = open_calls(path)
-        failed = []
-        for call in calls:
+        try:
+            handle = path.open("r+", encoding="utf-8")
+        except FileNotFoundError:
+            continue  # its owner finished and removed it meanwhile
+        with handle:
             try:
-                apply(store, call)
-                counts["replayed"] += 1
-            except DatabaseUnavailable:
-                raise
-            except Exception as exc:
-                log.error("journaled write could not be stored (%s): %s", call.get("method"), exc)
-                failed.append(call)
-        if failed:
-            (d / f"failed-{path.name}").write_text(
-                "".join(json.dumps(c) + "\n" for c in failed), encoding="utf-8"
-            )
-            counts["failed"] += len(failed)
-        path.unlink()
-        counts["files"] += 1
+                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a live server's journal: not ours to replay
+            _replay_file(store, d, path, counts)
     return counts
+
+
+def _replay_file(store: Store, d: Path, path: Path, counts: dict[str, int]) -> None:
+    calls = open_calls(path)
+    failed = []
+    for call in calls:
+        try:
+            apply(store, call)
+            counts["replayed"] += 1
+        except DatabaseUnavailable:
+            raise
+        except Exception as exc:
+            log.error("journaled write could not be stored (%s): %s", call.get("method"), exc)
+            failed.append(call)
+    if failed:
+        (d / f"failed-{path.name}").write_text(
+            "".join(json.dumps(c) + "\n" for c in failed), encoding="utf-8"
+        )
+        counts["failed"] += len(failed)
+    path.unlink()
+    counts["files"] += 1
