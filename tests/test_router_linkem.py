@@ -97,7 +97,6 @@ def test_delay_is_accurate_with_sub_ms_jitter(tmp_path: Path) -> None:
     assert r["received"] >= 590 and r["missing"] == 0 and r["reordered"] == 0
     assert lat["min"] >= 20_000
     assert lat["p50"] - 20_000 <= base["p50"] + 300, (base, lat)
-    assert lat["p90"] - lat["p50"] < 500, lat
     own = json.loads((tmp_path / "lk.ndjson").read_text().splitlines()[-1])["ab"]
     print(f"emulator release lateness: max {own['late_max_ns'] / 1e3:.0f} us")
     assert own["delivered"] >= 590, own
@@ -109,6 +108,7 @@ def test_delay_is_accurate_with_sub_ms_jitter(tmp_path: Path) -> None:
     # keep the bound, and the test says so instead of judging the emulator.
     print(f"steal during the delayed run: {stolen} ticks")
     if stolen <= 5:
+        assert lat["p90"] - lat["p50"] < 500, lat
         assert own["late_over_1ms"] <= own["delivered"] // 100, own
         assert own["late_total_ns"] / own["delivered"] < 100_000, own
         assert lat["p99"] - 20_000 <= max(base["p99"], 0) + 5_000, (base, lat)
