@@ -34,7 +34,7 @@ from typing import Any
 
 import kickass_db as db
 from kickass_testbed.pg import create_database, embedded_postgres
-from kickass_testbed.trials import TrialSpec, run_trial
+from kickass_testbed.trials import TrialSpec, rate_bps, run_trial
 from kickass_testbed.wan import TestbedConfig
 from sqlalchemy import create_engine, text
 
@@ -126,7 +126,7 @@ def scenario(
 ) -> dict[str, Any]:
     database = create_database(url, f"bench_{name}_{os.getpid()}")
     config = TestbedConfig(senders=len(SENDERS), receivers=1, capacity=capacity, rtt_ms=100.0)
-    bps = float(capacity.removesuffix("mbit")) * 1e6
+    bps = rate_bps(capacity)
     t0 = time.monotonic()
     out = run_trial(database, config, spec, senders=SENDERS)
     flows = list(out.flows)

@@ -35,6 +35,7 @@ import pytest
 from kickass_server.probe_core import FLUSH_INTERVAL_S
 from kickass_testbed.pg import EmbeddedPostgres
 from sqlalchemy import create_engine, text
+from test_server_instances import _free_port
 
 BIN = Path(sys.executable).parent
 PPS = 300  # the per-address pacing cap the server runs with here
@@ -46,16 +47,10 @@ pytestmark = [
 ]
 
 
-def _port(kind: int) -> int:
-    with socket.socket(socket.AF_INET, kind) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     def __init__(self, url: str, journal: Path, logs: Path) -> None:
         self.url, self.journal, self.logs = url, journal, logs
-        self.http, self.probe = _port(socket.SOCK_STREAM), _port(socket.SOCK_DGRAM)
+        self.http, self.probe = _free_port(socket.SOCK_STREAM), _free_port(socket.SOCK_DGRAM)
         self.proc: subprocess.Popen | None = None
         self.runs = 0
 

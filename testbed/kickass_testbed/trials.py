@@ -142,7 +142,7 @@ def run_trial(
                     "--max-packets", str(spec.max_packets), "--seed", str(spec.seed),
                     "--sender-index", str(n),
                     "--protocols", spec.protocols, "--cc", spec.cc, "--handshake", spec.handshake,
-                    "--access-capacity", str(_bps(testbed_config.capacity)),
+                    "--access-capacity", str(rate_bps(testbed_config.capacity)),
                     "--router-run-name", tb.prefix,
                     "--ka-send", str(rust_binary("ka-send")),
                     "--server", f"http://{server_http}",
@@ -230,7 +230,8 @@ def start_agents(tb: Testbed, secret: str, work: Path) -> list[str]:
     return agents
 
 
-def _bps(rate: str) -> float:
+def rate_bps(rate: str) -> float:
+    """A testbed rate such as '10mbit' in bit/s."""
     units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1.0}
     for suffix, mult in units.items():
         if rate.endswith(suffix):
