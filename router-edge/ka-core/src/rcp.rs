@@ -39,18 +39,32 @@ pub struct RcpConfig {
 }
 
 impl RcpConfig {
-    /// ns-2 RCP defaults: alpha 0.4, beta 0.4, initial rate 0.05 C; the
-    /// floor (8 kbit/s) sits well below the smallest encodable rate
-    /// (~120 kbit/s) so the router can stop fragmenting under overload.
+    /// ns-2 RCP defaults: alpha 0.4, beta 0.4, initial rate 0.05 C, and
+    /// the floor at the smallest encodable rate (~120 kbit/s, L = 24).
+    ///
+    /// Why not lower, as the paper lets the rate fall: below the encodable
+    /// minimum the router stops fragmenting, its flows go to TCP mode and
+    /// keep the link full, so y stays at C and RCP never climbs back; the
+    /// flows never return to Kick-Ass mode while the load lasts (measured
+    /// in tests/test_trials_netns.py). At the floor the router keeps
+    /// advertising, flows in TCP mode see a rate they already exceed and
+    /// switch back, and a real overload is still handed to TCP mode by the
+    /// queue rule (mode.rs).
     pub fn ns2_defaults(capacity_bps: f64) -> Self {
         RcpConfig {
             capacity_bps,
             alpha: 0.4,
             beta: 0.4,
             initial_rate_bps: 0.05 * capacity_bps,
-            min_rate_bps: 8_000.0,
+            min_rate_bps: min_encodable_rate_bps(),
         }
     }
+}
+
+/// The smallest rate a leading fragment carries, bits per second: the
+/// default floor of R.
+pub fn min_encodable_rate_bps() -> f64 {
+    crate::encoding::bytes_per_ms_to_bps(crate::encoding::min_advertised_rate_bytes_per_ms())
 }
 
 #[derive(Debug, Clone)]
@@ -205,7 +219,30 @@ mod tests {
                 rtt_s: 0.1,
             });
         }
+        assert_eq!(rcp.rate_bps(), min_encodable_rate_bps());
+        // The floor is still a rate the router can write into a fragment.
+        let floor = crate::encoding::bps_to_bytes_per_ms(rcp.rate_bps());
+        assert_eq!(crate::encoding::leading_fragment_len(floor), Some(24));
+    }
+
+    /// The paper's literal floor (anything under the encodable minimum) is
+    /// still there for whoever asks for it.
+    #[test]
+    fn a_lower_floor_can_be_configured() {
+        let mut cfg = RcpConfig::ns2_defaults(10e6);
+        cfg.min_rate_bps = 8_000.0;
+        let mut rcp = Rcp::new(cfg);
+        for _ in 0..1000 {
+            rcp.on_interval(&Measurement {
+                interval_s: 0.01,
+                arrived_bytes: 1_000_000,
+                queue_bytes: 1_000_000,
+                rtt_s: 0.1,
+            });
+        }
         assert_eq!(rcp.rate_bps(), 8000.0);
+        let r = crate::encoding::bps_to_bytes_per_ms(rcp.rate_bps());
+        assert_eq!(crate::encoding::leading_fragment_len(r), None);
     }
 
     #[test]

@@ -308,6 +308,7 @@ fn below_encodable_rate_stops_fragmenting() {
     let mut cfg = RouterConfig::with_capacity(10e6);
     cfg.alpha = 0.0;
     cfg.beta = 0.0;
+    cfg.min_rate_bps = 8e3; // the paper's floor; the default keeps R encodable
     cfg.initial_rate_bps = 100e3; // below ~120 kbit/s
     let mut r = Router::new(cfg, 0);
     assert_eq!(r.leading_fragment_len(), None);
@@ -315,4 +316,23 @@ fn below_encodable_rate_stops_fragmenting() {
     let t = r.poll_transmit(0).expect("ready");
     assert!(t.split.is_none());
     assert_eq!(t.packet, packet(1, 0, 1500, false));
+}
+
+#[test]
+fn default_floor_keeps_advertising_under_overload() {
+    let mut r = Router::new(RouterConfig::with_capacity(10e6), 0);
+    assert!(r.config().min_rate_bps > 119e3 && r.config().min_rate_bps < 121e3);
+    // 6 s at four times the capacity: RCP pushes R down as far as it may.
+    let mut now = 0;
+    for i in 0..20_000u32 {
+        now += 300_000;
+        let _ = r.on_packet(now, packet(1, i, 1500, false));
+        while r.poll_transmit(now).is_some() {}
+        if now >= r.poll_timeout() {
+            r.handle_timeout(now);
+        }
+    }
+    assert_eq!(r.advertised_rate_bps(), r.config().min_rate_bps);
+    let floor = bps_to_bytes_per_ms(r.advertised_rate_bps());
+    assert_eq!(encoding::leading_fragment_len(floor), Some(24));
 }

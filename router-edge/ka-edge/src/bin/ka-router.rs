@@ -68,9 +68,12 @@ struct Cli {
     /// Initial advertised rate [default: 0.05 * capacity]
     #[arg(long, value_parser = parse_rate_bps)]
     initial_rate: Option<f64>,
-    /// Floor of the advertised rate (below ~120kbit the router stops fragmenting)
-    #[arg(long, value_parser = parse_rate_bps, default_value = "8kbit")]
-    min_rate: f64,
+    /// Floor of the advertised rate [default: the smallest encodable rate,
+    /// ~120kbit]. Lower floors let R fall below what a fragment can carry:
+    /// the router then stops fragmenting and, while TCP-mode flows keep the
+    /// link full, R never climbs back (see router-edge/README.md)
+    #[arg(long, value_parser = parse_rate_bps)]
+    min_rate: Option<f64>,
     /// RTT d assumed until the first RTT indicator arrives
     #[arg(long, value_parser = parse_duration_ns, default_value = "100ms")]
     default_rtt: u64,
@@ -142,7 +145,9 @@ fn options(c: Cli) -> Result<Options, sys::Error> {
     if let Some(i) = c.initial_rate {
         r.initial_rate_bps = i;
     }
-    r.min_rate_bps = c.min_rate;
+    if let Some(m) = c.min_rate {
+        r.min_rate_bps = m;
+    }
     if c.default_rtt == 0 {
         return Err(sys::Error::new("--default-rtt must be greater than zero"));
     }
