@@ -5,6 +5,13 @@ Phase ``whole``: unfragmented packets of IP length 44, 52, ..., 1500 (plus
 leading fragment IP length 44, 52, ..., 1492. Each size ``repetitions``
 times. Probes go round-robin over sizes (every size once, then again), so a
 burst of path loss spreads over all sizes instead of wiping out one.
+
+``window`` is the number of probes in flight. With ``adaptive`` false (every
+plan before issue 11 part 4, and ``--window N``) it is exactly that, always:
+W=1 is the paper's stop-and-wait. With ``adaptive`` true it is the most the
+server may have in flight, and the server's window controller
+(kickass_server.window) chooses how many up to it from the measured RTT and
+the losses. A plan stored or sent without the key is not adaptive.
 """
 
 from __future__ import annotations
@@ -74,6 +81,8 @@ class ProbePlan:
     phases: tuple[str, ...] = PHASES
     whole: tuple[int, ...] = field(default=())
     split: tuple[int, ...] = field(default=())
+    # True: ``window`` is the maximum, the server adapts within it.
+    adaptive: bool = False
 
     @staticmethod
     def build(
@@ -81,6 +90,7 @@ class ProbePlan:
         step: int = 8,
         window: int = 1,
         phases: tuple[str, ...] | list[str] = PHASES,
+        adaptive: bool = False,
     ) -> ProbePlan:
         if step <= 0 or step % FRAGMENT_UNIT:
             raise PlanError(f"step must be a positive multiple of 8 bytes, got {step}")
@@ -98,6 +108,7 @@ class ProbePlan:
             phases=phases,
             whole=tuple(whole_ip_lens(step)) if "whole" in phases else (),
             split=tuple(split_leading_ip_lens(step)) if "split" in phases else (),
+            adaptive=bool(adaptive),
         )
 
     @staticmethod
@@ -157,6 +168,10 @@ class ProbePlan:
         repetitions = _count(d, "repetitions")
         step = _count(d, "step")
         window = _count(d, "window")
+        # Absent in every plan from before issue 11 part 4: a fixed window.
+        adaptive = d.get("adaptive", False)
+        if not isinstance(adaptive, bool):
+            raise PlanError("plan.adaptive is not true or false")
         phases = d.get("phases")
         if (
             not isinstance(phases, list)
@@ -183,6 +198,7 @@ class ProbePlan:
             phases=tuple(phases),
             whole=whole,
             split=split,
+            adaptive=adaptive,
         )
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import logging
 import selectors
 import socket
@@ -499,6 +500,10 @@ class ProbeEngine:
                     "probe_address": event.probe_address, "probe_port": event.probe_port,
                     "rtt_ms": event.rtt_ms}  # fmt: skip
         elif isinstance(event, RunFinished):
+            if event.window is not None:
+                # The adaptive window's record (kickass_server.window), for the
+                # operator and the benchmark: how far it grew and why it shrank.
+                log.info("session %s window %s", event.session_id, json.dumps(event.window))
             reassembly = None if event.reassembly is None else dict(event.reassembly)
             call = {"method": "finish_session", "session_id": event.session_id,
                     "state": event.state, "verdict": event.verdict,

@@ -26,6 +26,9 @@ from kickass_core.errors import KickassError
 from kickass_core.plan import PHASES, PlanError, ProbePlan
 from kickass_core.rate import FULL_PACKET_LEN
 
+# A plan request's ``"window": "auto"``: adaptive, up to ``max_window``.
+AUTO_WINDOW = "auto"
+
 HOUR_S = 3600.0
 
 
@@ -54,6 +57,11 @@ class Policy:
     max_challenges_per_session: int = 8
     min_timeout_ms: float = 50.0
     max_timeout_ms: float = 3000.0
+    # Adaptive plans (window "auto", kickass_server.window): the pacing rate of
+    # one run in IP bits/s (the volunteer's access link must not notice it),
+    # and the window it starts from.
+    adaptive_rate_bps: float = 8_000_000.0
+    adaptive_initial_window: int = 4
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -65,7 +73,14 @@ class Policy:
                     f"policy {f.name} must be a finite number >= 0, got {value!r}",
                     hint=f"check KICKASS_POLICY_{f.name.upper()}",
                 )
-        for name in ("pps_per_address", "pps_per_prefix", "pps_global", "min_timeout_ms"):
+        for name in (
+            "pps_per_address",
+            "pps_per_prefix",
+            "pps_global",
+            "min_timeout_ms",
+            "adaptive_rate_bps",
+            "adaptive_initial_window",
+        ):
             if getattr(self, name) <= 0:
                 raise KickassError(
                     f"policy {name} must be above 0", hint=f"check KICKASS_POLICY_{name.upper()}"
@@ -111,7 +126,13 @@ class Policy:
             return ProbePlan.quick()
         repetitions = _count(body, "repetitions", 100, 1, self.max_repetitions)
         step = _count(body, "step", 8, self.min_step, FULL_PACKET_LEN)
-        window = _count(body, "window", 1, 1, self.max_window)
+        # No window: the paper's stop-and-wait. "auto": the server adapts the
+        # window up to its maximum. A number: exactly that many, always.
+        adaptive = body.get("window") == AUTO_WINDOW
+        if adaptive:
+            window = max(1, int(self.max_window))
+        else:
+            window = _count(body, "window", 1, 1, self.max_window)
         phases = body.get("phases", list(PHASES))
         if (
             not isinstance(phases, list)
@@ -120,14 +141,17 @@ class Policy:
             or len(set(phases)) != len(phases)
         ):
             raise PlanError(f"plan.phases must be a non-empty list of distinct names from {PHASES}")
-        return ProbePlan.build(repetitions=repetitions, step=step, window=window, phases=phases)
+        return ProbePlan.build(
+            repetitions=repetitions, step=step, window=window, phases=phases, adaptive=adaptive
+        )
 
 
 def _count(body: dict, name: str, default: int, low: int, high: int) -> int:
     value = body.get(name, default)
     # bool is an int in Python; JSON true is not a count.
     if isinstance(value, bool) or not isinstance(value, int):
-        raise PlanError(f"plan.{name} must be an integer, got {type(value).__name__}")
+        also = f' or "{AUTO_WINDOW}"' if name == "window" else ""
+        raise PlanError(f"plan.{name} must be an integer{also}, got {type(value).__name__}")
     # A huge number is echoed as its size only: error messages go to logs.
     shown = value if abs(value) < 10**12 else f"of {len(str(abs(value)))} digits"
     if value > high:

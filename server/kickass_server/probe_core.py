@@ -28,7 +28,10 @@ packet, and nothing larger than what arrived is ever sent to an unproven
 address.
 
 Probing: W probes in flight, each with its own timeout (``RttEstimator``),
-paced by ``Pacer``. A client that announced flow control (``split_credit`` at
+paced by ``Pacer``. W is the plan's window, or, for an adaptive plan, what
+the run's ``WindowController`` (window.py) allows up to it: it grows from the
+measured RTT and shrinks on a standing queue or on loss the window causes,
+and paces the run to the access-link rate. A client that announced flow control (``split_credit`` at
 admission) also bounds the split phase: its REPORTs (about 20 per second)
 carry ``split_limit``, and no split probe with a higher seq is sent, so the
 study's own unfinished datagrams never fill the client's reassembly memory
@@ -76,6 +79,7 @@ from .pacing import Pacer, PacingLane
 from .packets import SessionPackets
 from .policy import Admission, AdmissionDenied, AdmissionTicket, Policy
 from .rtt_estimator import RttEstimator
+from .window import WindowController
 
 # Outcome batches and progress counters go to the database at most this often
 # per run: one statement per batch instead of one per ACK.
@@ -123,6 +127,7 @@ COUNTERS = (
     "reports",
     "stale_reports",
     "credit_waits",
+    "window_paced",
 )
 
 
@@ -207,6 +212,8 @@ class RunFinished:
     # What the server learnt of the client's reassembly memory (None: the
     # client sent no flow control); stored in the session's metadata.
     reassembly: Mapping[str, object] | None = None
+    # An adaptive run's window controller summary (None: a fixed window).
+    window: Mapping[str, object] | None = None
 
 
 Transmit = SendDatagram | SendProbe
@@ -275,6 +282,8 @@ class RunSnapshot:
     end_reason: str | None
     split_limit: int | None = None
     invalid: Mapping[str, int] = field(default_factory=dict)
+    # Probes that may be in flight now: the plan's window, or the adaptive one.
+    window: int = 1
 
 
 # -- the live state of one session --------------------------------------------------
@@ -325,6 +334,8 @@ class ProbeRun:
     # Flow control (None: the client sent none): split seqs below this may go.
     split_limit: int | None = None
     reasm: ReassemblyLog | None = None
+    # An adaptive plan's window (None: the plan's window, fixed).
+    ctl: WindowController | None = None
     # Smallest whole IP length an ACK showed fragmented (a small-MTU hop):
     # lost whole probes from it up can be refused by a full reassembly memory too.
     min_fragmented_whole: int = 1 << 16
@@ -348,9 +359,12 @@ class ProbeRun:
             self.state == PROBING
             and self.end_requested is None
             and self.next_seq < self.plan.total_probes
-            and len(self.outstanding) < self.plan.window
+            and len(self.outstanding) < self.window()
             and not self.credit_blocked()
         )
+
+    def window(self) -> int:
+        return self.plan.window if self.ctl is None else self.ctl.window
 
     def credit_blocked(self) -> bool:
         """The next probe is a split the client has not given credit for."""
@@ -378,6 +392,7 @@ class ProbeRun:
             end_reason=self.end_reason,
             split_limit=self.split_limit,
             invalid=MappingProxyType(dict(self.phase_invalid)),
+            window=self.window(),
         )
 
 
@@ -662,6 +677,14 @@ class ProbeCore:
         run.state = PROBING
         run.handshake_rtt_ms = rtt * 1000.0
         run.rtt.seed(rtt)
+        if run.plan.adaptive:
+            run.ctl = WindowController(
+                run.plan.window,
+                now,
+                rate_bps=self.policy.adaptive_rate_bps,
+                initial_window=self.policy.adaptive_initial_window,
+                rtt_seed=rtt,
+            )
         run.last_seen = now
         run.expires = now + self.policy.max_session_s
         self._make_ready(run)
@@ -690,6 +713,8 @@ class ProbeCore:
         if code == _OUT:
             sent_at = run.outstanding.pop(seq)
             run.rtt.sample(max(now - sent_at, 0.0))
+            if run.ctl is not None:
+                run.ctl.on_ack(now, seq, max(now - sent_at, 0.0))
             run.codes[seq] = _ACKED
             run.acked_at[seq] = now
             run.acked += 1
@@ -851,6 +876,8 @@ class ProbeCore:
                 ready = max(
                     self.pacer.ready_at(run.lane), run.send_hold_until, self._send_hold_until
                 )
+                if run.ctl is not None:
+                    ready = max(ready, run.ctl.send_at)
                 d = min(d, ready)
         return None if d == math.inf else d
 
@@ -882,6 +909,8 @@ class ProbeCore:
                 continue
             del run.outstanding[seq]
             run.codes[seq] = _LOST
+            if run.ctl is not None:
+                run.ctl.on_loss(now, seq)
             if run.invalid and run.invalid[seq]:
                 run.phase_invalid[self._phase(run, seq)] += 1
             self._record(now, run, seq, LOST, None)
@@ -904,6 +933,9 @@ class ProbeCore:
                 assert lane is not None
                 n = 0
                 while n < PROBE_BURST and run.may_send():
+                    if run.ctl is not None and now < run.ctl.send_at:
+                        self.counters["window_paced"] += 1
+                        break
                     if not self.pacer.try_take(lane, now):
                         self.counters["paced"] += 1
                         break
@@ -944,6 +976,9 @@ class ProbeCore:
         heapq.heappush(self._timers, (now + run.rtt.timeout, run.session_id, seq))
         self._arm_flush(now)
         out.append(SendProbe(run.session_id, seq, peer[0], tuple(packets)))
+        if run.ctl is not None:
+            nbytes = sum(len(p) for p in packets)
+            run.ctl.on_send(now, seq, phase, self._ip_len(run, seq), nbytes, len(run.outstanding))
         if run.reasm is not None:
             self._credit_wait(now, run)
 
@@ -966,6 +1001,8 @@ class ProbeCore:
             if seq != run.next_seq - 1 or run.codes[seq] != _OUT:
                 continue  # not the newest probe: leave it to its timeout
             del run.outstanding[seq]
+            if run.ctl is not None:
+                run.ctl.on_unsent(seq, sum(len(pkt) for pkt in p.packets))
             run.codes[seq] = _UNSENT
             run.next_seq = seq
             run.sent -= 1
@@ -1044,11 +1081,14 @@ class ProbeCore:
                 run.reasm.credit_wait_s += now - run.reasm.waiting_since
                 run.reasm.waiting_since = None
             reasm = run.reasm.to_json(run.phase_invalid)
+        window = None if run.ctl is None else run.ctl.summary(now)
         self._flush_run(run, out)
         run.state = state
         run.end_reason = end_reason
         run.finished_at = now
-        out.append(RunFinished(run.session_id, state, v.verdict, v.reason, end_reason, reasm))
+        out.append(
+            RunFinished(run.session_id, state, v.verdict, v.reason, end_reason, reasm, window)
+        )
         self.admission.release(run.ticket)
         if run.lane is not None:
             self.pacer.release(run.lane)
