@@ -414,16 +414,29 @@ def test_errors_are_clear_and_crash_needs_no_cleanup(tmp_path: Path, datapath: s
         )
         assert r.returncode == 1 and "CAP_NET_ADMIN" in r.stderr and "panicked" not in r.stderr
 
-        # A crash (SIGKILL) leaves the ip rule behind; a restart cleans it.
+        # A crash (SIGKILL of the router alone: its children see it die)
+        # leaves nothing that stops kernel forwarding: tun leaves an ip rule
+        # pointing at a table emptied with ka0 (a restart removes it); the
+        # packet datapath's nftables drop dies with its owner.
+        tx = udp_socket(topo.ns_name("snd"))
+        rx = udp_socket(topo.ns_name("rcv"), ("0.0.0.0", PORT))
+        rx.settimeout(2)
         tel = tmp_path / "t1.ndjson"
         p = topo.start(ka_router("--capacity", "10mbit", telemetry=tel, datapath=datapath))
-        os.killpg(p.pid, 9)
+        if datapath == "packet":
+            assert "ka_router_ka0" in rtr.run(["nft", "list", "tables"]).stdout
+        os.kill(p.pid, 9)
         p.wait(5)
         lan_fwd = ["sysctl", "-n", "net.ipv4.conf.lan.forwarding"]
+        assert rtr.run(lan_fwd).stdout.strip() == "1"
         if datapath == "tun":
             assert "lookup 100" in rtr.run(["ip", "rule"]).stdout
-        else:  # the packet datapath leaves LAN forwarding off
-            assert rtr.run(lan_fwd).stdout.strip() == "0"
+        deadline = time.monotonic() + 2
+        while "ka_router" in rtr.run(["nft", "list", "tables"]).stdout:
+            assert time.monotonic() < deadline, "the LAN drop outlived the router by 2 s"
+            time.sleep(0.02)
+        tx.sendto(_datagram(0), (RCV, PORT))
+        assert rx.recv(65535) == _datagram(0), "kernel forwarding after the crash"
         p2 = topo.start(
             ka_router("--capacity", "10mbit", telemetry=tmp_path / "t2.ndjson", datapath=datapath)
         )
@@ -434,9 +447,6 @@ def test_errors_are_clear_and_crash_needs_no_cleanup(tmp_path: Path, datapath: s
         )
         assert r.returncode == 1 and "ka0 already exists" in r.stderr
         # Traffic flows, then SIGTERM removes everything it created.
-        tx = udp_socket(topo.ns_name("snd"))
-        rx = udp_socket(topo.ns_name("rcv"), ("0.0.0.0", PORT))
-        rx.settimeout(2)
         tx.sendto(_datagram(1), (RCV, PORT))
         assert rx.recv(65535) == _datagram(1)
         code, err = p2.stop()
@@ -446,6 +456,7 @@ def test_errors_are_clear_and_crash_needs_no_cleanup(tmp_path: Path, datapath: s
         # (The packet datapath never creates the table.)
         assert rtr.run(["ip", "route", "show", "table", "100"], check=False).stdout.strip() == ""
         assert rtr.run(lan_fwd).stdout.strip() == "1"
+        assert "ka_router" not in rtr.run(["nft", "list", "tables"]).stdout
         # Plain kernel forwarding still works after the router left.
         tx.sendto(_datagram(2), (RCV, PORT))
         assert rx.recv(65535) == _datagram(2)

@@ -2,6 +2,7 @@
 //! emulator, and the small syscall layer they share.
 
 pub mod afpacket;
+pub mod lan_guard;
 pub mod linkem_shell;
 pub mod packet_path;
 pub mod router_shell;

@@ -621,11 +621,19 @@ impl NextHops {
         n
     }
 
-    pub fn maybe_refresh(&mut self, now: u64) {
+    /// Re-read the tables when due; true if it did.
+    pub fn maybe_refresh(&mut self, now: u64) -> bool {
         let age = now.saturating_sub(self.refreshed);
         if age >= self.refresh_ns || (self.unresolved && age >= MISS_REFRESH_NS) {
             self.refresh(now);
+            return true;
         }
+        false
+    }
+
+    /// This namespace's own and broadcast addresses, as last read.
+    pub fn local(&self) -> &[u32] {
+        &self.local
     }
 
     pub fn refresh(&mut self, now: u64) {
@@ -722,7 +730,7 @@ fn parse_arp(s: &str, wan: &str) -> HashMap<u32, [u8; 6]> {
 }
 
 /// This namespace's IPv4 addresses and broadcast addresses.
-fn local_addresses() -> Vec<u32> {
+pub fn local_addresses() -> Vec<u32> {
     let mut out = vec![];
     let mut ifap: *mut libc::ifaddrs = std::ptr::null_mut();
     // SAFETY: getifaddrs fills ifap with a list we free below.

@@ -18,6 +18,7 @@ use ka_core::wire::ipv4::Packet;
 use ka_core::Nanos;
 use serde::Serialize;
 
+use crate::lan_guard::LanGuard;
 use crate::packet_path::{self, LanRx, NextHops, Received, WanTx, BATCH};
 use crate::sys::{self, Error, Result};
 use crate::tun::Tun;
@@ -58,9 +59,9 @@ struct Installed {
     table: String,
     rule: bool,
     route: bool,
-    /// Packet datapath: LAN forwarding was switched off; the value to put
-    /// back.
-    lan_forwarding: Option<String>,
+    /// Packet datapath: the nftables drop of the kernel's copy of what we
+    /// forward (gone with us, even after SIGKILL: see `lan_guard`).
+    guard: Option<LanGuard>,
     /// Packet datapath: GRO was on on LAN and we turned it off.
     lan_gro: bool,
     restore_sysctls: Vec<(String, String)>,
@@ -68,14 +69,14 @@ struct Installed {
 
 impl Installed {
     /// Hand new LAN traffic back to plain kernel forwarding (the policy
-    /// rule goes, or LAN forwarding comes back on).
+    /// rule goes, or the drop of the kernel's copy).
     fn remove_rule(&mut self) {
         if self.rule {
             while sys::ip_quiet(&["rule", "del", "iif", &self.lan, "table", &self.table]) {}
             self.rule = false;
         }
-        if let Some(v) = self.lan_forwarding.take() {
-            let _ = sys::sysctl_write(&format!("net.ipv4.conf.{}.forwarding", self.lan), &v);
+        if let Some(mut g) = self.guard.take() {
+            g.remove();
         }
     }
 }
@@ -98,8 +99,9 @@ impl Drop for Installed {
 /// Remove what a crashed earlier run may have left: our policy rules and
 /// the routes of our table. (A TUN device dies with its process.)
 fn remove_stale(lan: &str, table: &str) {
-    // A crashed packet-datapath router leaves LAN forwarding off while the
-    // rest of the router forwards: put it back (both datapaths need it).
+    // Both datapaths need forwarding on LAN. Routers before the nftables
+    // guard switched it off on LAN alone for the packet datapath and a
+    // crash left it so: put it back.
     let lan_fwd = format!("net.ipv4.conf.{lan}.forwarding");
     if sys::sysctl_read("net.ipv4.conf.all.forwarding").is_ok_and(|v| v == "1")
         && sys::sysctl_read(&lan_fwd).is_ok_and(|v| v == "0")
@@ -124,7 +126,7 @@ fn install(o: &Options, tun: &Tun) -> Result<Installed> {
         table: table.clone(),
         rule: false,
         route: false,
-        lan_forwarding: None,
+        guard: None,
         lan_gro: false,
         restore_sysctls: vec![],
     };
@@ -157,15 +159,18 @@ fn install(o: &Options, tun: &Tun) -> Result<Installed> {
     if sys::sysctl_read(&format!("net.ipv4.conf.{}.forwarding", tun.name()))? != "1" {
         sys::sysctl_write(&format!("net.ipv4.conf.{}.forwarding", tun.name()), "1")?;
     }
-    let lan_fwd = format!("net.ipv4.conf.{}.forwarding", o.lan);
     if o.datapath == DatapathKind::Packet {
         // We forward LAN traffic ourselves from the packet tap: the kernel
-        // must not forward a second copy. With forwarding off on the input
-        // device its route lookup ends in a silent drop (no ICMP); local
-        // delivery, ARP and WAN -> LAN forwarding are unaffected. The TUN
-        // device stays as the slow path (no route points into it).
-        inst.lan_forwarding = Some(sys::sysctl_read(&lan_fwd)?);
-        sys::sysctl_write(&lan_fwd, "0")?;
+        // must not forward a second copy. An nftables drop on LAN's ingress
+        // hook (after the tap, before ip_rcv) takes exactly what we forward;
+        // local delivery, ARP, IPv6 and WAN -> LAN are unaffected. It dies
+        // with us, even on SIGKILL (see `lan_guard`). The TUN device stays
+        // as the slow path (no route points into it).
+        inst.guard = Some(LanGuard::install(
+            &o.lan,
+            tun.name(),
+            &packet_path::local_addresses(),
+        )?);
         // Merged super-packets (GRO) would reach the tap whole: we want
         // the frames as they were on the wire. Off while we run.
         match packet_path::gro(&o.lan, None) {
@@ -645,18 +650,6 @@ pub fn run(o: Options) -> Result<()> {
     let tun = Tun::create(&o.tun)?;
     let mut installed = install(&o, &tun)?;
     let mtu = sys::iface_mtu(tun.name())?;
-    telemetry.line(&Metadata {
-        kind: "metadata",
-        version: 1,
-        program: "ka-router",
-        program_version: env!("CARGO_PKG_VERSION"),
-        started_unix: sys::unix_time().as_secs_f64(),
-        options: &o,
-    });
-    eprintln!(
-        "ka-router: {} -> {} via {} at {} bit/s, buffer {}, mode {:?}",
-        o.lan, o.wan, o.tun, o.router.capacity_bps, o.router.buffer, o.router.kind
-    );
     let pool_size = mtu.max(1500) + 64;
     let packet = match o.datapath {
         DatapathKind::Tun => None,
@@ -672,6 +665,20 @@ pub fn run(o: Options) -> Result<()> {
             slow: 0,
         }),
     };
+    // Ready (the metadata line is the readiness signal): set up and, on the
+    // packet datapath, the receive ring is open.
+    telemetry.line(&Metadata {
+        kind: "metadata",
+        version: 1,
+        program: "ka-router",
+        program_version: env!("CARGO_PKG_VERSION"),
+        started_unix: sys::unix_time().as_secs_f64(),
+        options: &o,
+    });
+    eprintln!(
+        "ka-router: {} -> {} via {} at {} bit/s, buffer {}, mode {:?}",
+        o.lan, o.wan, o.tun, o.router.capacity_bps, o.router.buffer, o.router.kind
+    );
     let mut dp = Datapath {
         router: Router::new(o.router.clone(), sys::now()),
         tun,
@@ -693,7 +700,17 @@ pub fn run(o: Options) -> Result<()> {
     while !sys::stop_requested() {
         let now = sys::now();
         if let Some(io) = dp.packet.as_mut() {
-            io.hops.maybe_refresh(now);
+            if io.hops.maybe_refresh(now) {
+                if let Some(g) = installed.guard.as_mut() {
+                    if !g.alive() {
+                        return Err(Error::new(
+                            "the nft process holding the LAN drop rule exited; the kernel \
+                             would forward a second copy of every LAN packet",
+                        ));
+                    }
+                    g.set_local(io.hops.local())?;
+                }
+            }
         }
         dp.receive(now)?;
         if let Some(s) = dp.router.handle_timeout(now) {
