@@ -368,3 +368,34 @@ def test_a_plan_with_adaptive_windows_round_trips_and_old_plans_parse() -> None:
     with pytest.raises(ValueError, match="adaptive"):
         ProbePlan.from_json({**plan.to_json(), "adaptive": 1})
     assert wire  # the module's messages are what the simulated client speaks
+
+
+def test_a_request_for_an_automatic_window() -> None:
+    policy = Policy(max_window=32)
+    plan = policy.plan_from_request({"window": "auto", "repetitions": 5})
+    assert plan.adaptive and plan.window == 32 and plan.repetitions == 5
+    # No window: the paper's stop-and-wait, fixed, as before.
+    assert policy.plan_from_request({}).window == 1 and not policy.plan_from_request({}).adaptive
+    fixed = policy.plan_from_request({"window": 8})
+    assert fixed.window == 8 and not fixed.adaptive
+    for bad in ("AUTO", "fast", 1.5, True, None, [8]):
+        with pytest.raises(ValueError, match='integer or "auto"'):
+            policy.plan_from_request({"window": bad})
+    env = Policy.from_env(
+        {"KICKASS_POLICY_ADAPTIVE_RATE_BPS": "2e6", "KICKASS_POLICY_ADAPTIVE_INITIAL_WINDOW": "2"}
+    )
+    assert env.adaptive_rate_bps == 2e6 and env.adaptive_initial_window == 2
+
+
+def test_the_policy_sets_the_rate_and_the_start() -> None:
+    policy = Policy(
+        adaptive_rate_bps=1e6, adaptive_initial_window=2, max_session_s=10**6,
+        silence_timeout_s=10**6,
+    )  # fmt: skip
+    p = PathSim(adaptive(repetitions=1, step=64), policy=policy)
+    p.run()
+    assert p.summary()["rate_bps"] == 1e6
+    assert p.trace.windows[0][1] == 2
+    sends = p.trace.sends
+    nbytes = sum(b for _, _, b, _ in sends[:-1])
+    assert nbytes * 8 / 1e6 <= sends[-1][0] - sends[0][0] + PACING_SLACK_S

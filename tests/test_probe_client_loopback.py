@@ -384,7 +384,8 @@ def test_happy_path_json(make_peer: Any, capsys: pytest.CaptureFixture[str]) -> 
     # The reassembly memory (announced in the notice): limits, counters, credit.
     assert set(body["reassembly"]) == {"limits", "before", "split_credit"}
     assert "reassembly limits and counters" in err
-    assert body["plan"] == {"repetitions": 100, "step": 8, "window": 8}
+    # By default the server adapts the window (issue 11 part 4).
+    assert body["plan"] == {"repetitions": 100, "step": 8, "window": "auto"}
     # ACKs carry the received length of each probe.
     for ack in peer.acks:
         assert ack.received_len == peer.plan.probe(ack.seq).udp_payload_len
@@ -541,6 +542,43 @@ def test_non_json_reply(make_peer: Any, capsys: pytest.CaptureFixture[str]) -> N
     assert code == 1
     assert "is not JSON" in err and "captive portal" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "window"), [((), "auto"), (("-w", "auto"), "auto"), (("--window", "1"), 1)]
+)
+def test_the_window_asked_for(
+    make_peer: Any, capsys: pytest.CaptureFixture[str], argv: tuple[str, ...], window: object
+) -> None:
+    peer = make_peer()
+    code, _, err = run_cli(capsys, "--server", peer.url, "-y", "--json", "--timeout", "2", *argv)
+    assert code == 0, err
+    assert [b["plan"]["window"] for b in peer.create_bodies] == [window]
+
+
+def test_an_older_server_without_adaptive_windows_gets_the_old_default(
+    make_peer: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    refusal = json.dumps(
+        {"error": "bad-plan", "message": "plan.window must be an integer, got str"}
+    ).encode()
+    peer = make_peer(create_replies=[(400, {}, refusal)])
+    code, _, err = run_cli(capsys, "--server", peer.url, "-y", "--json", "--timeout", "2")
+    assert code == 0, err
+    assert [b["plan"]["window"] for b in peer.create_bodies] == ["auto", 8]
+    assert "does not adapt the window" in err
+    # A fixed window the server refuses is the user's to fix: no second try.
+    peer = make_peer(create_replies=[(400, {}, refusal)])
+    code, _, err = run_cli(capsys, "--server", peer.url, "-y", "--timeout", "2", "-w", "99")
+    assert code == 1 and "rejected" in err
+    assert len(peer.create_bodies) == 1
+
+
+def test_a_bad_window_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--server", "http://127.0.0.1:9", "-y", "--window", "fast"])
+    assert exc.value.code == 2
+    assert "'auto'" in capsys.readouterr().err
 
 
 def _created(peer: ScriptedServer, **over: Any) -> bytes:

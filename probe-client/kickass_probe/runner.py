@@ -46,6 +46,9 @@ STALL_TIMEOUTS = 3
 # seconds, so a live session never pauses anywhere near this long.
 STUCK_MIN_S = 120.0
 STUCK_TIMEOUTS = 12
+# An older server refuses "window": "auto" (HTTP 400): ask again with the
+# fixed window clients sent before the server adapted it.
+FALLBACK_WINDOW = 8
 # Bound on each end request after Ctrl-C: the user wants out.
 END_TIMEOUT_S = 5.0
 # Bound on the whole of ending the session after Ctrl-C/SIGTERM (retries
@@ -147,12 +150,7 @@ class Runner:
             "split_credit": reasm.credits_for(limits, before.memory),
         }
         try:
-            created = self._call(
-                lambda: self.api.create_session(
-                    self.plan_request, platform=self.platform_name, reassembly=announced
-                ),
-                abandon_at=1,
-            )
+            created = self._create(announced)
         except BaseException:
             if psock is not None:
                 psock.close()
@@ -194,9 +192,10 @@ class Runner:
             raise
         total = plan.total_probes
         self.log(f"session {sid}: probes from {addr[0]}:{addr[1]} to UDP port {shell.local_port}")
+        window = f"adaptive up to {plan.window}" if plan.adaptive else str(plan.window)
         self.progress.note(
             f"Session {sid}: {total:,} probes (repetitions {plan.repetitions}, "
-            f"step {plan.step} B, window {plan.window})"
+            f"step {plan.step} B, window {window})"
         )
         # expires_in_s is the server's handshake window (HELLO + ECHO); our own
         # challenge timeout (--timeout) is what ends a handshake that fails.
@@ -212,6 +211,27 @@ class Runner:
         finally:
             shell.stop()
             self.progress.close()
+
+    def _create(self, announced: dict[str, Any]) -> dict[str, Any]:
+        def create(request: dict[str, Any]) -> dict[str, Any]:
+            return self._call(
+                lambda: self.api.create_session(
+                    request, platform=self.platform_name, reassembly=announced
+                ),
+                abandon_at=1,
+            )
+
+        try:
+            return create(self.plan_request)
+        except ApiError as exc:
+            if exc.status != 400 or self.plan_request.get("window") != "auto":
+                raise
+            self.progress.note(
+                f"The server does not adapt the window ({exc.message}); asking for a fixed "
+                f"window of {FALLBACK_WINDOW}."
+            )
+            self.plan_request = {**self.plan_request, "window": FALLBACK_WINDOW}
+            return create(self.plan_request)
 
     # -- the polling loop -----------------------------------------------------------
 
