@@ -20,7 +20,7 @@ import pytest
 from kickass_db.trials import TrialStore
 from sqlalchemy import create_engine, text
 from test_server_instances import _free_port, server
-from test_wan_agent import SECRET, agent
+from test_wan_agent import AGENT, SECRET, agent
 
 KICKASS = str(Path(sys.executable).parent / "kickass")
 
@@ -86,3 +86,73 @@ def test_trial_results_reach_the_database_once_even_through_an_outage(
     total = flows_first + flows_second
     assert _stored(database_url) == (total, total)
     assert not list(spool.glob("*.json"))
+
+
+def _start_agent(state: Path, control: int, tcp: int) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [AGENT, "--listen", f"127.0.0.1:{control}", "--tcp-port", str(tcp),
+         "--kickass-receiver", "none", "--state-dir", str(state), "--name", "far-1"],
+        env={**os.environ, "KICKASS_AGENT_SECRET": SECRET},
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        if "ready on" in line:
+            return proc
+    proc.kill()
+    raise AssertionError("agent did not start")
+
+
+def test_an_agent_away_mid_trial_costs_its_periods_not_the_trial(tmp_path: Path) -> None:
+    """The agent is killed when period 2 starts (index 1) and comes back once
+    period 3 has been skipped: the runner kept asking for tokens for
+    --agent-retry (1 s), then recorded the period's flows as not run and let
+    its slot pass. The trial goes on and the later periods run. Every
+    planned flow is recorded exactly once."""
+    control, tcp = _free_port(socket.SOCK_STREAM), _free_port(socket.SOCK_STREAM)
+    common = ["--protocols", "tcp", "--pairs", "6", "--period", "1.5", "--mean-gap", "0.15",
+              "--max-packets", "100", "--mean-packets", "10", "--seed", "9"]  # fmt: skip
+    plan = subprocess.run(
+        [KICKASS, "trials", "plan", "--destination", "far-1", *common, "--json"],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    planned = {p["index"]: p["flows"] for p in json.loads(plan.stdout)["periods"]}
+    spool = tmp_path / "spool"
+    agent_proc = _start_agent(tmp_path / "agent", control, tcp)
+    run = subprocess.Popen(
+        [KICKASS, "trials", "run", "--agent", f"far-1=http://127.0.0.1:{control}",
+         *common, "--agent-retry", "1", "--spool-dir", str(spool), "--json"],
+        env={**os.environ, "KICKASS_AGENT_SECRET": SECRET},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    stderr: list[str] = []
+    try:
+        assert run.stderr is not None
+        for line in run.stderr:
+            stderr.append(line)
+            if line.startswith("period 2:") and agent_proc.poll() is None:
+                agent_proc.kill()
+                agent_proc.wait(10)
+            if line.startswith("period 3 skipped") and agent_proc.poll() is not None:
+                agent_proc = _start_agent(tmp_path / "agent", control, tcp)
+        out, _ = run.communicate(timeout=120)
+    finally:
+        run.kill()
+        agent_proc.kill()
+        agent_proc.wait(10)
+    assert run.returncode == 1, "".join(stderr)  # flows failed: said in the exit code
+    result = json.loads(out)
+    skipped = {sp["period"] for sp in result["skipped_periods"]}
+    assert 2 in skipped, result["skipped_periods"]
+    assert not skipped & {0, 3, 4, 5}, result["skipped_periods"]
+    assert all("no flow tokens from agent far-1" in sp["error"] for sp in result["skipped_periods"])
+    rows = [json.loads(p.read_text()) for p in spool.glob("*.json")]
+    flows = [r["record"] for r in rows if r["kind"] == "flow"]
+    by_period: dict[int, list[dict]] = {}
+    for f in flows:
+        by_period.setdefault(f["period_index"], []).append(f)
+    assert {k: len(v) for k, v in by_period.items()} == planned, "".join(stderr)
+    assert len({f["flow_id"] for f in flows}) == len(flows)
+    assert all(not f["completed"] and f["error"].startswith("not run") for f in by_period[2])
+    assert all(f["completed"] for p in (0, 3, 4, 5) for f in by_period[p]), "".join(stderr)
+    assert result["failed_flows"] == sum(not f["completed"] for f in flows)

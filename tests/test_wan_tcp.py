@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 from pathlib import Path
 
 import pytest
 from kickass_wan import token as tk
-from kickass_wan.tcpflow import MAGIC, TcpReceiver, send_flow
+from kickass_wan.tcpflow import ACCEPTED, MAGIC, TcpReceiver, send_flow
 
 VECTORS = Path(__file__).resolve().parents[1] / "wan-agents" / "vectors" / "flow_token.json"
 SECRET = b"s" * 32
@@ -54,7 +55,12 @@ def test_tcp_flow_completes_and_reports_fct(receiver: TcpReceiver) -> None:
         res = send_flow(receiver.address, tk.issue(SECRET, tk.KIND_TCP, time.time()), 150_000, cc)
         assert res.completed, res.error
         assert 0 < res.fct_ms < 5000
-        assert res.retransmissions == 0 and res.srtt_ms is not None
+        # tcp_info is read: the counters are there. Zero retransmissions was
+        # the old claim, but on a busy 2-core machine loopback TCP fires a
+        # spurious tail-loss probe now and then (seen: 1 in ~40 runs), and the
+        # kernel counts it; a handful is all a lossless path can explain.
+        assert res.retransmissions is not None and 0 <= res.retransmissions <= 3
+        assert res.srtt_ms is not None and res.min_rtt_ms is not None
     assert receiver.counts["completed"] == 2
 
 
@@ -72,14 +78,47 @@ def test_agent_sends_nothing_to_an_unproven_sender(receiver: TcpReceiver, kind: 
         tok = bytes(30)
     with socket.create_connection(receiver.address, timeout=5) as s:
         head = MAGIC + tok + (1500).to_bytes(8, "big")
-        s.sendall(head if kind != "garbage" else b"GET / HTTP/1.1\r\n\r\n" + bytes(40))
-        s.sendall(bytes(1500))
-        s.settimeout(5)
         got = b""
+        # The agent may already have closed on the header (a reset, since
+        # data is left unread): that is a refusal too, and nothing was sent.
         try:
+            s.sendall(head if kind != "garbage" else b"GET / HTTP/1.1\r\n\r\n" + bytes(40))
+            s.sendall(bytes(1500))
+            s.settimeout(5)
             while chunk := s.recv(100):
                 got += chunk
-        except ConnectionResetError:
+        except (ConnectionResetError, BrokenPipeError):
             pass
     assert got == b""
     assert receiver.counts["refused"] >= 1
+
+
+def test_refused_token_and_agent_gone_mid_flow_are_told_apart(receiver: TcpReceiver) -> None:
+    """The accept byte separates 'token refused' from 'the agent went away
+    after accepting' (which KAT1 reported alike as 'token refused?')."""
+    refused = send_flow(receiver.address, bytes(30), 150_000)
+    assert not refused.completed
+    assert "without accepting the flow" in refused.error
+
+    # An agent that accepts, reads part of the flow and dies: it speaks the
+    # real protocol up to the accept byte, then closes.
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+
+    def dying_agent() -> None:
+        conn, _ = srv.accept()
+        with conn:
+            conn.recv(42)
+            conn.sendall(ACCEPTED)
+            conn.recv(10_000)
+
+    t = threading.Thread(target=dying_agent, daemon=True)
+    t.start()
+    try:
+        gone = send_flow(srv.getsockname(), tk.issue(SECRET, tk.KIND_TCP, time.time()), 4_000_000)
+    finally:
+        t.join(timeout=10)
+        srv.close()
+    assert not gone.completed
+    assert "accepted the flow" in gone.error and "mid-flow" in gone.error, gone.error

@@ -16,7 +16,7 @@ from pathlib import Path
 from kickass_core import config
 from kickass_core.errors import KickassError
 
-from .runner import AgentRef, TrialConfig, TrialRunner
+from .runner import SENDER_STREAM_STRIDE, AgentRef, TrialConfig, TrialRunner
 from .schedule import Period, interleaved
 from .spool import Spool
 from .uploader import Uploader
@@ -34,10 +34,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     p = tsub.add_parser("plan", help="print the interleaved schedule and its flows (dry run)")
     p.add_argument("--destination", action="append", required=True, help="agent name (repeat)")
-    p.add_argument("--pairs", type=int, default=3, help="Kick-Ass/TCP period pairs (default 3)")
-    p.add_argument("--period", type=float, default=120.0, help="seconds per period (default 120)")
-    p.add_argument("--mean-gap", type=float, default=0.5, help="mean gap between flows, s")
-    p.add_argument("--seed", type=int, default=1)
+    _schedule_args(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_plan)
 
@@ -57,18 +54,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="agent name and control URL with an IP literal (repeat)",
     )
     run.add_argument("--secret-dir", help="directory with one secret file per agent name")
-    run.add_argument("--pairs", type=int, default=3)
-    run.add_argument("--period", type=float, default=120.0, help="seconds per period (default 120)")
-    run.add_argument("--mean-gap", type=float, default=0.5, help="mean gap between flows, s")
-    run.add_argument("--mean-packets", type=float, default=100.0)
-    run.add_argument("--max-packets", type=int, default=2000)
-    run.add_argument("--shape", type=float, default=1.8)
-    run.add_argument("--seed", type=int, default=1)
+    _schedule_args(run)
     run.add_argument("--cc", default="cubic", help="TCP congestion control (cubic, reno, bbr...)")
     run.add_argument("--handshake", choices=["padded", "paper"], default="padded")
-    run.add_argument(
-        "--protocols", default="kickass,tcp", help="periods to run (default %(default)s)"
-    )
     run.add_argument("--access-capacity", type=float, help="edge access link, bit/s (stored)")
     run.add_argument("--router-run-name", help="ka-router telemetry run this trial overlaps")
     run.add_argument("--ka-send", help="path of ka-send (default: next to this program or PATH)")
@@ -79,10 +67,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--spool-dir", default=".kickass/spool", help="results outbox (default %(default)s)"
     )
     run.add_argument(
-        "--sender-index",
-        type=int,
-        default=0,
-        help="runners sharing a --seed run aligned periods; each draws its own flows by index",
+        "--agent-retry",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="keep asking an unreachable agent for flow tokens this long before skipping a "
+        "period; its flows are recorded as not run (default %(default)s)",
     )
     run.add_argument("--json", action="store_true")
     run.set_defaults(func=cmd_run)
@@ -102,19 +92,66 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     a.set_defaults(func=cmd_runner_add)
 
 
+def _schedule_args(p: argparse.ArgumentParser) -> None:
+    """What decides the periods and their flows: `plan` and `run` take the
+    same, so a dry run shows exactly the flows a run will start."""
+    p.add_argument("--pairs", type=int, default=3, help="period pairs (default %(default)s)")
+    p.add_argument(
+        "--period", type=float, default=120.0, help="seconds per period (default %(default)s)"
+    )
+    p.add_argument(
+        "--protocols", default="kickass,tcp", help="periods to run (default %(default)s)"
+    )
+    p.add_argument(
+        "--mean-gap", type=float, default=0.5, help="mean gap between flows, s (default 0.5)"
+    )
+    p.add_argument("--mean-packets", type=float, default=100.0, help="mean flow size (default 100)")
+    p.add_argument("--max-packets", type=int, default=2000, help="largest flow (default 2000)")
+    p.add_argument("--shape", type=float, default=1.8, help="Pareto shape (default 1.8)")
+    p.add_argument("--seed", type=int, default=1, help="seeds the schedule and the flows")
+    p.add_argument(
+        "--sender-index",
+        type=int,
+        default=0,
+        help="runners sharing a --seed run aligned periods; each draws its own flows by index",
+    )
+
+
+def _workload(args: argparse.Namespace) -> Workload:
+    try:
+        return Workload(
+            max_packets=args.max_packets,
+            shape=args.shape,
+            mean_packets=args.mean_packets,
+            mean_gap_s=args.mean_gap,
+            seed=args.seed,
+        )
+    except ValueError as exc:
+        raise KickassError(f"bad workload: {exc}") from None
+
+
+def _protocols(args: argparse.Namespace) -> tuple[str, ...]:
+    return tuple(p.strip() for p in args.protocols.split(",") if p.strip())
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
+    w = _workload(args)
     try:
         sched = interleaved(
-            args.destination, pairs=args.pairs, period_s=args.period, seed=args.seed
+            args.destination,
+            pairs=args.pairs,
+            period_s=args.period,
+            seed=args.seed,
+            protocols=_protocols(args),
         )
-        w = Workload(seed=args.seed, mean_gap_s=args.mean_gap)
     except ValueError as exc:
         raise KickassError(
             f"bad trial plan: {exc}", hint="see: kickass trials plan --help"
         ) from None
     periods = []
     for p in sched:
-        fl = list(flows(w, p.duration_s, stream=p.index))
+        stream = p.index + SENDER_STREAM_STRIDE * args.sender_index
+        fl = list(flows(w, p.duration_s, stream=stream))
         periods.append(
             {**p.to_json(), "flows": len(fl), "packets": sum(f.size_packets for f in fl)}
         )
@@ -184,16 +221,7 @@ def _agents(args: argparse.Namespace) -> list[AgentRef]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    try:
-        workload = Workload(
-            max_packets=args.max_packets,
-            shape=args.shape,
-            mean_packets=args.mean_packets,
-            mean_gap_s=args.mean_gap,
-            seed=args.seed,
-        )
-    except ValueError as exc:
-        raise KickassError(f"bad workload: {exc}") from None
+    workload = _workload(args)
     cfg = TrialConfig(
         agents=_agents(args),
         pairs=args.pairs,
@@ -205,9 +233,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         router_run_name=args.router_run_name,
         ka_send=args.ka_send,
         source=args.bind,
-        protocols=tuple(p.strip() for p in args.protocols.split(",") if p.strip()),
+        protocols=_protocols(args),
         sender_index=args.sender_index,
+        agent_retry_s=args.agent_retry,
     )
+    if args.agent_retry < 0:
+        raise KickassError("--agent-retry must be >= 0")
     spool = Spool(args.spool_dir)
     uploader = (
         Uploader(args.server, _runner_token(args.runner_token_file), spool) if args.server else None
@@ -237,6 +268,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                     f"{dest:<16} {proto:<8} flows {len(fcts):>5}  mean FCT "
                     f"{sum(fcts) / len(fcts):8.1f} ms  p50 {fcts[len(fcts) // 2]:8.1f} ms"
                 )
+        for sp in result["skipped_periods"]:
+            print(f"period {sp['period'] + 1} skipped: {sp['error']}", file=sys.stderr)
         if result["spooled"]:
             print(
                 f"{result['spooled']} results wait in {args.spool_dir}: "

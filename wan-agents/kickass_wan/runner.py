@@ -43,6 +43,10 @@ log = logging.getLogger("kickass.trials")
 
 # A flow that has not finished this long after its period ended is given up.
 FLOW_GRACE_S = 60.0
+# Each sender's flows come from its own random streams: period index + this x sender index.
+SENDER_STREAM_STRIDE = 100_000
+# First wait before asking an unreachable agent for tokens again (doubling).
+TOKEN_RETRY_FIRST_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,9 @@ class TrialConfig:
     # Several runners sharing a seed keep the same period order (aligned
     # periods across senders) but draw their own flows.
     sender_index: int = 0
+    # How long a period keeps asking an unreachable agent for flow tokens
+    # before it is skipped (its flows recorded as not run).
+    agent_retry_s: float = 30.0
 
     def parameters(self) -> dict[str, Any]:
         return {
@@ -146,6 +153,7 @@ class TrialRunner:
         self.stop = threading.Event()
         self.summary: dict[str, dict[str, list[float]]] = {}
         self.failed = 0
+        self.skipped_periods: list[dict[str, Any]] = []
         self._started = ""
 
     # -- the whole trial --------------------------------------------------
@@ -209,6 +217,7 @@ class TrialRunner:
             "trials": trial_ids,
             "summary": self.summary,
             "failed_flows": self.failed,
+            "skipped_periods": self.skipped_periods,
             "spooled": self.spool.count(),
             "rejected": self.spool.rejected(),
             "upload_errors": report.errors[-5:] if report else [],
@@ -256,15 +265,31 @@ class TrialRunner:
         ka_send: str | None,
     ) -> None:
         cfg = self.cfg
-        stream = period.index + 100_000 * cfg.sender_index
+        stream = period.index + SENDER_STREAM_STRIDE * cfg.sender_index
         period_flows = list(flows(cfg.workload, period.duration_s, stream=stream))
         if not period_flows:
             time.sleep(period.duration_s)
             return
         kind = "kickass" if period.protocol == KICKASS else "tcp"
-        tokens, port = client.tokens(kind, len(period_flows))
-        addr = (client.agent.host, port)
         started = _now()
+        try:
+            tokens, port = self._tokens(client, kind, len(period_flows))
+        except KickassError as exc:
+            # The trial goes on (the agent may be back for the next period);
+            # every flow this period would have run is recorded as not run.
+            why = f"not run: no flow tokens from agent {client.agent.name}: {exc.message}"
+            log.warning("period %d skipped: %s", period.index + 1, why)
+            self.skipped_periods.append(
+                {"period": period.index, "destination": period.destination, "error": why}
+            )
+            for f in period_flows:
+                self._record(
+                    trial_id, local_index, period, f, {"completed": False, "error": why}, started
+                )
+            # The slot still passes, so periods stay aligned with other runners'.
+            self.stop.wait(max(0.0, period.duration_s - (_now() - started).total_seconds()))
+            return
+        addr = (client.agent.host, port)
         if period.protocol == KICKASS:
             results = self._kickass_period(period_flows, tokens, addr, ka_send, trial_id)
         else:
@@ -272,6 +297,23 @@ class TrialRunner:
         for f in period_flows:
             rec = results.get(f.index) or {"completed": False, "error": "no result from the sender"}
             self._record(trial_id, local_index, period, f, rec, started)
+
+    def _tokens(self, client: AgentClient, kind: str, count: int) -> tuple[list[bytes], int]:
+        """Flow tokens, retried with doubling waits for ``agent_retry_s``: an
+        agent restarting (or a network blip) costs a few seconds, not the trial."""
+        deadline = time.monotonic() + self.cfg.agent_retry_s
+        wait = TOKEN_RETRY_FIRST_S
+        while True:
+            try:
+                return client.tokens(kind, count)
+            except KickassError as exc:
+                left = deadline - time.monotonic()
+                if left <= 0 or self.stop.is_set():
+                    raise
+                log.warning("%s; retrying in %.1fs", exc.message, min(wait, left))
+                if self.stop.wait(min(wait, left)):
+                    raise
+                wait *= 2
 
     def _tcp_period(
         self, fl: list[Flow], tokens: list[bytes], addr: tuple[str, int], period: Period

@@ -1,12 +1,15 @@
 """The TCP baseline: kernel TCP flows of the trial's sizes, FCT measured like Kick-Ass's.
 
 Protocol (one connection per flow): the sender writes a 42-byte header —
-magic ``KAT1``, a 30-byte flow token (``token.py``, kind tcp), the flow size as
-u64 — then the payload; the receiving agent answers with 8 bytes, the number
-of payload bytes it received, once it has them all. FCT runs from the
-``connect()`` call to that confirmation (as HKUST's TrafficGenerator measures
-at the client: request to last byte). A connection without a valid token gets
-nothing back and is closed: the agent never sends to an unproven sender.
+magic ``KAT2``, a 30-byte flow token (``token.py``, kind tcp), the flow size as
+u64 — then the payload. The receiving agent answers one byte (``ACCEPTED``) as
+soon as the token checks out, and 8 more, the number of payload bytes it
+received, once it has them all. FCT runs from the ``connect()`` call to that
+confirmation (as HKUST's TrafficGenerator measures at the client: request to
+last byte). A connection without a valid token gets nothing back and is
+closed: the agent never sends to an unproven sender. The accept byte is what
+lets the sender tell "token refused" from "the agent went away mid-flow"
+(``KAT1`` had no such byte, and both read as a closed connection).
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from .token import KIND_TCP, TOKEN_LEN, ReplayGuard
 
 log = logging.getLogger("kickass.agent.tcp")
 
-MAGIC = b"KAT1"
+MAGIC = b"KAT2"
+ACCEPTED = b"\x01"
 _HEADER = struct.Struct(f"!4s{TOKEN_LEN}sQ")
 _CONFIRM = struct.Struct("!Q")
 MAX_FLOW_BYTES = 2000 * 1500 * 16
@@ -94,8 +98,10 @@ def send_flow(
             sock.bind((source, 0))
         start = time.monotonic()
         deadline = start + timeout_s
+        connected = False
         try:
             sock.connect(addr)
+            connected = True
             sock.sendall(_HEADER.pack(MAGIC, token, size_bytes))
             left = size_bytes
             while left:
@@ -103,14 +109,35 @@ def send_flow(
                 sock.sendall(payload[:n])
                 left -= n
                 sock.settimeout(max(0.1, deadline - time.monotonic()))
-            got = _recv_exact(sock, _CONFIRM.size)
+            accepted = _recv_exact(sock, len(ACCEPTED))
+            got = _recv_exact(sock, _CONFIRM.size) if accepted == ACCEPTED else None
             end = time.monotonic()
         except (OSError, TimeoutError) as exc:
             result.error = f"{type(exc).__name__}: {exc}"
+            if connected and _accepted_before(sock):
+                result.error = (
+                    "the agent accepted the flow, then broke the connection before confirming "
+                    f"every byte (it stopped or restarted mid-flow): {result.error}"
+                )
+            elif connected and isinstance(exc, ConnectionError):
+                result.error = (
+                    "the agent broke the connection without accepting the flow (token refused, "
+                    f"or the agent stopped before checking it): {result.error}"
+                )
             result.srtt_ms, result.retransmissions, result.min_rtt_ms = _tcp_info(sock)
             return result
-        if got is None:
-            result.error = "the agent closed the connection (token refused?)"
+        if accepted is None:
+            result.error = (
+                "the agent closed the connection without accepting the flow "
+                "(token refused, or the agent stopped before checking it)"
+            )
+        elif accepted != ACCEPTED:
+            result.error = f"the agent answered {accepted!r}, not a flow acceptance (not KAT2?)"
+        elif got is None:
+            result.error = (
+                "the agent accepted the flow, then closed the connection before confirming "
+                "every byte (it stopped or restarted mid-flow)"
+            )
         elif _CONFIRM.unpack(got)[0] != size_bytes:
             result.error = f"the agent confirmed {_CONFIRM.unpack(got)[0]} of {size_bytes} bytes"
         else:
@@ -120,6 +147,15 @@ def send_flow(
         return result
     finally:
         sock.close()
+
+
+def _accepted_before(sock: socket.socket) -> bool:
+    """Did the accept byte arrive before the connection broke? (It waits,
+    unread, in the receive queue while the sender is still writing.)"""
+    try:
+        return sock.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK) == ACCEPTED
+    except OSError:
+        return False
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
@@ -200,6 +236,7 @@ class TcpReceiver:
                 self._count("refused")
                 return  # nothing is ever sent to an unproven sender
             self._count("accepted")
+            conn.sendall(ACCEPTED)
             conn.settimeout(self.flow_timeout_s)
             left = size
             while left:
@@ -207,8 +244,10 @@ class TcpReceiver:
                 if not chunk:
                     break
                 left -= len(chunk)
-            conn.sendall(_CONFIRM.pack(size - left))
+            # Counted before confirming: once the sender holds the
+            # confirmation, the agent's books already show the flow.
             self._count("completed" if left == 0 else "failed")
+            conn.sendall(_CONFIRM.pack(size - left))
         except (OSError, TimeoutError) as exc:
             log.info("tcp flow failed: %s", exc)
             self._count("failed")

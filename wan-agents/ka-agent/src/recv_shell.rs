@@ -458,6 +458,8 @@ impl<W: Write> Shell<W> {
                     "flows_completed": s.flows_completed,
                     "flows_expired": s.flows_expired,
                     "unvalidated_bytes_in": s.unvalidated_bytes_in,
+                    "resets_sent": s.resets_sent,
+                    "resets_suppressed": s.resets_suppressed,
                     "unvalidated_bytes_out": s.unvalidated_bytes_out,
                 },
                 "fragments": {

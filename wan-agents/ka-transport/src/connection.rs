@@ -73,6 +73,10 @@ pub struct Config {
     pub max_handshake_attempts: u32,
     /// Consecutive RTO expiries without progress before giving up.
     pub max_consecutive_rtos: u32,
+    /// Give up when nothing valid has come from the receiver for this long
+    /// while data is outstanding (a receiver that lost its network answers
+    /// nothing, not even a RESET).
+    pub idle_timeout: Nanos,
     pub max_fin_attempts: u32,
     /// Mode switches kept in the record (all are counted).
     pub max_logged_switches: usize,
@@ -92,6 +96,7 @@ impl Default for Config {
             pace_tcp_mode: true,
             max_handshake_attempts: 6,
             max_consecutive_rtos: 15,
+            idle_timeout: 15_000_000_000,
             max_fin_attempts: 3,
             max_logged_switches: 32,
         }
@@ -135,6 +140,11 @@ pub enum ConnectionError {
     Refused(Status),
     /// Too many consecutive retransmission timeouts.
     TooManyTimeouts,
+    /// The receiver answered with a RESET: it holds no state for the flow
+    /// (restarted, or forgot the flow).
+    Reset,
+    /// Nothing valid heard from the receiver for the idle timeout.
+    IdleTimeout,
 }
 
 impl fmt::Display for ConnectionError {
@@ -144,6 +154,12 @@ impl fmt::Display for ConnectionError {
             ConnectionError::Refused(s) => write!(f, "receiver refused the flow: {s:?}"),
             ConnectionError::TooManyTimeouts => {
                 f.write_str("too many consecutive retransmission timeouts")
+            }
+            ConnectionError::Reset => f.write_str(
+                "the receiver holds no state for this flow (RESET: it restarted or forgot the flow)",
+            ),
+            ConnectionError::IdleTimeout => {
+                f.write_str("nothing heard from the receiver for the idle timeout")
             }
         }
     }
@@ -286,6 +302,8 @@ pub struct Connection {
     /// First HANDSHAKE sent: the flow's life starts here.
     start: Option<Nanos>,
     last_now: Nanos,
+    /// Last valid datagram from the receiver (for the idle timeout).
+    last_heard: Nanos,
     state: State,
 
     hs_attempts: u32,
@@ -379,6 +397,7 @@ impl Connection {
             created_at: now,
             start: None,
             last_now: now,
+            last_heard: now,
             state: State::Handshake,
             hs_attempts: 0,
             hs_deadline: None,
@@ -624,6 +643,7 @@ impl Connection {
                     take(self.next_rtt_indicator);
                 }
                 take(self.no_rate_deadline());
+                take(Some(self.idle_deadline()));
                 if self.urgent.is_some() {
                     take(Some(self.last_now));
                 }
@@ -656,6 +676,10 @@ impl Connection {
                 }
             }
             State::Established => {
+                if now >= self.idle_deadline() {
+                    self.fail(ConnectionError::IdleTimeout);
+                    return;
+                }
                 if self.rto_deadline.is_some_and(|d| now >= d) {
                     self.on_rto_expired(now);
                 }
@@ -681,6 +705,9 @@ impl Connection {
         self.last_now = self.last_now.max(now);
         self.stats.datagrams_received += 1;
         let r = self.process(now, bytes);
+        if r.is_ok() {
+            self.last_heard = self.last_heard.max(now);
+        }
         if let Err(e) = r {
             let s = &mut self.stats;
             match e {
@@ -723,8 +750,33 @@ impl Connection {
                     Err(DatagramError::UnexpectedKind(Kind::FinAck))
                 }
             }
+            Repr::Reset(rs) => self.on_reset(now, &rs),
             other => Err(DatagramError::UnexpectedKind(other.kind())),
         }
+    }
+
+    /// The receiver has no flow for us. Believed only when it echoes a
+    /// datagram we sent and is not yet acknowledged (or our FIN), so a
+    /// forger must have seen our traffic.
+    fn on_reset(&mut self, now: Nanos, rs: &wire::Reset) -> Result<(), DatagramError> {
+        self.check_ts_echo(now, rs.ts_echo)?;
+        match self.state {
+            State::Established if self.segments.contains_key(&rs.seq_echo) => {
+                self.fail(ConnectionError::Reset);
+                Ok(())
+            }
+            // Every byte was acknowledged; the receiver forgot the flow
+            // before our FIN: nothing is lost, stop repeating it.
+            State::Closing if rs.seq_echo == self.size => {
+                self.close();
+                Ok(())
+            }
+            _ => Err(DatagramError::UnexpectedKind(Kind::Reset)),
+        }
+    }
+
+    fn idle_deadline(&self) -> Nanos {
+        self.last_heard.saturating_add(self.cfg.idle_timeout)
     }
 
     fn check_ts_echo(&self, now: Nanos, ts: u64) -> Result<(), DatagramError> {

@@ -10,8 +10,11 @@
 //! * no flow without a token the caller's [`TokenValidator`] accepts;
 //! * anti-amplification: before a token is validated the receiver answers
 //!   a HANDSHAKE with at most one reply, never larger than the handshake
-//!   (HANDSHAKE >= 64 bytes, HANDSHAKE_ACK = 32), and answers nothing else
-//!   from an unknown peer/flow; the stats let a test check bytes out <= in;
+//!   (HANDSHAKE >= 64 bytes, HANDSHAKE_ACK = 32); a DATA or FIN for no open
+//!   flow gets at most a 32-byte RESET (never more than it carried, within
+//!   a receiver-wide budget per second), so a sender whose flow the
+//!   receiver lost (restart, idle expiry) learns it at once; the stats let a
+//!   test check bytes out <= in;
 //! * every buffer is bounded (flows, out-of-order bytes per flow, queued
 //!   replies); malformed input is dropped and counted, never a panic.
 
@@ -90,6 +93,9 @@ pub struct ReceiverConfig {
     pub linger: Nanos,
     /// Replies waiting for the shell; beyond, replies are dropped.
     pub max_queued_transmits: usize,
+    /// RESETs (answers to DATA/FIN for no open flow) per second, receiver
+    /// wide; the same number may go at once. 0 never answers.
+    pub max_resets_per_s: u32,
 }
 
 impl Default for ReceiverConfig {
@@ -102,6 +108,7 @@ impl Default for ReceiverConfig {
             idle_timeout: 30_000_000_000,
             linger: 5_000_000_000,
             max_queued_transmits: 4096,
+            max_resets_per_s: 100,
         }
     }
 }
@@ -161,7 +168,8 @@ pub enum ReceiverEvent {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RecvError {
     Malformed(wire::Error),
-    /// DATA or FIN for no open flow: dropped without a reply.
+    /// DATA or FIN for no open flow: dropped, answered by a RESET while the
+    /// budget lasts.
     UnknownFlow,
     Refused(Status),
     UnexpectedKind(Kind),
@@ -211,6 +219,9 @@ pub struct ReceiverStats {
     /// anti-amplification rule is `unvalidated_bytes_out <= unvalidated_bytes_in`.
     pub unvalidated_bytes_in: u64,
     pub unvalidated_bytes_out: u64,
+    /// RESETs sent, and the ones the budget held back.
+    pub resets_sent: u64,
+    pub resets_suppressed: u64,
 }
 
 /// A reply to send: `buf[..len]` to `dst`.
@@ -332,17 +343,22 @@ pub struct Receiver<V: TokenValidator> {
     transmits: VecDeque<(SocketAddr, Vec<u8>)>,
     events: VecDeque<ReceiverEvent>,
     stats: ReceiverStats,
+    /// RESET token bucket: tokens left and when it was last refilled.
+    reset_tokens: f64,
+    reset_refilled: Nanos,
 }
 
 impl<V: TokenValidator> Receiver<V> {
     pub fn new(cfg: ReceiverConfig, validator: V) -> Self {
         Receiver {
-            cfg,
             validator,
             flows: HashMap::new(),
             transmits: VecDeque::new(),
             events: VecDeque::new(),
+            reset_tokens: f64::from(cfg.max_resets_per_s),
+            reset_refilled: 0,
             stats: ReceiverStats::default(),
+            cfg,
         }
     }
 
@@ -462,17 +478,48 @@ impl<V: TokenValidator> Receiver<V> {
                     flow_id: d.flow_id,
                 };
                 if !self.flows.contains_key(&key) {
+                    self.reset(now, peer, d.flow_id, d.seq, d.timestamp, bytes.len());
                     return Err(RecvError::UnknownFlow);
                 }
                 self.on_data(now, key, d.seq, d.timestamp, d.payload, rx)
             }
-            Repr::Fin(f) => self.on_fin(now, peer, &f),
+            Repr::Fin(f) => {
+                let r = self.on_fin(now, peer, &f);
+                if r == Err(RecvError::UnknownFlow) {
+                    self.reset(now, peer, f.flow_id, f.final_size, f.timestamp, bytes.len());
+                }
+                r
+            }
             Repr::RttIndicator(_) => {
                 // For the routers on the way; nothing for us.
                 self.stats.rtt_indicators += 1;
                 Ok(())
             }
             other => Err(RecvError::UnexpectedKind(other.kind())),
+        }
+    }
+
+    /// Answer a DATA/FIN for no open flow with a RESET, if it is no larger
+    /// than what came in and the budget allows.
+    fn reset(&mut self, now: Nanos, peer: SocketAddr, flow_id: u64, seq: u64, ts: u64, len: usize) {
+        let rate = f64::from(self.cfg.max_resets_per_s);
+        let elapsed = now.saturating_sub(self.reset_refilled) as f64 / 1e9;
+        self.reset_tokens = (self.reset_tokens + elapsed * rate).min(rate);
+        self.reset_refilled = self.reset_refilled.max(now);
+        if self.reset_tokens < 1.0 || len < wire::FIN_LEN {
+            self.stats.resets_suppressed += 1;
+            return;
+        }
+        self.reset_tokens -= 1.0;
+        let repr = Repr::Reset(wire::Reset {
+            flow_id,
+            seq_echo: seq,
+            ts_echo: ts,
+        });
+        let sent = self.queue(peer, &repr);
+        if sent > 0 {
+            self.stats.resets_sent += 1;
+            self.stats.unvalidated_bytes_out += sent as u64;
         }
     }
 

@@ -14,12 +14,18 @@
 //! | 12 | 1 | flags (meaning per kind) |
 //! | 13 | 1 | token length (HANDSHAKE), status (HANDSHAKE_ACK), SACK block count (ACK), else 0 |
 //! | 14 | 2 | payload length (DATA), leading_fragment_len echo (HANDSHAKE_ACK, ACK; 0 = arrived whole), else 0 |
-//! | 16 | 8 | flow size (HANDSHAKE), advertised_rate echo in bytes/s (HANDSHAKE_ACK; 0 = none), sequence = byte offset (DATA), cumulative ack (ACK), final size (FIN, FIN_ACK) |
-//! | 24 | 8 | send timestamp (HANDSHAKE, DATA, FIN) or its echo (HANDSHAKE_ACK, ACK, FIN_ACK), ns |
+//! | 16 | 8 | flow size (HANDSHAKE), advertised_rate echo in bytes/s (HANDSHAKE_ACK; 0 = none), sequence = byte offset (DATA), cumulative ack (ACK), final size (FIN, FIN_ACK), the triggering DATA's sequence or FIN's final size (RESET) |
+//! | 24 | 8 | send timestamp (HANDSHAKE, DATA, FIN) or its echo (HANDSHAKE_ACK, ACK, FIN_ACK, RESET), ns |
 //! | 32 | .. | token + zero padding (HANDSHAKE), payload (DATA), advertised_rate echo u64 + SACK blocks of 2 x u64 (ACK) |
 //!
 //! RTT_INDICATOR is the base header followed by zero padding: its only
 //! message is its IP length (paper II-B), see [`rtt_indicator_payload_len`].
+//!
+//! RESET (32 bytes) answers a DATA or FIN for which the receiver holds no
+//! flow (it restarted, or dropped the flow): the sender learns at once that
+//! its flow is gone instead of retransmitting into silence. It echoes the
+//! triggering datagram's sequence and timestamp, so only someone who saw
+//! that datagram can forge one; it is never larger than what triggered it.
 
 use core::fmt;
 
@@ -107,6 +113,7 @@ pub enum Kind {
     Fin = 5,
     FinAck = 6,
     RttIndicator = 7,
+    Reset = 8,
 }
 
 impl Kind {
@@ -119,6 +126,7 @@ impl Kind {
             5 => Kind::Fin,
             6 => Kind::FinAck,
             7 => Kind::RttIndicator,
+            8 => Kind::Reset,
             _ => return None,
         })
     }
@@ -132,6 +140,7 @@ impl Kind {
             Kind::Fin => "FIN",
             Kind::FinAck => "FIN_ACK",
             Kind::RttIndicator => "RTT_INDICATOR",
+            Kind::Reset => "RESET",
         }
     }
 }
@@ -240,7 +249,7 @@ impl<T: AsRef<[u8]>> Packet<T> {
                 }
             }
             Kind::HandshakeAck => fixed(len, HANDSHAKE_ACK_LEN)?,
-            Kind::Fin | Kind::FinAck => fixed(len, FIN_LEN)?,
+            Kind::Fin | Kind::FinAck | Kind::Reset => fixed(len, FIN_LEN)?,
             Kind::Data => {
                 if len < DATA_HEADER_LEN {
                     return Err(Error::Truncated);
@@ -625,6 +634,16 @@ pub struct Fin {
     pub timestamp: u64,
 }
 
+/// RESET: receiver -> client, "I hold no flow with this id".
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Reset {
+    pub flow_id: u64,
+    /// Sequence of the DATA (or final size of the FIN) that triggered it.
+    pub seq_echo: u64,
+    /// Timestamp of that datagram.
+    pub ts_echo: u64,
+}
+
 /// RTT_INDICATOR: padding only; the IP length is the message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RttIndicator {
@@ -642,6 +661,7 @@ pub enum Repr<'a> {
     Fin(Fin),
     FinAck(Fin),
     RttIndicator(RttIndicator),
+    Reset(Reset),
 }
 
 impl<'a> Repr<'a> {
@@ -715,6 +735,11 @@ impl<'a> Repr<'a> {
                 flow_id,
                 datagram_len: b.len(),
             }),
+            Kind::Reset => Repr::Reset(Reset {
+                flow_id,
+                seq_echo: p.word0(),
+                ts_echo: p.word1(),
+            }),
         })
     }
 
@@ -732,6 +757,7 @@ impl<'a> Repr<'a> {
             Repr::Fin(_) => Kind::Fin,
             Repr::FinAck(_) => Kind::FinAck,
             Repr::RttIndicator(_) => Kind::RttIndicator,
+            Repr::Reset(_) => Kind::Reset,
         }
     }
 
@@ -743,6 +769,7 @@ impl<'a> Repr<'a> {
             Repr::Ack(a) => a.flow_id,
             Repr::Fin(f) | Repr::FinAck(f) => f.flow_id,
             Repr::RttIndicator(r) => r.flow_id,
+            Repr::Reset(r) => r.flow_id,
         }
     }
 
@@ -757,7 +784,7 @@ impl<'a> Repr<'a> {
             Repr::HandshakeAck(_) => HANDSHAKE_ACK_LEN,
             Repr::Data(d) => DATA_HEADER_LEN + d.payload.len(),
             Repr::Ack(a) => ACK_HEADER_LEN + a.sack.len() * SACK_BLOCK_LEN,
-            Repr::Fin(_) | Repr::FinAck(_) => FIN_LEN,
+            Repr::Fin(_) | Repr::FinAck(_) | Repr::Reset(_) => FIN_LEN,
             Repr::RttIndicator(r) => r.datagram_len.max(MIN_RTT_INDICATOR_LEN),
         }
     }
@@ -821,6 +848,10 @@ impl<'a> Repr<'a> {
                 p.set_word1(f.timestamp);
             }
             Repr::RttIndicator(_) => {}
+            Repr::Reset(r) => {
+                p.set_word0(r.seq_echo);
+                p.set_word1(r.ts_echo);
+            }
         }
     }
 
@@ -928,6 +959,14 @@ mod tests {
                     flow_id: 9,
                     final_size: 8480,
                     timestamp: 200,
+                }),
+            ),
+            (
+                hex("4b41 01 08 0000000000000009 00 00 0000 0000000000000b40 0000000000000064"),
+                Repr::Reset(Reset {
+                    flow_id: 9,
+                    seq_echo: 2880,
+                    ts_echo: 100,
                 }),
             ),
             (

@@ -449,12 +449,17 @@ fn receiver_drops_bad_data_and_bounds_reordering() {
         r.handle_datagram(1, peer, &data(5, u64::MAX - 10, &payload), RxInfo::whole()),
         Err(RecvError::DataBeyondFlowSize)
     );
-    // The same flow id from another address is another (unknown) flow.
+    // The same flow id from another address is another (unknown) flow: that
+    // address alone gets a RESET, no larger than what it sent.
     assert_eq!(
         r.handle_datagram(1, addr(2), &data(5, 0, &payload), RxInfo::whole()),
         Err(RecvError::UnknownFlow)
     );
-    assert!(replies(&mut r).is_empty());
+    let out = replies(&mut r);
+    assert_eq!(out.len(), 1);
+    assert_eq!(out[0].0, addr(2));
+    assert!(matches!(Repr::parse_bytes(&out[0].1), Ok(Repr::Reset(rs)) if rs.flow_id == 5));
+    assert_eq!(r.flow_count(), 1);
     // Four out-of-order segments fit, the fifth does not.
     for k in 2..6 {
         r.handle_datagram(2, peer, &data(5, k * U, &payload), RxInfo::whole())
