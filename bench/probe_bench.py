@@ -15,7 +15,31 @@ Figures, all from one run on this machine:
                 with 5% loss each way: W=1 against W=16, extrapolated from
                 measured sub-plans, and whether their drop rates agree.
 
+--default-plan (issue 11 part 4) measures instead what a volunteer who types
+no flags gets, with the real programs end to end: ``kickass server`` and the
+``kickass-probe`` client (its REPORTs, its reassembly budget, everything) in
+the study's namespace internet, the client behind ka-linkem adding 50 ms
+each way and losing 1% of the packets each way (kind ``wan``):
+
+  default       the default plan (paper's 100 x every size, window "auto")
+                with the default settings: its duration, the window the
+                server reached (from its log), drop rates and verdict;
+  fixed64       the same plan at --window 64 (the issue's 60 s reference);
+  stop_and_wait --window 1, the paper's method. The whole plan takes about
+                an hour at 100 ms, so by default it runs with fewer
+                repetitions of every size (--w1-repetitions, 10: 3,660
+                probes, about 6.5 minutes); its full-plan time is
+                extrapolated;
+  agreement     the default against W=1: per phase, the difference of the
+                pooled drop rates with its 95% interval and z (agreement:
+                the interval holds 0, |z| < 1.96), the excess split loss of
+                both with their 95% intervals (agreement: they overlap), the
+                verdicts (agreement: equal), and both against the path's
+                configured loss (1 - 0.99^2 whole, 1 - 0.99^3 split).
+
 Usage: .venv/bin/python bench/probe_bench.py [--quick] > result.json
+       .venv/bin/python bench/probe_bench.py --default-plan [--w1-repetitions N] > r.json
+Take the machine's heavy-run lock: flock /tmp/kickass-heavy.lock ...
 """
 
 from __future__ import annotations
@@ -27,14 +51,18 @@ import math
 import multiprocessing as mp
 import os
 import random
+import re
 import selectors
 import socket
 import sys
+import tempfile
 import time
 from contextlib import ExitStack
+from pathlib import Path
 
 from kickass_core import wire
 from kickass_core.plan import ProbePlan
+from kickass_core.verdict import excess
 from kickass_server.engine import ProbeEngine
 from kickass_server.packets import SessionPackets, open_raw_socket
 from kickass_server.policy import Policy
@@ -233,15 +261,170 @@ def minimal_sender(seconds: float) -> dict:
     }
 
 
+WAN_RTT_MS = 100.0
+WAN_LOSS = 0.01
+
+
+def client_run(net, args: list[str], timeout: float) -> dict:  # noqa: ANN001
+    """One kickass-probe run (JSON) in the "wan" client's namespace, timed."""
+    from kickass_testbed.internet import parse_json_output
+
+    t0 = time.monotonic()
+    proc = net.run_client("wan", ["--json", *args], timeout=timeout)
+    elapsed = time.monotonic() - t0
+    out = parse_json_output(proc)
+    if proc.returncode != 0:
+        raise RuntimeError(f"kickass-probe exit {proc.returncode}: {proc.stderr[-2000:]}")
+    pooled = out["pooled"]
+    return {
+        "args": args,
+        "elapsed_s": round(elapsed, 2),
+        "session_id": out["session_id"],
+        "total_probes": out["plan"]["total_probes"],
+        "window": out["plan"]["window"],
+        "adaptive": out["plan"].get("adaptive", False),
+        "whole": [pooled["whole"]["sent"], pooled["whole"]["acked"]],
+        "split": [pooled["split"]["sent"], pooled["split"]["acked"]],
+        "whole_drop_rate": pooled["whole"]["drop_rate"],
+        "split_drop_rate": pooled["split"]["drop_rate"],
+        "excess": out.get("excess"),
+        "verdict": out["verdict"],
+        "reassembly_invalid": out.get("reassembly_invalid"),
+        "credit_wait_s": (out.get("reassembly") or {}).get("budget", {}).get("zero_credit_s"),
+    }
+
+
+def window_summary(server_log: Path, session_id: str) -> dict | None:
+    """The adaptive window's record the server logged when the session ended."""
+    pat = re.compile(rf"session {session_id} window (\{{.*\}})$")
+    for line in server_log.read_text(errors="replace").splitlines():
+        m = pat.search(line)
+        if m:
+            return json.loads(m.group(1))
+    return None
+
+
+def compare(a: dict, b: dict) -> dict:
+    """Run ``a`` (the default) against ``b`` (W=1): per phase, the difference
+    of drop rates with its 95% interval and z; excess intervals; verdicts."""
+    out: dict = {}
+    for ph, packets in (("whole", 2), ("split", 3)):
+        (na, ka), (nb, kb) = a[ph], b[ph]
+        pa, pb = 1 - ka / na, 1 - kb / nb
+        se = math.sqrt(pa * (1 - pa) / na + pb * (1 - pb) / nb)
+        pooled = (na - ka + nb - kb) / (na + nb)
+        se0 = math.sqrt(pooled * (1 - pooled) * (1 / na + 1 / nb))
+        d = pa - pb
+        out[ph] = {
+            "default": pa,
+            "w1": pb,
+            "difference": d,
+            "ci95": [d - 1.96 * se, d + 1.96 * se],
+            "z": d / se0 if se0 else 0.0,
+            "agree": abs(d / se0 if se0 else 0.0) < 1.96,
+            "path_truth": 1 - (1 - WAN_LOSS) ** packets,
+            "default_z_vs_truth": (pa - (1 - (1 - WAN_LOSS) ** packets))
+            / math.sqrt((1 - (1 - WAN_LOSS) ** packets) * (1 - WAN_LOSS) ** packets / na),
+        }
+    xa = excess(a["whole"][0], a["whole"][1], a["split"][0], a["split"][1])
+    xb = excess(b["whole"][0], b["whole"][1], b["split"][0], b["split"][1])
+    assert xa is not None and xb is not None
+    out["excess"] = {
+        "default": xa.to_json(),
+        "w1": xb.to_json(),
+        "intervals_overlap": xa.low <= xb.high and xb.low <= xa.high,
+    }
+    out["verdicts"] = {"default": a["verdict"], "w1": b["verdict"]}
+    out["agree"] = (
+        out["whole"]["agree"]
+        and out["split"]["agree"]
+        and out["excess"]["intervals_overlap"]
+        and a["verdict"] == b["verdict"]
+    )
+    return out
+
+
+def default_plan_bench(w1_repetitions: int, skip_fixed: bool) -> dict:
+    """The default plan over the "wan" path, against W=64 and W=1 (see the doc)."""
+    from kickass_db import upgrade
+    from kickass_testbed.internet import probe_internet
+    from kickass_testbed.pg import embedded_postgres
+
+    out: dict = {
+        "version": 1,
+        "metadata": {
+            "machine_cores": os.cpu_count(),
+            "time": time.time(),
+            "path": {"rtt_ms": WAN_RTT_MS, "loss_each_way": WAN_LOSS, "emulator": "ka-linkem"},
+        },
+    }
+    with ExitStack() as stack:
+        url = os.environ.get("KICKASS_DATABASE_URL") or stack.enter_context(embedded_postgres())
+        upgrade(url)
+        log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="probe-bench-")))
+        net = stack.enter_context(
+            probe_internet(
+                url, kinds=("wan",), wan_rtt_ms=WAN_RTT_MS, wan_loss=WAN_LOSS, log_dir=log_dir
+            )
+        )
+        print("default plan, default settings (window auto)...", file=sys.stderr)
+        d = client_run(net, [], timeout=1800)
+        d["window_summary"] = window_summary(net.server_log, d["session_id"])
+        out["default"] = d
+        print(f"  {d['elapsed_s']:.1f} s, window {d['window_summary']}", file=sys.stderr)
+        if not skip_fixed:
+            print("default plan at --window 64...", file=sys.stderr)
+            f = client_run(net, ["--window", "64"], timeout=1800)
+            out["fixed64"] = f
+            print(f"  {f['elapsed_s']:.1f} s", file=sys.stderr)
+        print(f"W=1, {w1_repetitions} repetitions of every size...", file=sys.stderr)
+        w1 = client_run(
+            net, ["--window", "1", "--repetitions", str(w1_repetitions)], timeout=4 * 3600
+        )
+        full = ProbePlan.build().total_probes
+        w1["full_plan_estimate_s"] = round(w1["elapsed_s"] * full / w1["total_probes"], 1)
+        out["stop_and_wait"] = w1
+        print(
+            f"  {w1['elapsed_s']:.1f} s -> full plan ~{w1['full_plan_estimate_s'] / 60:.1f} min",
+            file=sys.stderr,
+        )
+        out["agreement"] = compare(d, w1)
+        out["speedup_default_over_w1"] = round(w1["full_plan_estimate_s"] / d["elapsed_s"], 1)
+        print(
+            f"  agree {out['agreement']['agree']}, speedup {out['speedup_default_over_w1']}x",
+            file=sys.stderr,
+        )
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--quick", action="store_true", help="shorter runs, fewer points")
+    ap.add_argument(
+        "--default-plan",
+        action="store_true",
+        help="the default plan (adaptive window) over a 100 ms, 1%%-lossy namespace path "
+        "against W=64 and W=1, with the real server and client",
+    )
+    ap.add_argument(
+        "--w1-repetitions",
+        type=int,
+        default=10,
+        metavar="N",
+        help="--default-plan: repetitions of the W=1 run (100 = the whole plan, ~1 h)",
+    )
+    ap.add_argument(
+        "--skip-fixed", action="store_true", help="--default-plan: leave out the W=64 run"
+    )
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("ERROR: the benchmark needs root (raw sockets)", file=sys.stderr)
         return 2
+    if args.default_plan:
+        print(json.dumps(default_plan_bench(args.w1_repetitions, args.skip_fixed), indent=1))
+        return 0
     secs = 3.0 if args.quick else 6.0
     out: dict = {"version": 1, "metadata": {"machine_cores": os.cpu_count(), "time": time.time()}}
     with ExitStack() as stack:

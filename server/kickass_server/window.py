@@ -36,8 +36,10 @@ like this:
   ``BASELINE_MIN`` probes; until then the window stays within
   ``BASELINE_WINDOW``, so the baseline is the path's loss at a rate too low
   to cause any; the split phase starts from the whole phase's baseline).
-  More than n·p + ``LOSS_Z`` binomial standard deviations + 1 (about one
-  false alarm per thousand epochs on a clean 2%-loss path): the window
+  More than n·p + ``LOSS_Z`` binomial standard deviations + 1 (on a path
+  losing 1% each way an epoch of 64 is flagged by chance with probability
+  0.03% (whole) to 0.06% (split): one false alarm in about three full
+  plans, each costing about a second): the window
   shrinks by ``BETA``, and to no more than the probes of that epoch that
   got through (what the path carried in about one round trip). An epoch
   flagged while the window is already at ``FLOOR_WINDOW`` or below joins the
@@ -101,7 +103,7 @@ DELAY_TARGET_FRACTION = 0.25
 DELAY_TARGET_MIN_S = 0.010
 DELAY_TARGET_MAX_S = 0.050
 BASE_RTT_WINDOW_S = 30.0
-LOSS_Z = 3.0
+LOSS_Z = 3.5
 BASELINE_MIN = 32
 # Until the loss baseline is trusted the window stays at most this: the
 # baseline is the path's loss at a rate too low to cause any.

@@ -18,6 +18,11 @@ More kinds for the study's known-answer tests (issue 11), by name:
   datagram by its largest fragment, largest piece first, so a 604 + 916 split
   arrives as 916 + 604 (DESIGN.md section 7). The client's address is on
   the overlay (100.65.<i>.2) and the probes reach it on ``vx0``.
+* ``wan``: a long path with random loss: ka-linkem (host ``lk<i>``, bridging
+  the router's port and the client's at layer 2) adds ``wan_rtt_ms / 2``
+  each way and loses ``wan_loss`` of the packets each way (defaults: the
+  issue's 100 ms and 1%); static ARP entries, so the loss never eats the
+  ARP.
 
 ``study_internet`` is the spec; ``probe_internet`` builds it (topology.build)
 with the measurement server running and yields a ``ProbeInternet`` to run
@@ -41,8 +46,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .edge import ka_linkem
 from .netns import Netns
-from .topology import Built, End, Host, Link, NftRule, Process, Route, Topology, build
+from .topology import (
+    Built,
+    End,
+    Host,
+    Link,
+    Neighbor,
+    NftRule,
+    Process,
+    Route,
+    Topology,
+    build,
+)
 
 SERVER_IP = "203.0.113.10"
 ROUTER_SERVER_SIDE = "203.0.113.1"
@@ -50,8 +67,11 @@ HTTP_PORT = 8080
 PROBE_PORT = 9000
 
 CLIENT_KINDS = ("clean", "fragdrop", "lossy", "natted")
-EXTRA_KINDS = ("smallfrag", "duplicating", "smallmtu", "swapped")
+EXTRA_KINDS = ("smallfrag", "duplicating", "smallmtu", "swapped", "wan")
 DEFAULT_LOSS_PERCENT = 5
+# The "wan" kind: the path of issue 11 part 4's measurements.
+DEFAULT_WAN_RTT_MS = 100.0
+DEFAULT_WAN_LOSS = 0.01
 # smallfrag drops fragments shorter than this (IP length).
 SMALL_FRAGMENT_LEN = 200
 SMALL_MTU = 1400
@@ -91,8 +111,12 @@ def study_internet(
     kinds: Sequence[str] = CLIENT_KINDS,
     loss_percent: int = DEFAULT_LOSS_PERCENT,
     processes: tuple[Process, ...] = (),
+    wan_rtt_ms: float = DEFAULT_WAN_RTT_MS,
+    wan_loss: float = DEFAULT_WAN_LOSS,
 ) -> Topology:
     hosts = [Host("srv"), Host("rtr", router=True)]
+    neighbors: list[Neighbor] = []
+    emulators: list[Process] = []
     links = [
         Link(
             End("srv", "uplink", (f"{SERVER_IP}/24",)),
@@ -156,6 +180,34 @@ def study_internet(
                 )
             )
             continue
+        if place.kind == "wan":
+            lk = f"lk{i}"
+            rtr_mac, cl_mac = f"02:4b:41:{i:02x}:00:01", f"02:4b:41:{i:02x}:00:02"
+            hosts += [Host(lk), Host(cl)]
+            links += [
+                Link(End("rtr", iface, (f"{net}.1/24",), mac=rtr_mac), End(lk, "a", ipv6=False)),
+                Link(End(lk, "b", ipv6=False), End(cl, "uplink", (f"{net}.2/24",), mac=cl_mac)),
+            ]
+            routes.append(Route(cl, "default", via=f"{net}.1"))
+            neighbors += [
+                Neighbor("rtr", iface, f"{net}.2", cl_mac),
+                Neighbor(cl, "uplink", f"{net}.1", rtr_mac),
+            ]
+            emulators.append(
+                ka_linkem(
+                    "--delay",
+                    f"{wan_rtt_ms / 2:g}ms",
+                    "--loss",
+                    f"{wan_loss:g}",
+                    a="a",
+                    b="b",
+                    host=lk,
+                    name=f"ka-linkem-{lk}",
+                    stdout="log",
+                    stderr="log",
+                )  # fmt: skip
+            )
+            continue
         hosts.append(Host(cl))
         mtu = SMALL_MTU if place.kind == "smallmtu" else 1500
         links.append(Link(End(cl, "uplink", (f"{net}.2/24",)), rtr_end, mtu=mtu))
@@ -186,7 +238,9 @@ def study_internet(
         links=tuple(links),
         routes=tuple(routes),
         nft=tuple(nft),
-        processes=processes,
+        neighbors=tuple(neighbors),
+        # The emulators first: the server's start-up is the topology's last step.
+        processes=(*emulators, *processes),
     )
 
 
@@ -302,11 +356,15 @@ def probe_internet(
     start_server: bool = True,
     prefix: str | None = None,
     log_dir: Path | None = None,
+    wan_rtt_ms: float = DEFAULT_WAN_RTT_MS,
+    wan_loss: float = DEFAULT_WAN_LOSS,
 ) -> Iterator[ProbeInternet]:
     bin_dir = bin_dir or Path(sys.executable).parent
     env = server_env or {}
     server = (server_process(bin_dir, database_url, env),) if start_server else ()
-    spec = study_internet(kinds, loss_percent, processes=server)
+    spec = study_internet(
+        kinds, loss_percent, processes=server, wan_rtt_ms=wan_rtt_ms, wan_loss=wan_loss
+    )
     with build(spec, prefix=prefix, log_dir=log_dir) as built:
         for i, place in enumerate(client_places(kinds), start=1):
             if place.kind == "swapped":
