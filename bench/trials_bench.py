@@ -122,10 +122,21 @@ def queue_cdf(telemetry: list[dict], spans: list[tuple[float, float, str]], bps:
 
 
 def scenario(
-    url: str, name: str, capacity: str, spec: TrialSpec, extra: TrialSpec | None = None
+    url: str,
+    name: str,
+    capacity: str,
+    spec: TrialSpec,
+    extra: TrialSpec | None = None,
+    router_args: list[str] | None = None,
 ) -> dict[str, Any]:
     database = create_database(url, f"bench_{name}_{os.getpid()}")
-    config = TestbedConfig(senders=len(SENDERS), receivers=1, capacity=capacity, rtt_ms=100.0)
+    config = TestbedConfig(
+        senders=len(SENDERS),
+        receivers=1,
+        capacity=capacity,
+        rtt_ms=100.0,
+        router_args=list(router_args or []),
+    )
     bps = rate_bps(capacity)
     t0 = time.monotonic()
     out = run_trial(database, config, spec, senders=SENDERS)
@@ -169,6 +180,14 @@ def main() -> int:
     ap.add_argument("--period", type=float, default=40.0, help="seconds per period (light load)")
     ap.add_argument("--heavy-period", type=float, default=90.0, help="seconds per period (heavy)")
     ap.add_argument("--quick", action="store_true", help="short periods, for a smoke run")
+    ap.add_argument("--only", choices=["light", "heavy"], help="run one scenario (default: both)")
+    ap.add_argument(
+        "--router-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra ka-router argument, repeatable (e.g. --router-arg=--tcp-mode-hold=3)",
+    )
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("ERROR: the benchmark builds network namespaces: run as root", file=sys.stderr)
@@ -187,29 +206,34 @@ def main() -> int:
             "note": "one run; figures are for this 2-core machine, compare ratios not absolutes",
         },
     }
+    report["metadata"]["router_args"] = args.router_arg
     with embedded_postgres() as url:
-        print("light load ...", file=sys.stderr, flush=True)
-        report["light"] = scenario(
-            url,
-            "light",
-            "100mbit",
-            TrialSpec(pairs=1, period_s=light_p, mean_gap_s=0.5, seed=11),
-            extra=TrialSpec(
-                pairs=1,
-                period_s=light_p,
-                mean_gap_s=0.5,
-                seed=12,
-                protocols="kickass",
-                handshake="paper",
-            ),  # fmt: skip
-        )
-        print("heavy load ...", file=sys.stderr, flush=True)
-        report["heavy"] = scenario(
-            url,
-            "heavy",
-            "10mbit",
-            TrialSpec(pairs=1, period_s=heavy_p, mean_gap_s=8.0, mean_packets=694.0, seed=13),
-        )
+        if args.only in (None, "light"):
+            print("light load ...", file=sys.stderr, flush=True)
+            report["light"] = scenario(
+                url,
+                "light",
+                "100mbit",
+                TrialSpec(pairs=1, period_s=light_p, mean_gap_s=0.5, seed=11),
+                extra=TrialSpec(
+                    pairs=1,
+                    period_s=light_p,
+                    mean_gap_s=0.5,
+                    seed=12,
+                    protocols="kickass",
+                    handshake="paper",
+                ),  # fmt: skip
+                router_args=args.router_arg,
+            )
+        if args.only in (None, "heavy"):
+            print("heavy load ...", file=sys.stderr, flush=True)
+            report["heavy"] = scenario(
+                url,
+                "heavy",
+                "10mbit",
+                TrialSpec(pairs=1, period_s=heavy_p, mean_gap_s=8.0, mean_packets=694.0, seed=13),
+                router_args=args.router_arg,
+            )
     json.dump(report, sys.stdout, indent=1)
     print()
     return 0

@@ -459,7 +459,8 @@ def test_bad_and_replayed_tokens_get_at_most_one_small_reply(tmp_path: Path) -> 
             code, _, err = _send(net, "--token", good, "--size", "14400")
             assert code == 0, err
             results["replayed"] = _send(net, "--token", good, "--size", "14400")
-            # Strays: no handshake, so no reply at all.
+            # Strays: DATA and FIN for a flow never opened get one 32-byte
+            # RESET each (never more than they carried); garbage gets nothing.
             with net.topo.in_netns("snd"):
                 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             s.bind((SND, 45678))
@@ -497,7 +498,9 @@ def test_bad_and_replayed_tokens_get_at_most_one_small_reply(tmp_path: Path) -> 
     by_port: dict[int, list[Pkt]] = {}
     for p in replies:
         by_port.setdefault(p.dport or 0, []).append(p)
-    assert 45678 not in by_port, "strays get no reply"
+    strays = by_port.pop(45678)
+    assert [p.total_len for p in strays] == [60, 60], "one RESET for the DATA, one for the FIN"
+    assert all(p.data[8:10] == b"KA" and p.data[11] == 8 for p in strays)  # UDP, then RESET
     small = {port: ps for port, ps in by_port.items() if len(ps) == 1}
     # Five refused flows in the capture (the restart's one came later), one
     # reply each, the size of a HANDSHAKE_ACK; the good flow got its ACKs.

@@ -52,6 +52,9 @@ pub struct RouterConfig {
     pub tcp_mode_on: f64,
     /// ...and leave it below this one.
     pub tcp_mode_off: f64,
+    /// ...once the queue has stayed above `tcp_mode_on` for this many
+    /// average RTTs d (0: at once, the paper's rule). See `mode.rs`.
+    pub tcp_mode_hold_rtts: f64,
     /// How much pacer lateness may be caught up in one burst.
     pub max_burst_ns: Nanos,
     /// Seeds the randomised first control timer.
@@ -77,6 +80,7 @@ impl RouterConfig {
             rtt_gain: 0.1,
             tcp_mode_on: 0.5,
             tcp_mode_off: 0.4,
+            tcp_mode_hold_rtts: 0.0,
             max_burst_ns: 1_000_000,
             seed: 0x6b69_636b_6173_7321,
         }
@@ -257,7 +261,7 @@ impl Router {
                 if was_idle {
                     self.pacer.on_arrival_to_idle(now);
                 }
-                self.mode.update(self.queue.occupancy());
+                self.update_mode(now);
                 Ok(())
             }
             Err(p) => {
@@ -268,13 +272,18 @@ impl Router {
         }
     }
 
+    fn update_mode(&mut self, now: Nanos) -> bool {
+        let hold = (self.cfg.tcp_mode_hold_rtts * self.rtt.rtt_ms() * 1e6) as Nanos;
+        self.mode.update(now, self.queue.occupancy(), hold)
+    }
+
     /// The next packet allowed to leave at `now`, fragmented as it must be.
     pub fn poll_transmit(&mut self, now: Nanos) -> Option<Transmit> {
         if self.queue.is_empty() || !self.pacer.ready(now) {
             return None;
         }
         let (packet, _len) = self.queue.pop()?;
-        let tcp = self.mode.update(self.queue.occupancy());
+        let tcp = self.update_mode(now);
         let marking = match self.cfg.kind {
             RouterKind::KickAss if !tcp => self.leading_fragment_len,
             _ => None,

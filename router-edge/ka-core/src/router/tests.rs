@@ -159,10 +159,26 @@ fn rtt_indicators_set_d_and_the_interval() {
 
 #[test]
 fn unresponsive_flood_switches_to_tcp_mode_and_back() {
+    unresponsive_flood(0.0);
+}
+
+/// With a hold, a queue that stays up still means TCP mode: 2x capacity
+/// fills the 100-packet buffer past half in ~50 ms; TCP mode follows one
+/// hold (3 x d, d = 100 ms by default) later.
+#[test]
+fn unresponsive_flood_switches_to_tcp_mode_also_with_a_hold() {
+    let entered = unresponsive_flood(3.0);
+    assert!((330 * MS..=400 * MS).contains(&entered), "{entered}");
+}
+
+/// Returns when TCP mode started.
+fn unresponsive_flood(hold_rtts: f64) -> Nanos {
     let mut cfg = RouterConfig::with_capacity(12e6);
     cfg.buffer = Limit::Packets(100);
     cfg.initial_rate_bps = 6e6;
+    cfg.tcp_mode_hold_rtts = hold_rtts;
     let mut r = Router::new(cfg, 0);
+    let mut entered = None;
     let mut out = Vec::new();
     let mut samples = Vec::new();
     let mut now = 0;
@@ -175,6 +191,9 @@ fn unresponsive_flood_switches_to_tcp_mode_and_back() {
         }
         let next = now + MS;
         run_until(&mut r, &mut now, next, 0, &mut out, &mut samples);
+        if entered.is_none() && r.mode() == Mode::Tcp {
+            entered = Some(now);
+        }
     }
     assert_eq!(r.mode(), Mode::Tcp);
     let cut_late = out.iter().filter(|(t, p)| *t > SEC && p.len() > 1).count();
@@ -197,6 +216,7 @@ fn unresponsive_flood_switches_to_tcp_mode_and_back() {
         .count();
     assert!(cut_after > 50, "{cut_after}");
     assert!(r.mode.switches() >= 2);
+    entered.expect("entered TCP mode")
 }
 
 /// N senders that obey the advertised rate, as a receiver reading
@@ -335,4 +355,110 @@ fn default_floor_keeps_advertising_under_overload() {
     assert_eq!(r.advertised_rate_bps(), r.config().min_rate_bps);
     let floor = bps_to_bytes_per_ms(r.advertised_rate_bps());
     assert_eq!(encoding::leading_fragment_len(floor), Some(24));
+}
+
+/// Flows that each open with one full-size packet (the padded handshake),
+/// then pace at the rate its leading fragment advertised, and follow every
+/// later rate one RTT after it was cut; in TCP mode (nothing cut) they keep
+/// the last rate. Returns, from the last flow's arrival on: (max buffer
+/// occupancy, router mode switches, drops).
+fn arrivals(cfg: RouterConfig, rtt: Nanos, flows: &[(Nanos, u32)]) -> (f64, u64, u64) {
+    let mut r = Router::new(cfg, 0);
+    let n = flows.len();
+    let mut rate: Vec<f64> = vec![0.0; n];
+    let mut next_send: Vec<Nanos> = flows.iter().map(|f| f.0).collect();
+    let mut left: Vec<u32> = flows.iter().map(|f| f.1).collect();
+    let mut opened = vec![false; n];
+    let mut feedback: VecDeque<(Nanos, usize, f64)> = VecDeque::new();
+    let (mut seq, mut now, mut max_occ) = (0u32, 0 as Nanos, 0f64);
+    let last = flows.iter().map(|f| f.0).max().unwrap_or(0);
+    let end = last + 20 * SEC;
+    let mut next_indicator = 0;
+    let mut at_last: Option<(u64, u64)> = None;
+    while now < end {
+        while feedback.front().is_some_and(|f| f.0 <= now) {
+            let (_, flow, bps) = feedback.pop_front().expect("front");
+            rate[flow] = bps;
+        }
+        for f in 0..n {
+            if left[f] == 0 || next_send[f] > now {
+                continue;
+            }
+            if !opened[f] || rate[f] > 0.0 {
+                let _ = r.on_packet(now, packet(f as u16, seq, 1500, false));
+                seq += 1;
+                left[f] -= 1;
+                opened[f] = true;
+            }
+            next_send[f] = if rate[f] > 0.0 {
+                now + ((1500.0 * 8.0 / rate[f] * 1e9) as Nanos).max(1)
+            } else {
+                now + MS // waiting for the handshake answer
+            };
+        }
+        if next_indicator <= now {
+            let _ = r.on_packet(
+                now,
+                packet(999, 0, encoding::rtt_indicator(rtt as f64 / 1e6), true),
+            );
+            next_indicator += 100 * MS;
+        }
+        r.handle_timeout(now);
+        if now >= last {
+            at_last.get_or_insert((r.mode.switches(), r.counters().drops));
+            max_occ = max_occ.max(r.queue.occupancy());
+        }
+        while let Some(t) = r.poll_transmit(now) {
+            let Some(s) = &t.split else { continue };
+            let [lead, _] = s.to_packets(&t.packet);
+            let p = Packet::new_checked(&lead[..]).expect("ip");
+            let flow = u16::from_be_bytes([p.payload()[0], p.payload()[1]]) as usize;
+            if flow < n {
+                let bpms = encoding::advertised_rate(p.payload_len()).expect("valid length");
+                feedback.push_back((now + rtt, flow, encoding::bytes_per_ms_to_bps(bpms)));
+            }
+        }
+        let wake = next_send
+            .iter()
+            .zip(&left)
+            .filter(|(_, l)| **l > 0)
+            .map(|(t, _)| *t)
+            .min()
+            .unwrap_or(end)
+            .min(r.poll_timeout())
+            .min(next_indicator);
+        let wake = feedback.front().map_or(wake, |f| wake.min(f.0));
+        now = wake.max(now + 1);
+    }
+    let (sw, dr) = at_last.expect("ran past the last arrival");
+    (max_occ, r.mode.switches() - sw, r.counters().drops - dr)
+}
+
+/// One more flow arrives while `active` flows share the link at the fair
+/// rate (each started 2 s after the previous one). It starts at the rate
+/// its handshake was cut to, so the link runs at (active + 1) / active x C
+/// for about one RTT, and RCP drains the excess in the next few.
+fn one_more_arrival(hold_rtts: f64, active: u64) -> (f64, u64, u64) {
+    let mut cfg = RouterConfig::with_capacity(10e6);
+    cfg.tcp_mode_hold_rtts = hold_rtts;
+    let mut fl: Vec<(Nanos, u32)> = (0..active).map(|i| (SEC + i * 2 * SEC, 8000)).collect();
+    fl.push((SEC + active * 2 * SEC + 3 * SEC, 700));
+    arrivals(cfg, 100 * MS, &fl)
+}
+
+#[test]
+fn an_arrival_overshoot_trips_the_papers_rule_but_not_the_hold() {
+    // Measured (max occupancy after the arrival, switches, drops), 10 Mbit/s,
+    // 100 ms, one-BDP buffer: the arrival lifts the queue to 59-82% of the
+    // buffer with 2-3 flows active, 30-35% with 5-7, and never drops.
+    for active in [2, 3] {
+        let (occ, switches, drops) = one_more_arrival(3.0, active);
+        assert!(occ > 0.5, "{active}: {occ}");
+        assert_eq!((switches, drops), (0, 0), "{active} active, hold 3 RTTs");
+        let (_, paper_switches, _) = one_more_arrival(0.0, active);
+        assert!(paper_switches >= 1, "{active} active, the paper's rule");
+    }
+    for active in [5, 7] {
+        assert_eq!(one_more_arrival(3.0, active).1, 0);
+    }
 }

@@ -86,6 +86,10 @@ struct Cli {
     /// Leave TCP mode below this fraction of the buffer (hysteresis)
     #[arg(long, default_value_t = 0.4)]
     tcp_mode_off: f64,
+    /// Enter TCP mode only once the queue has stayed above --tcp-mode-on for
+    /// this many average RTTs (0: at once, the paper's rule); see README
+    #[arg(long, default_value_t = 0.0, value_name = "RTTS")]
+    tcp_mode_hold: f64,
     /// Telemetry NDJSON file ("-" = stdout)
     #[arg(long)]
     telemetry: Option<String>,
@@ -155,6 +159,12 @@ fn options(c: Cli) -> Result<Options, sys::Error> {
     r.rtt_gain = frac("rtt-gain", c.rtt_gain)?;
     r.tcp_mode_on = frac("tcp-mode-on", c.tcp_mode_on)?;
     r.tcp_mode_off = frac("tcp-mode-off", c.tcp_mode_off)?;
+    if !(c.tcp_mode_hold >= 0.0 && c.tcp_mode_hold <= 100.0) {
+        return Err(sys::Error::new(
+            "--tcp-mode-hold must be between 0 and 100 RTTs",
+        ));
+    }
+    r.tcp_mode_hold_rtts = c.tcp_mode_hold;
     if r.tcp_mode_off > r.tcp_mode_on {
         return Err(sys::Error::new(
             "--tcp-mode-off must not exceed --tcp-mode-on",
