@@ -68,6 +68,7 @@ class Link:
 class Trace:
     sends: list[tuple[float, int, int, int]] = field(default_factory=list)  # t, seq, bytes, flight
     windows: list[tuple[float, int]] = field(default_factory=list)
+    over_window: int = 0  # sends that left more in flight than the window allowed
     delivered: set[int] = field(default_factory=set)  # every piece reached the client
     queue_delay: list[float] = field(default_factory=list)
 
@@ -134,6 +135,17 @@ class PathSim:
     def run(self, limit: float = 3600.0) -> RunFinished:
         sim, core = self.sim, self.sim.core
         self.v.handshake(self.rtt)
+        ctl = self.run_state.ctl
+        if ctl is not None:
+            # Each probe leaves only with the window of that moment open
+            # (``in_flight`` counts the probe itself).
+            on_send = ctl.on_send
+
+            def checked(now: float, seq: int, *args: int) -> None:
+                self.trace.over_window += args[-1] > ctl.window
+                on_send(now, seq, *args)  # type: ignore[arg-type]
+
+            ctl.on_send = checked  # type: ignore[method-assign]
         end = sim.now + limit
         while sim.now < end:
             d = core.next_deadline()
@@ -302,6 +314,7 @@ def test_the_caps_always_hold(rtt, loss, rate, buffer, max_window, seed) -> None
     sends = p.trace.sends
     # Never more in flight than the plan's window, nor than the window of the moment.
     assert max(f for _, _, _, f in sends) <= max_window
+    assert p.trace.over_window == 0
     assert all(w <= max_window for _, w in p.trace.windows)
     # The access-link rate: over any stretch of sends, the bytes beyond the
     # first probe took at least their time at ACCESS_RATE_BPS, less the slack.
