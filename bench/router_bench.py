@@ -9,14 +9,24 @@ Path and programs come from kickass_testbed (edge.py spec, topology.build).
 
 Each repeat runs, back to back, for each sender:
   kernel        plain Linux forwarding in rtr
+  kernel_frag   Linux forwarding that fragments too: rtr's WAN MTU 1196, so
+                Linux cuts every 1500-byte datagram where ka-router does
+                (1176 + 304 payload bytes); what cutting costs the receiver
   tun, packet   ka-router on that --datapath, capacity 10gbit, frozen rate
                 1 Gbit/s (alpha = beta = 0) -> every 1500-byte datagram is
                 cut (leading fragment 1176 bytes)
   packet_rt     the packet datapath with --rt-priority 10 (SCHED_FIFO)
-Senders (pinned to CPU 0; the router to CPU 1):
+Placement (--placement split, the default): the sender on CPU 0, the
+router and the iperf3 server on CPU 1, and the sink's receive processing
+(IP, reassembly, UDP) steered to CPU 0 with RPS on its veth: where kernel
+forwarding runs it anyway (inside the sender's send), and not inside the
+router's sendmmsg, where veth would otherwise run it (a real receiver is
+another host). --placement veth: no RPS, iperf3 server unpinned (the
+earlier runs).
+Senders:
   iperf3        `iperf3 -u -b 0 -l 1472`, DF clear; its server in the sink
-                (unpinned) receives and reassembles; goodput from the
-                server's count of datagrams received
+                receives and reassembles; goodput from the server's count
+                of datagrams received
   ka-blast      1500-byte IP packets, sendmmsg batches of 32, DF clear; the
                 sink counts datagrams with an nftables counter on packets
                 with fragment offset 0 and drops them in prerouting (no
@@ -95,6 +105,9 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
     return int(fields[11]) / ticks, int(fields[12]) / ticks
 
 
+# rtr's WAN MTU for kernel_frag: Linux then cuts a 1500-byte datagram into
+# 1176 + 304 payload bytes, as ka-router does at the frozen 1 Gbit/s.
+KERNEL_FRAG_MTU = 1196
 MIX = (72, 548, 1472)  # UDP payloads: 100-, 576- and 1500-byte IP packets, in turn
 
 
@@ -210,9 +223,14 @@ FRAGMENT_ARGS = (
 )
 
 
+SERVER_CPUS: tuple[int, ...] | None = (1,)  # the iperf3 server's (None: unpinned)
+
+
 def iperf3_throughput(topo: Built, seconds: float, router_pid: int | None) -> dict:
     server = topo["rcv"].popen(
-        ["iperf3", "-s", "-1", "-p", "5201", "-B", RCV], stdout=subprocess.DEVNULL
+        ["iperf3", "-s", "-1", "-p", "5201", "-B", RCV],
+        stdout=subprocess.DEVNULL,
+        cpus=SERVER_CPUS,
     )
     try:
         time.sleep(0.4)
@@ -279,7 +297,15 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=3.0, help="per throughput phase")
     ap.add_argument("--repeats", type=int, default=3, help="kernel/tun/packet rounds")
     ap.add_argument("--no-latency", action="store_true", help="skip latency and shaper phases")
+    ap.add_argument(
+        "--placement",
+        choices=("split", "veth"),
+        default="split",
+        help="split: sink receive on CPU 0 (RPS), iperf3 server on CPU 1; veth: neither",
+    )
     args = ap.parse_args()
+    global SERVER_CPUS
+    SERVER_CPUS = (1,) if args.placement == "split" else None
     if os.geteuid() != 0:
         sys.exit("ERROR: the benchmark builds network namespaces: run it as root")
     for name in RUST_BINARIES:  # fail before building anything if one is missing
@@ -295,6 +321,7 @@ def main() -> None:
             "seconds_per_phase": args.seconds,
             "repeats": args.repeats,
             "router_args": " ".join(FRAGMENT_ARGS),
+            "placement": args.placement,
             "started_unix": time.time(),
         },
         "runs": [],
@@ -304,6 +331,17 @@ def main() -> None:
         # default: this makes the sender's sockets default to DF clear, so
         # every 1500-byte datagram is the router's to cut.
         topo["snd"].run(["sysctl", "-qw", "net.ipv4.ip_no_pmtu_disc=1"])
+        if args.placement == "split":
+            rps = "/sys/class/net/wan0/queues/rx-0/rps_cpus"
+            topo["rcv"].run(["sh", "-c", f"echo 1 > {rps}"])
+
+        def kernel_frag(sender: str) -> dict:
+            """Kernel forwarding that cuts like ka-router (WAN MTU 1196)."""
+            topo["rtr"].run(["ip", "link", "set", "wan", "mtu", str(KERNEL_FRAG_MTU)])
+            try:
+                return run_sender(topo, sender, args.seconds, None)
+            finally:
+                topo["rtr"].run(["ip", "link", "set", "wan", "mtu", "1500"])
 
         @contextlib.contextmanager
         def router(variant: str, name: str, *router_args: str):  # noqa: ANN202
@@ -330,7 +368,10 @@ def main() -> None:
         for rep in range(args.repeats):
             run: dict = {}
             for sender in SENDERS:
-                row = {"kernel": run_sender(topo, sender, args.seconds, None)}
+                row = {
+                    "kernel": run_sender(topo, sender, args.seconds, None),
+                    "kernel_frag": kernel_frag(sender),
+                }
                 for dp in DATAPATHS:
                     with router(dp, f"{sender}-{dp}-{rep}", *FRAGMENT_ARGS) as (p, tel):
                         row[dp] = run_sender(topo, sender, args.seconds, p.pid)
@@ -342,12 +383,22 @@ def main() -> None:
                     row[dp]["rx_socket_drops"] = ex.get("rx_socket_drops", 0)
                     row[dp]["slow_path_packets"] = ex.get("slow_path_packets", 0)
                 k = row["kernel"]["delivered_pps"]
+                kf = row["kernel_frag"]["delivered_pps"]
+                row["ratio_kernel_frag_vs_kernel"] = round(kf / max(k, 1), 3)
                 for dp in DATAPATHS:
                     row[f"ratio_{dp}_vs_kernel"] = round(row[dp]["delivered_pps"] / max(k, 1), 3)
+                    row[f"ratio_{dp}_vs_kernel_frag"] = round(
+                        row[dp]["delivered_pps"] / max(kf, 1), 3
+                    )
                 run[sender] = row
                 print(
-                    f"repeat {rep} {sender}: kernel {k} pps, "
-                    + ", ".join(f"{dp} {row[f'ratio_{dp}_vs_kernel']}" for dp in DATAPATHS),
+                    f"repeat {rep} {sender}: kernel {k} pps, kernel_frag "
+                    f"{row['ratio_kernel_frag_vs_kernel']}, "
+                    + ", ".join(
+                        f"{dp} {row[f'ratio_{dp}_vs_kernel']}"
+                        f" ({row[f'ratio_{dp}_vs_kernel_frag']} of kernel_frag)"
+                        for dp in DATAPATHS
+                    ),
                     file=sys.stderr,
                 )
             result["runs"].append(run)
@@ -357,6 +408,22 @@ def main() -> None:
             rows = [r[sender] for r in result["runs"]]
             summary[sender] = {
                 "kernel_gbit_per_s": spread([r["kernel"]["delivered_gbit_per_s"] for r in rows]),
+                "kernel_frag_gbit_per_s": spread(
+                    [r["kernel_frag"]["delivered_gbit_per_s"] for r in rows]
+                ),
+                "ratio_kernel_frag_vs_kernel": spread(
+                    [r["ratio_kernel_frag_vs_kernel"] for r in rows]
+                ),
+                **{
+                    f"ratio_{dp}_vs_kernel_frag": spread(
+                        [r[f"ratio_{dp}_vs_kernel_frag"] for r in rows]
+                    )
+                    for dp in DATAPATHS
+                },
+                **{
+                    f"{p}_delivered_pps": spread([r[p]["delivered_pps"] for r in rows])
+                    for p in ("kernel", "kernel_frag", *DATAPATHS)
+                },
                 **{
                     f"{dp}_gbit_per_s": spread([r[dp]["delivered_gbit_per_s"] for r in rows])
                     for dp in DATAPATHS
