@@ -412,3 +412,41 @@ def test_the_policy_sets_the_rate_and_the_start() -> None:
     sends = p.trace.sends
     nbytes = sum(b for _, _, b, _ in sends[:-1])
     assert nbytes * 8 / 1e6 <= sends[-1][0] - sends[0][0] + PACING_SLACK_S
+
+
+def test_the_window_record_is_stored_beside_the_reassembly_record(store) -> None:  # noqa: ANN001
+    """An adaptive run's record lands in ``client_metadata.window`` (the
+    journal's call carries it too); the reassembly part is kept."""
+    import hashlib
+    from datetime import UTC, datetime, timedelta
+
+    from kickass_db import journal
+
+    plan = adaptive(repetitions=1, step=256)
+    for sid in ("00000000000000a1", "00000000000000a2"):
+        store.create_session(
+            session_id=sid,
+            cookie_hash=hashlib.sha256(b"c").digest(),
+            plan=plan.to_json(),
+            source_address="198.51.100.7",
+            expires_at=datetime.now(UTC) + timedelta(hours=1),
+            server_version="t",
+            client_metadata={"reassembly": {"announced": {"split_credit": 5}}},
+        )
+    record = WindowController(64, 0.0, rtt_seed=0.1).summary(1.0)
+    store.finish_session(
+        "00000000000000a1", "complete", "inconclusive", "t", None, {"reports": 2}, record
+    )
+    journal.apply(
+        store,
+        {"method": "finish_session", "session_id": "00000000000000a2", "state": "complete",
+         "verdict": "inconclusive", "verdict_reason": "t", "end_reason": None,
+         "reassembly": None, "window": record},
+    )  # fmt: skip
+    for sid in ("00000000000000a1", "00000000000000a2"):
+        meta = store.session_results(sid)["client_metadata"]
+        assert meta["window"] == record
+        assert meta["reassembly"]["announced"] == {"split_credit": 5}
+    assert store.session_results("00000000000000a1")["client_metadata"]["reassembly"]["server"] == {
+        "reports": 2
+    }

@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 from kickass_core.plan import ProbePlan
+from kickass_db.store import Store
 from kickass_testbed.binaries import rust_binary
 from kickass_testbed.internet import probe_internet
 from pcap_truth import ProbeTruth
@@ -87,7 +88,7 @@ def window_record(server_log: Path, session_id: str) -> dict[str, Any]:
 
 
 def test_the_default_plan_takes_about_a_minute_and_measures_the_path(
-    wan: Any, tmp_path: Path
+    wan: Any, database_url: str, tmp_path: Path
 ) -> None:
     out, truth, extra = run_with_truth(wan, "wan", [], tmp_path, timeout=600)
     plan = ProbePlan.from_json(out["plan"])
@@ -117,3 +118,6 @@ def test_the_default_plan_takes_about_a_minute_and_measures_the_path(
         p = 1 - (1 - LOSS) ** packets
         assert abs(n["true_loss"] - p) <= 4.5 * math.sqrt(p * (1 - p) / n["sent"]), n
     assert out["verdict"] == "fragments-ok"
+    # The window's record is stored with the session.
+    stored = Store(database_url).session_results(out["session_id"])
+    assert stored is not None and stored["client_metadata"]["window"] == window

@@ -97,6 +97,7 @@ def apply(store: Store, call: dict[str, Any]) -> None:
             call["verdict_reason"],
             call["end_reason"],
             call.get("reassembly"),
+            call.get("window"),
         )
     else:
         raise ValueError(f"unknown journaled call {method!r}")

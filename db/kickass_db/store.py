@@ -360,11 +360,14 @@ class Store:
         verdict_reason: str | None,
         end_reason: str | None = None,
         reassembly: dict[str, Any] | None = None,
+        window: dict[str, Any] | None = None,
     ) -> bool:
         """Put a live session in a final state. The first final state wins:
         False (and nothing changed) if it had already finished, or is unknown.
         ``reassembly``: what the engine learnt from the client's REPORTs, kept
-        as ``client_metadata.reassembly.server``."""
+        as ``client_metadata.reassembly.server``; ``window``: an adaptive
+        run's window record (kickass_server.window), kept as
+        ``client_metadata.window``."""
         if state not in FINAL_STATES:
             raise ValueError(f"state must be one of {FINAL_STATES}, got {state!r}")
         if verdict is not None and verdict not in VERDICTS:
@@ -378,7 +381,7 @@ class Store:
                 verdict_reason=verdict_reason,
                 end_reason=end_reason,
                 finished_at=func.now(),
-                **({} if reassembly is None else {"client_metadata": _with_server(reassembly)}),
+                **_metadata_update(reassembly, window),
             )
         )
         return self._run(lambda conn: conn.execute(stmt).rowcount > 0)
@@ -541,9 +544,22 @@ class Store:
         return self._run(work, isolation="REPEATABLE READ")
 
 
-def _with_server(reassembly: dict[str, Any]) -> Any:
-    """client_metadata with ``reassembly.server`` set (the rest kept)."""
-    meta = _sessions.c.client_metadata
+def _metadata_update(
+    reassembly: dict[str, Any] | None, window: dict[str, Any] | None
+) -> dict[str, Any]:
+    """The ``client_metadata`` assignment of finish_session (none: unchanged)."""
+    meta: Any = _sessions.c.client_metadata
+    if reassembly is not None:
+        meta = _with_server(meta, reassembly)
+    if window is not None:
+        meta = func.jsonb_set(
+            meta, literal_column("'{window}'"), bindparam("window", window, type_=JSONB)
+        )
+    return {} if reassembly is None and window is None else {"client_metadata": meta}
+
+
+def _with_server(meta: Any, reassembly: dict[str, Any]) -> Any:
+    """``meta`` with ``reassembly.server`` set (the rest kept)."""
     return func.jsonb_set(
         meta,
         literal_column("'{reassembly}'"),

@@ -508,7 +508,8 @@ class ProbeEngine:
             call = {"method": "finish_session", "session_id": event.session_id,
                     "state": event.state, "verdict": event.verdict,
                     "verdict_reason": event.verdict_reason, "end_reason": event.end_reason,
-                    "reassembly": reassembly}  # fmt: skip
+                    "reassembly": reassembly,
+                    "window": None if event.window is None else dict(event.window)}  # fmt: skip
         else:
             return
         self.writer.submit(lambda: journal.apply(store, call), call)
