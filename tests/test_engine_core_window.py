@@ -87,6 +87,7 @@ class PathSim:
         policy: Policy | None = None,
         seed: int = 1,
         credit: int | None = None,
+        credit_ahead: int | None = None,
     ) -> None:
         self.sim = Sim(policy or Policy(max_session_s=10**6, silence_timeout_s=10**6))
         self.rng = random.Random(seed)
@@ -101,6 +102,10 @@ class PathSim:
         self.n = 0
         self.trace = Trace()
         self.sim.on_probe = self._on_probe
+        # A client whose reassembly memory grants only this many splits beyond
+        # the highest one acknowledged (a REPORT with every ACK).
+        self.credit_ahead = credit_ahead
+        self.highest = -1
 
     @property
     def run_state(self):  # noqa: ANN201
@@ -156,6 +161,10 @@ class PathSim:
             if self.events and self.events[0][0] <= sim.now:
                 _, _, seq = heapq.heappop(self.events)
                 self.v.ack(seq)
+                self.highest = max(self.highest, seq)
+                if self.credit_ahead is not None and isinstance(self.v, Credited):
+                    limit = max(self.highest + 1, self.plan.split_from) + self.credit_ahead
+                    self.v.report(limit)
             else:
                 sim.timers()
             run = core.runs.get(self.v.sid)
@@ -333,6 +342,21 @@ def test_the_split_credit_still_bounds_an_adaptive_run() -> None:
         p.run(limit=30.0)
     # The client never raised its credit: 5 splits, and nothing after them.
     assert max(seq for _, seq, _, _ in p.trace.sends) == plan.split_from + 4
+
+
+def test_the_window_does_not_grow_while_the_split_credit_limits_sending() -> None:
+    """A client granting 6 splits beyond what it received: the split phase
+    runs at that pace, and the window, not what limits sending, stays near
+    what was used instead of inflating towards its maximum (which it would
+    then spend at once when the credit opens)."""
+    plan = ProbePlan.build(repetitions=6, step=64, window=64, phases=["split"], adaptive=True)
+    p = PathSim(plan, credit=6, credit_ahead=6)
+    p.run()
+    flight = max(f for _, _, _, f in p.trace.sends)
+    assert flight <= 7
+    # Slow start grows by one per ACK for a round trip after the window was
+    # last full: at most twice what was in flight (64 without the rule).
+    assert max(w for _, w in p.trace.windows) <= 2 * flight, p.trace.windows
 
 
 def test_a_fixed_window_is_unchanged() -> None:
