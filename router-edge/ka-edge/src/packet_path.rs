@@ -50,7 +50,10 @@ pub const BATCH: usize = 64;
 fn mac_of(name: &str) -> Result<[u8; 6]> {
     let s = std::fs::read_to_string(format!("/sys/class/net/{name}/address"))
         .map_err(|e| Error::new(format!("cannot read the MAC address of {name}: {e}")))?;
-    parse_mac(s.trim()).ok_or_else(|| Error::new(format!("{name} has no Ethernet address")))
+    parse_mac(s.trim()).ok_or_else(|| {
+        Error::new(format!("{name} has no Ethernet address"))
+            .hint("the packet datapath needs Ethernet interfaces; use --datapath tun")
+    })
 }
 
 pub fn parse_mac(s: &str) -> Option<[u8; 6]> {

@@ -1,6 +1,8 @@
-//! The IO shell of `ka-router`: a TUN device fed by policy routing.
+//! The IO shell of `ka-router`, on one of two datapaths: AF_PACKET rings
+//! (`packet`, the default; see `packet_path` and `lan_guard`) or a TUN
+//! device fed by policy routing (`tun`).
 //!
-//! Setup (all undone on exit, stale copies removed at start):
+//! TUN setup (all undone on exit, stale copies removed at start):
 //!   TUN `ka0` up, MTU = WAN MTU; `ip route add default dev ka0 table T`;
 //!   `ip rule add iif LAN table T`; rp_filter off on ka0 (loose if `all`
 //!   was strict) and IPv4 forwarding on. Packets arriving on LAN are then

@@ -8,11 +8,13 @@ use ka_edge::sys;
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum DatapathArg {
-    /// Policy routing into a TUN device; the kernel forwards what we write
-    Tun,
-    /// AF_PACKET on LAN (recvmmsg) and WAN (sendmmsg, qdisc bypass); the
-    /// kernel stops forwarding LAN traffic while we run
+    /// AF_PACKET: a receive ring on LAN, sendmmsg on WAN (qdisc bypass); an
+    /// nftables rule owned by the router drops the kernel's own copy. LAN ->
+    /// WAN bypasses netfilter and policy routing
     Packet,
+    /// Policy routing into a TUN device; the kernel forwards what we write
+    /// (netfilter, policy routing), at about twice the CPU per datagram
+    Tun,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -25,10 +27,11 @@ enum ModeArg {
 
 /// Kick-Ass router for LAN -> WAN traffic, plain router the other way.
 ///
-/// Packets arriving on --lan are policy-routed into a TUN device, queued
-/// (drop-tail) and served at --capacity; full-size DF-clear packets leave
-/// cut so the leading fragment length advertises the RCP rate. One JSON
-/// telemetry line per control interval goes to stdout or --telemetry.
+/// Packets arriving on --lan are taken from an AF_PACKET ring (or, with
+/// --datapath tun, policy-routed into a TUN device), queued (drop-tail) and
+/// served at --capacity; full-size DF-clear packets leave cut so the leading
+/// fragment length advertises the RCP rate. One JSON telemetry line per
+/// control interval goes to stdout or --telemetry.
 #[derive(Debug, Parser)]
 #[command(name = "ka-router", version)]
 struct Cli {
@@ -46,9 +49,8 @@ struct Cli {
     buffer: Option<Limit>,
     #[arg(long, value_enum, default_value = "kickass")]
     mode: ModeArg,
-    /// How packets reach the router and leave it (see router-edge/README.md); "packet" is
-    /// about twice as cheap per datagram but not yet the default (issue 10 is open)
-    #[arg(long, value_enum, default_value = "tun")]
+    /// How packets reach the router and leave it (see router-edge/README.md)
+    #[arg(long, value_enum, default_value = "packet")]
     datapath: DatapathArg,
     /// Packet datapath: slots of the LAN receive ring (TPACKET_V2); 0 reads with recvmmsg
     #[arg(long, default_value_t = 4096)]
