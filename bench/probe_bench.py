@@ -37,6 +37,12 @@ each way and losing 1% of the packets each way (kind ``wan``):
                 verdicts (agreement: equal), and both against the path's
                 configured loss (1 - 0.99^2 whole, 1 - 0.99^3 split).
 
+--default-plan --bottleneck RATE (e.g. 4mbit) adds a slow access link: the
+client's downlink served at RATE behind a 250 ms drop-tail queue (bufferbloat),
+and runs the default plan only: its duration, the queue it built (the
+window's record: each epoch's minimum RTT over the run's smallest), the
+queue's drops (ka-linkem's counters) and its drop rates against the path's.
+
 Usage: .venv/bin/python bench/probe_bench.py [--quick] > result.json
        .venv/bin/python bench/probe_bench.py --default-plan [--w1-repetitions N] > r.json
 Take the machine's heavy-run lock: flock /tmp/kickass-heavy.lock ...
@@ -344,6 +350,79 @@ def compare(a: dict, b: dict) -> dict:
     return out
 
 
+def bottleneck_bench(rate: str) -> dict:
+    """The default plan over the "wan" path with a slow, deep-buffered downlink."""
+    from kickass_db import upgrade
+    from kickass_testbed.internet import probe_internet
+    from kickass_testbed.pg import embedded_postgres
+    from kickass_testbed.trials import rate_bps
+
+    bps = rate_bps(rate)
+    queue = int(bps / 8 * 0.25)
+    out: dict = {
+        "version": 1,
+        "metadata": {
+            "machine_cores": os.cpu_count(),
+            "time": time.time(),
+            "path": {
+                "rtt_ms": WAN_RTT_MS,
+                "loss_each_way": WAN_LOSS,
+                "downlink": rate,
+                "queue_bytes": queue,
+                "emulator": "ka-linkem",
+            },
+        },
+    }
+    with ExitStack() as stack:
+        url = os.environ.get("KICKASS_DATABASE_URL") or stack.enter_context(embedded_postgres())
+        upgrade(url)
+        log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="probe-bench-")))
+        net = stack.enter_context(
+            probe_internet(
+                url,
+                kinds=("wan",),
+                wan_rtt_ms=WAN_RTT_MS,
+                wan_loss=WAN_LOSS,
+                wan_downlink=rate,
+                wan_queue=f"{queue}b",
+                log_dir=log_dir,
+            )
+        )
+        before = linkem_towards_client(log_dir)
+        print(f"default plan behind a {rate} downlink...", file=sys.stderr)
+        d = client_run(net, [], timeout=3600)
+        d["window_summary"] = window_summary(net.server_log, d["session_id"])
+        d["plan_megabits"] = round(plan_bits(d["total_probes"]) / 1e6, 1)
+        d["link_floor_s"] = round(plan_bits(d["total_probes"]) / bps, 1)
+        out["default"] = d
+        time.sleep(1.5)  # the emulator's next counters line
+        after = linkem_towards_client(log_dir)
+        out["linkem_towards_client"] = {
+            k: after[k] - before.get(k, 0) for k in ("arrived", "lost", "dropped", "delivered")
+        }
+        for ph, packets in (("whole", 2), ("split", 3)):
+            n, k = d[ph]
+            truth = 1 - (1 - WAN_LOSS) ** packets
+            out[f"{ph}_z_vs_path"] = (1 - k / n - truth) / math.sqrt(truth * (1 - truth) / n)
+        print(f"  {d['elapsed_s']:.1f} s, window {d['window_summary']}", file=sys.stderr)
+    return out
+
+
+def plan_bits(total_probes: int) -> float:
+    from kickass_core.plan import plan_bytes
+
+    plan = ProbePlan.build()
+    assert plan.total_probes == total_probes, "only the default plan"
+    return plan_bytes(plan) * 8.0
+
+
+def linkem_towards_client(log_dir: Path) -> dict:
+    """ka-linkem's last counters of the direction towards the client."""
+    path = log_dir / "lk1-stats.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return json.loads(lines[-1])["ab"] if lines else {}
+
+
 def default_plan_bench(w1_repetitions: int, skip_fixed: bool) -> dict:
     """The default plan over the "wan" path, against W=64 and W=1 (see the doc)."""
     from kickass_db import upgrade
@@ -418,10 +497,19 @@ def main() -> int:
     ap.add_argument(
         "--skip-fixed", action="store_true", help="--default-plan: leave out the W=64 run"
     )
+    ap.add_argument(
+        "--bottleneck",
+        metavar="RATE",
+        help="--default-plan behind a slow downlink (e.g. 4mbit, 250 ms of queue): the "
+        "default plan only, and the queue it built",
+    )
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("ERROR: the benchmark needs root (raw sockets)", file=sys.stderr)
         return 2
+    if args.default_plan and args.bottleneck:
+        print(json.dumps(bottleneck_bench(args.bottleneck), indent=1))
+        return 0
     if args.default_plan:
         print(json.dumps(default_plan_bench(args.w1_repetitions, args.skip_fixed), indent=1))
         return 0

@@ -108,6 +108,8 @@ BASELINE_MIN = 32
 # Until the loss baseline is trusted the window stays at most this: the
 # baseline is the path's loss at a rate too low to cause any.
 BASELINE_WINDOW = 16
+# Epoch minimum RTTs kept for the run's record (the queue the study built).
+MAX_RECORDED_EPOCHS = 20_000
 
 
 @dataclass
@@ -181,6 +183,7 @@ class WindowController:
         self.loss_events = 0
         self.delay_events = 0
         self.floor_absorbed = 0
+        self._epoch_min_rtts: list[float] = []
         self._window_time = 0.0  # integral of the window over time
         self._window_since = now
 
@@ -211,7 +214,20 @@ class WindowController:
             "delay_events": self.delay_events,
             "floor_absorbed": self.floor_absorbed,
             "base_rtt_ms": None if base is None else round(base * 1000.0, 3),
+            # The standing queue the study built: each epoch's minimum RTT
+            # above the smallest one of the run (median, 95th percentile).
+            "queue_delay_ms": self._queue_delay(),
         }
+
+    def _queue_delay(self) -> dict[str, float] | None:
+        mins = sorted(self._epoch_min_rtts)
+        if not mins:
+            return None
+
+        def at(q: float) -> float:
+            return round((mins[min(len(mins) - 1, int(q * len(mins)))] - mins[0]) * 1000.0, 3)
+
+        return {"p50": at(0.5), "p95": at(0.95), "max": at(1.0)}
 
     # -- inputs ----------------------------------------------------------------------
 
@@ -347,6 +363,8 @@ class WindowController:
             return
         base = self.base_rtt()
         self._base.append((now, ep.min_rtt))
+        if len(self._epoch_min_rtts) < MAX_RECORDED_EPOCHS:
+            self._epoch_min_rtts.append(ep.min_rtt)
         while len(self._base) > 1 and self._base[0][0] < now - BASE_RTT_WINDOW_S:
             self._base.popleft()
         if base is None or ep.min_rtt <= base + self.delay_target(base):

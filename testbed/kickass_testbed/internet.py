@@ -22,7 +22,11 @@ More kinds for the study's known-answer tests (issue 11), by name:
   the router's port and the client's at layer 2) adds ``wan_rtt_ms / 2``
   each way and loses ``wan_loss`` of the packets each way (defaults: the
   issue's 100 ms and 1%); static ARP entries, so the loss never eats the
-  ARP.
+  ARP. ``wan_downlink`` (ka-linkem ``--rate``, e.g. "4mbit", with a drop-tail
+  queue of ``wan_queue``, e.g. "125000b") makes the client's downlink a
+  bottleneck: a volunteer's slow access link. ka-linkem writes its counters
+  (JSON lines, a->b is towards the client) to ``lk<i>-stats.jsonl`` in the
+  log directory.
 
 ``study_internet`` is the spec; ``probe_internet`` builds it (topology.build)
 with the measurement server running and yields a ``ProbeInternet`` to run
@@ -113,6 +117,9 @@ def study_internet(
     processes: tuple[Process, ...] = (),
     wan_rtt_ms: float = DEFAULT_WAN_RTT_MS,
     wan_loss: float = DEFAULT_WAN_LOSS,
+    wan_downlink: str | None = None,
+    wan_queue: str = "1000p",
+    wan_stats_dir: Path | None = None,
 ) -> Topology:
     hosts = [Host("srv"), Host("rtr", router=True)]
     neighbors: list[Neighbor] = []
@@ -193,12 +200,16 @@ def study_internet(
                 Neighbor("rtr", iface, f"{net}.2", cl_mac),
                 Neighbor(cl, "uplink", f"{net}.1", rtr_mac),
             ]
+            rate = ("--rate-ab", wan_downlink, "--queue-ab", wan_queue) if wan_downlink else ()
+            stats = ("--stats", str(wan_stats_dir / f"{lk}-stats.jsonl")) if wan_stats_dir else ()
             emulators.append(
                 ka_linkem(
                     "--delay",
                     f"{wan_rtt_ms / 2:g}ms",
                     "--loss",
                     f"{wan_loss:g}",
+                    *rate,
+                    *stats,
                     a="a",
                     b="b",
                     host=lk,
@@ -358,12 +369,21 @@ def probe_internet(
     log_dir: Path | None = None,
     wan_rtt_ms: float = DEFAULT_WAN_RTT_MS,
     wan_loss: float = DEFAULT_WAN_LOSS,
+    wan_downlink: str | None = None,
+    wan_queue: str = "1000p",
 ) -> Iterator[ProbeInternet]:
     bin_dir = bin_dir or Path(sys.executable).parent
     env = server_env or {}
     server = (server_process(bin_dir, database_url, env),) if start_server else ()
     spec = study_internet(
-        kinds, loss_percent, processes=server, wan_rtt_ms=wan_rtt_ms, wan_loss=wan_loss
+        kinds,
+        loss_percent,
+        processes=server,
+        wan_rtt_ms=wan_rtt_ms,
+        wan_loss=wan_loss,
+        wan_downlink=wan_downlink,
+        wan_queue=wan_queue,
+        wan_stats_dir=log_dir,
     )
     with build(spec, prefix=prefix, log_dir=log_dir) as built:
         for i, place in enumerate(client_places(kinds), start=1):
