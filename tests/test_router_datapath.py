@@ -489,3 +489,31 @@ def test_router_is_one_hop_and_the_kernel_still_sends_icmp(tmp_path: Path, datap
     assert ttls == [16] * 20
     assert "Time to live exceeded" in expired and "From 198.18.1.1" in expired
     assert local.returncode == 0
+
+
+def test_packet_datapath_stops_when_its_kernel_drop_goes(tmp_path: Path) -> None:
+    """The packet datapath's nftables drop lives in a table owned by its
+    `nft -i` child: if that child dies, the kernel deletes the table and
+    would forward a second copy of every LAN packet, so the router stops
+    with a clear error (within its 1 s check), leaving plain kernel
+    forwarding."""
+    with build(edge_path()) as topo:
+        rtr = topo["rtr"]
+        p = topo.start(
+            ka_router("--capacity", "10mbit", telemetry=tmp_path / "t.ndjson", datapath="packet")
+        )
+        kids = [int(k) for k in Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()]
+        nft = [k for k in kids if Path(f"/proc/{k}/cmdline").read_bytes().startswith(b"nft\0-i")]
+        assert len(nft) == 1, kids
+        assert "ka_router_ka0" in rtr.run(["nft", "list", "tables"]).stdout
+        os.kill(nft[0], 9)
+        assert p.wait(5) == 1
+        assert p.stderr is not None
+        err = p.stderr.read().decode()
+        assert "ERROR" in err and "nft process holding the LAN drop rule exited" in err, err
+        assert "ka_router" not in rtr.run(["nft", "list", "tables"]).stdout
+        tx = udp_socket(topo.ns_name("snd"))
+        rx = udp_socket(topo.ns_name("rcv"), ("0.0.0.0", PORT))
+        rx.settimeout(2)
+        tx.sendto(_datagram(7), (RCV, PORT))
+        assert rx.recv(65535) == _datagram(7)
