@@ -18,13 +18,14 @@ import struct
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from kickass_core import rate as ka_rate
 from kickass_core import rtt as ka_rtt
 from kickass_testbed.binaries import RUST_BINARIES, rust_binary
 from kickass_testbed.edge import RCV, SND, edge_path, ka_linkem, ka_router
-from kickass_testbed.topology import build
+from kickass_testbed.topology import Process, build
 from router_netlib import Capture, read_ndjson, udp_socket
 
 pytestmark = [
@@ -36,10 +37,18 @@ PAYLOAD = 1472  # UDP payload of a 1500-byte IP packet
 PORT = 9000
 
 
-@pytest.fixture(params=["tun", "packet"])
+@pytest.fixture(params=["tun", "packet", "packet-recvmmsg"])
 def datapath(request: pytest.FixtureRequest) -> str:
-    """Every test runs on each of ka-router's datapaths."""
+    """Every test runs on each of ka-router's datapaths (and the packet
+    datapath's recvmmsg receive, `--rx-ring-frames 0`, besides its ring)."""
     return request.param
+
+
+def _ka_router(*args: str, datapath: str, **kwargs: Any) -> Process:
+    """ka_router on a ``datapath`` fixture value."""
+    if datapath == "packet-recvmmsg":
+        return ka_router(*args, "--rx-ring-frames", "0", datapath="packet", **kwargs)
+    return ka_router(*args, datapath=datapath, **kwargs)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -64,7 +73,7 @@ def test_linux_reassembles_router_fragments(tmp_path: Path, datapath: str) -> No
     tel = tmp_path / "tel.ndjson"
     with build(edge_path()) as topo:
         router = topo.start(
-            ka_router(
+            _ka_router(
                 "--capacity",
                 "100mbit",
                 "--alpha",
@@ -127,7 +136,7 @@ def test_rcp_rate_drives_leading_fragment_len(tmp_path: Path, datapath: str) -> 
     and every leading fragment seen on the wire is one of them."""
     tel = tmp_path / "tel.ndjson"
     with build(edge_path()) as topo:
-        router = topo.start(ka_router("--capacity", "20mbit", telemetry=tel, datapath=datapath))
+        router = topo.start(_ka_router("--capacity", "20mbit", telemetry=tel, datapath=datapath))
         tx = udp_socket(topo.ns_name("snd"))
         rx = udp_socket(topo.ns_name("rcv"), ("0.0.0.0", PORT))
         with Capture(topo.ns_name("rcv"), "wan0") as cap:
@@ -238,7 +247,7 @@ def test_obeying_senders_converge_to_fair_share(tmp_path: Path, datapath: str) -
     tel = tmp_path / "tel.ndjson"
     with build(edge_path(linkem=True, processes=(ka_linkem("--delay", "50ms"),))) as topo:
         router = topo.start(
-            ka_router("--capacity", "10mbit", "--buffer", "100p", telemetry=tel, datapath=datapath)
+            _ka_router("--capacity", "10mbit", "--buffer", "100p", telemetry=tel, datapath=datapath)
         )
         rcv_ns = topo.ns_name("rcv")
         fb_tx = udp_socket(rcv_ns)
@@ -312,7 +321,7 @@ def test_unresponsive_flood_switches_to_tcp_mode_and_back(tmp_path: Path, datapa
     blast = rust_binary("ka-blast")
     with build(edge_path()) as topo:
         router = topo.start(
-            ka_router("--capacity", "10mbit", "--buffer", "100p", telemetry=tel, datapath=datapath)
+            _ka_router("--capacity", "10mbit", "--buffer", "100p", telemetry=tel, datapath=datapath)
         )
         tx = udp_socket(topo.ns_name("snd"))
         rx = udp_socket(topo.ns_name("rcv"), ("0.0.0.0", PORT))
@@ -364,7 +373,7 @@ def test_droptail_mode_never_fragments(tmp_path: Path, datapath: str) -> None:
     tel = tmp_path / "tel.ndjson"
     with build(edge_path()) as topo:
         router = topo.start(
-            ka_router(
+            _ka_router(
                 "--capacity", "10mbit", "--mode", "droptail", telemetry=tel, datapath=datapath
             )
         )
@@ -421,8 +430,8 @@ def test_errors_are_clear_and_crash_needs_no_cleanup(tmp_path: Path, datapath: s
         rx = udp_socket(topo.ns_name("rcv"), ("0.0.0.0", PORT))
         rx.settimeout(2)
         tel = tmp_path / "t1.ndjson"
-        p = topo.start(ka_router("--capacity", "10mbit", telemetry=tel, datapath=datapath))
-        if datapath == "packet":
+        p = topo.start(_ka_router("--capacity", "10mbit", telemetry=tel, datapath=datapath))
+        if datapath != "tun":
             assert "ka_router_ka0" in rtr.run(["nft", "list", "tables"]).stdout
         os.kill(p.pid, 9)
         p.wait(5)
@@ -437,7 +446,7 @@ def test_errors_are_clear_and_crash_needs_no_cleanup(tmp_path: Path, datapath: s
         tx.sendto(_datagram(0), (RCV, PORT))
         assert rx.recv(65535) == _datagram(0), "kernel forwarding after the crash"
         p2 = topo.start(
-            ka_router("--capacity", "10mbit", telemetry=tmp_path / "t2.ndjson", datapath=datapath)
+            _ka_router("--capacity", "10mbit", telemetry=tmp_path / "t2.ndjson", datapath=datapath)
         )
         assert rtr.run(["ip", "rule"]).stdout.count("lookup 100") == (datapath == "tun")
         # A second router in the same namespace refuses clearly.
@@ -470,7 +479,7 @@ def test_router_is_one_hop_and_the_kernel_still_sends_icmp(tmp_path: Path, datap
     address still answers pings."""
     tel = tmp_path / "tel.ndjson"
     with build(edge_path()) as topo:
-        router = topo.start(ka_router("--capacity", "100mbit", telemetry=tel, datapath=datapath))
+        router = topo.start(_ka_router("--capacity", "100mbit", telemetry=tel, datapath=datapath))
         rx = udp_socket(topo.ns_name("rcv"), ("0.0.0.0", PORT))
         rx.setsockopt(socket.IPPROTO_IP, 12, 1)  # IP_RECVTTL
         rx.settimeout(2)
