@@ -15,7 +15,7 @@ set -euo pipefail
 TABLE='
 ip                                   iproute2        namespaces, veths, routes (testbed, demo, tests)
 tc                                   iproute2        qdiscs in the testbed
-nft                                  nftables        middleboxes: fragment filters, loss, NAT (demo, tests)
+nft                                  nftables        ka-router --datapath packet (its LAN guard table); middleboxes: fragment filters, loss, NAT (demo, tests)
 ethtool                              ethtool         offloads off on veths (testbed)
 tcpdump                              tcpdump         ground-truth captures (tests)
 ping                                 iputils-ping    link-emulator delay test, Atlas-style echo requests
