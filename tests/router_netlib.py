@@ -99,6 +99,9 @@ class Capture:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
         self.packets: list[IpInfo] = []
         self.on_packet = on_packet
+        # A callback that raises must not end the capture unseen: kept here
+        # for the test to assert on.
+        self.errors: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -108,7 +111,8 @@ class Capture:
                 data, addr = self.sock.recvfrom(65535)
             except TimeoutError:
                 continue
-            except OSError:
+            except OSError as exc:
+                self.errors.append(f"capture socket: {exc!r}")
                 return
             if addr[2] == PACKET_OUTGOING:
                 continue
@@ -117,7 +121,11 @@ class Capture:
                 continue
             self.packets.append(info)
             if self.on_packet:
-                self.on_packet(info)
+                try:
+                    self.on_packet(info)
+                except Exception as exc:  # noqa: BLE001 - reported, not swallowed
+                    if len(self.errors) < 20:
+                        self.errors.append(f"on_packet: {exc!r}")
 
     def __enter__(self) -> Capture:
         self._thread.start()
