@@ -350,11 +350,32 @@ def compare(a: dict, b: dict) -> dict:
     return out
 
 
-def bottleneck_bench(rate: str) -> dict:
-    """The default plan over the "wan" path with a slow, deep-buffered downlink."""
+def wan_internet(stack: ExitStack, **wan: str) -> tuple:
+    """The study internet with one "wan" client (WAN_RTT_MS, WAN_LOSS each
+    way, plus ``wan`` options), on KICKASS_DATABASE_URL or an embedded
+    PostgreSQL; everything is closed with ``stack``. Returns (net, log_dir)."""
     from kickass_db import upgrade
     from kickass_testbed.internet import probe_internet
     from kickass_testbed.pg import embedded_postgres
+
+    url = os.environ.get("KICKASS_DATABASE_URL") or stack.enter_context(embedded_postgres())
+    upgrade(url)
+    log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="probe-bench-")))
+    net = stack.enter_context(
+        probe_internet(
+            url,
+            kinds=("wan",),
+            wan_rtt_ms=WAN_RTT_MS,
+            wan_loss=WAN_LOSS,
+            log_dir=log_dir,
+            **wan,
+        )
+    )
+    return net, log_dir
+
+
+def bottleneck_bench(rate: str) -> dict:
+    """The default plan over the "wan" path with a slow, deep-buffered downlink."""
     from kickass_testbed.trials import rate_bps
 
     bps = rate_bps(rate)
@@ -374,20 +395,7 @@ def bottleneck_bench(rate: str) -> dict:
         },
     }
     with ExitStack() as stack:
-        url = os.environ.get("KICKASS_DATABASE_URL") or stack.enter_context(embedded_postgres())
-        upgrade(url)
-        log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="probe-bench-")))
-        net = stack.enter_context(
-            probe_internet(
-                url,
-                kinds=("wan",),
-                wan_rtt_ms=WAN_RTT_MS,
-                wan_loss=WAN_LOSS,
-                wan_downlink=rate,
-                wan_queue=f"{queue}b",
-                log_dir=log_dir,
-            )
-        )
+        net, log_dir = wan_internet(stack, wan_downlink=rate, wan_queue=f"{queue}b")
         before = linkem_towards_client(log_dir)
         print(f"default plan behind a {rate} downlink...", file=sys.stderr)
         d = client_run(net, [], timeout=3600)
@@ -425,10 +433,6 @@ def linkem_towards_client(log_dir: Path) -> dict:
 
 def default_plan_bench(w1_repetitions: int, skip_fixed: bool) -> dict:
     """The default plan over the "wan" path, against W=64 and W=1 (see the doc)."""
-    from kickass_db import upgrade
-    from kickass_testbed.internet import probe_internet
-    from kickass_testbed.pg import embedded_postgres
-
     out: dict = {
         "version": 1,
         "metadata": {
@@ -438,14 +442,7 @@ def default_plan_bench(w1_repetitions: int, skip_fixed: bool) -> dict:
         },
     }
     with ExitStack() as stack:
-        url = os.environ.get("KICKASS_DATABASE_URL") or stack.enter_context(embedded_postgres())
-        upgrade(url)
-        log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="probe-bench-")))
-        net = stack.enter_context(
-            probe_internet(
-                url, kinds=("wan",), wan_rtt_ms=WAN_RTT_MS, wan_loss=WAN_LOSS, log_dir=log_dir
-            )
-        )
+        net, _ = wan_internet(stack)
         print("default plan, default settings (window auto)...", file=sys.stderr)
         d = client_run(net, [], timeout=1800)
         d["window_summary"] = window_summary(net.server_log, d["session_id"])

@@ -468,18 +468,8 @@ def main() -> None:
 
             shaper: dict = {}
             for dp in DATAPATHS:
-                args_1g = (
-                    "--capacity",
-                    "1gbit",
-                    "--buffer",
-                    "4096p",
-                    "--alpha",
-                    "0",
-                    "--beta",
-                    "0",
-                    "--initial-rate",
-                    "1gbit",
-                )
+                # FRAGMENT_ARGS with the capacity at 1 Gbit/s.
+                args_1g = ("--capacity", "1gbit", *FRAGMENT_ARGS[2:])
                 with router(dp, f"shaper-{dp}", *args_1g) as (p, tel):
                     topo["rcv"].nft(NFT_COUNT)
                     try:

@@ -20,7 +20,7 @@ import pytest
 from kickass_db.trials import TrialStore
 from sqlalchemy import create_engine, text
 from test_server_instances import _free_port, server
-from test_wan_agent import AGENT, SECRET, agent
+from test_wan_agent import SECRET, agent, start_agent
 
 KICKASS = str(Path(sys.executable).parent / "kickass")
 
@@ -88,21 +88,6 @@ def test_trial_results_reach_the_database_once_even_through_an_outage(
     assert not list(spool.glob("*.json"))
 
 
-def _start_agent(state: Path, control: int, tcp: int) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [AGENT, "--listen", f"127.0.0.1:{control}", "--tcp-port", str(tcp),
-         "--kickass-receiver", "none", "--state-dir", str(state), "--name", "far-1"],
-        env={**os.environ, "KICKASS_AGENT_SECRET": SECRET},
-        stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    assert proc.stderr is not None
-    for line in proc.stderr:
-        if "ready on" in line:
-            return proc
-    proc.kill()
-    raise AssertionError("agent did not start")
-
-
 def test_an_agent_away_mid_trial_costs_its_periods_not_the_trial(tmp_path: Path) -> None:
     """The agent is killed when period 2 starts (index 1) and comes back once
     period 3 has been skipped: the runner kept asking for tokens for
@@ -118,7 +103,7 @@ def test_an_agent_away_mid_trial_costs_its_periods_not_the_trial(tmp_path: Path)
     )  # fmt: skip
     planned = {p["index"]: p["flows"] for p in json.loads(plan.stdout)["periods"]}
     spool = tmp_path / "spool"
-    agent_proc = _start_agent(tmp_path / "agent", control, tcp)
+    _, agent_proc = start_agent(tmp_path / "agent", control, tcp)
     run = subprocess.Popen(
         [KICKASS, "trials", "run", "--agent", f"far-1=http://127.0.0.1:{control}",
          *common, "--agent-retry", "1", "--spool-dir", str(spool), "--json"],
@@ -134,7 +119,7 @@ def test_an_agent_away_mid_trial_costs_its_periods_not_the_trial(tmp_path: Path)
                 agent_proc.kill()
                 agent_proc.wait(10)
             if line.startswith("period 3 skipped") and agent_proc.poll() is not None:
-                agent_proc = _start_agent(tmp_path / "agent", control, tcp)
+                _, agent_proc = start_agent(tmp_path / "agent", control, tcp)
         out, _ = run.communicate(timeout=120)
     finally:
         run.kill()

@@ -43,9 +43,9 @@ from kickass_testbed.trials import (
 from kickass_testbed.wan import TestbedConfig as Config
 from kickass_testbed.wan import receiver_address, sender_address
 from kickass_testbed.wan import testbed as wan_testbed  # not test*: pytest would collect it
-from kickass_wan.runner import SENDER_STREAM_STRIDE, AgentClient, AgentRef
+from kickass_wan.runner import AgentClient, AgentRef
 from kickass_wan.schedule import interleaved
-from kickass_wan.workload import Workload, flows
+from kickass_wan.workload import Workload, period_flows
 from sqlalchemy import create_engine, text
 
 if TYPE_CHECKING:  # imported by name, pytest would try to collect it
@@ -901,8 +901,7 @@ def test_agent_restart_and_server_outage_lose_and_duplicate_no_flow_record(
 
 def _scheduled_flows(database_url: str, trial_id: str) -> dict[str, int]:
     """Flows per protocol the trial's stored parameters schedule, in period
-    order (the runner's own workload streams: period index + SENDER_STREAM_STRIDE x sender
-    index)."""
+    order (the runner's own `period_flows`)."""
     engine = create_engine(db.sqlalchemy_url(database_url))
     try:
         with engine.connect() as conn:
@@ -921,8 +920,5 @@ def _scheduled_flows(database_url: str, trial_id: str) -> dict[str, int]:
     )
     sender = params.get("sender_index", 0)
     return {
-        p.protocol: len(
-            list(flows(workload, p.duration_s, stream=p.index + SENDER_STREAM_STRIDE * sender))
-        )
-        for p in schedule
+        p.protocol: len(period_flows(workload, p.index, p.duration_s, sender)) for p in schedule
     }

@@ -21,23 +21,29 @@ SECRET = "ab" * 32
 
 @contextmanager
 def agent(state: Path) -> Iterator[tuple[int, subprocess.Popen]]:
-    env = {**os.environ, "KICKASS_AGENT_SECRET": SECRET}
-    proc = subprocess.Popen(
-        [AGENT, "--listen", "127.0.0.1:0", "--tcp-port", "0", "--kickass-receiver", "none",
-         "--state-dir", str(state), "--name", "far-1"],
-        env=env, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    port, proc = start_agent(state)
     try:
-        port = None
-        for line in proc.stderr:
-            if m := re.search(r"ready on (\d+)", line):
-                port = int(m.group(1))
-                break
-        assert port, "agent did not start"
         yield port, proc
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def start_agent(state: Path, control: int = 0, tcp: int = 0) -> tuple[int, subprocess.Popen]:
+    """A kickass-agent on loopback (0: any free port); returns its control
+    port once it is ready. The caller stops it."""
+    proc = subprocess.Popen(
+        [AGENT, "--listen", f"127.0.0.1:{control}", "--tcp-port", str(tcp),
+         "--kickass-receiver", "none", "--state-dir", str(state), "--name", "far-1"],
+        env={**os.environ, "KICKASS_AGENT_SECRET": SECRET}, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        if m := re.search(r"ready on (\d+)", line):
+            return int(m.group(1)), proc
+    proc.kill()
+    proc.wait(10)
+    raise AssertionError("agent did not start")
 
 
 def _call(

@@ -16,11 +16,11 @@ from pathlib import Path
 from kickass_core import config
 from kickass_core.errors import KickassError
 
-from .runner import SENDER_STREAM_STRIDE, AgentRef, TrialConfig, TrialRunner
+from .runner import AgentRef, TrialConfig, TrialRunner
 from .schedule import Period, interleaved
 from .spool import Spool
 from .uploader import Uploader
-from .workload import Workload, flows
+from .workload import Workload, period_flows
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -150,8 +150,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         ) from None
     periods = []
     for p in sched:
-        stream = p.index + SENDER_STREAM_STRIDE * args.sender_index
-        fl = list(flows(w, p.duration_s, stream=stream))
+        fl = period_flows(w, p.index, p.duration_s, args.sender_index)
         periods.append(
             {**p.to_json(), "flows": len(fl), "packets": sum(f.size_packets for f in fl)}
         )

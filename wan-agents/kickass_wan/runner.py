@@ -37,14 +37,12 @@ from .schedule import KICKASS, Period, interleaved
 from .spool import Spool
 from .tcpflow import send_flow
 from .uploader import Uploader
-from .workload import Flow, Workload, flows
+from .workload import Flow, Workload, period_flows
 
 log = logging.getLogger("kickass.trials")
 
 # A flow that has not finished this long after its period ended is given up.
 FLOW_GRACE_S = 60.0
-# Each sender's flows come from its own random streams: period index + this x sender index.
-SENDER_STREAM_STRIDE = 100_000
 # First wait before asking an unreachable agent for tokens again (doubling).
 TOKEN_RETRY_FIRST_S = 0.5
 
@@ -265,15 +263,14 @@ class TrialRunner:
         ka_send: str | None,
     ) -> None:
         cfg = self.cfg
-        stream = period.index + SENDER_STREAM_STRIDE * cfg.sender_index
-        period_flows = list(flows(cfg.workload, period.duration_s, stream=stream))
-        if not period_flows:
+        fl = period_flows(cfg.workload, period.index, period.duration_s, cfg.sender_index)
+        if not fl:
             time.sleep(period.duration_s)
             return
         kind = "kickass" if period.protocol == KICKASS else "tcp"
         started = _now()
         try:
-            tokens, port = self._tokens(client, kind, len(period_flows))
+            tokens, port = self._tokens(client, kind, len(fl))
         except KickassError as exc:
             # The trial goes on (the agent may be back for the next period);
             # every flow this period would have run is recorded as not run.
@@ -282,7 +279,7 @@ class TrialRunner:
             self.skipped_periods.append(
                 {"period": period.index, "destination": period.destination, "error": why}
             )
-            for f in period_flows:
+            for f in fl:
                 self._record(
                     trial_id, local_index, period, f, {"completed": False, "error": why}, started
                 )
@@ -291,10 +288,10 @@ class TrialRunner:
             return
         addr = (client.agent.host, port)
         if period.protocol == KICKASS:
-            results = self._kickass_period(period_flows, tokens, addr, ka_send, trial_id)
+            results = self._kickass_period(fl, tokens, addr, ka_send, trial_id)
         else:
-            results = self._tcp_period(period_flows, tokens, addr, period)
-        for f in period_flows:
+            results = self._tcp_period(fl, tokens, addr, period)
+        for f in fl:
             rec = results.get(f.index) or {"completed": False, "error": "no result from the sender"}
             self._record(trial_id, local_index, period, f, rec, started)
 

@@ -84,6 +84,18 @@ class Flow:
         return self.size_packets * APP_BYTES_PER_PACKET
 
 
+# Each sender's flows come from its own random streams: period index + this x sender index.
+SENDER_STREAM_STRIDE = 100_000
+
+
+def period_flows(
+    w: Workload, period_index: int, duration_s: float, sender_index: int = 0
+) -> list[Flow]:
+    """The flows sender ``sender_index`` starts in period ``period_index``:
+    the one definition the runner, the dry run and the tests share."""
+    return list(flows(w, duration_s, stream=period_index + SENDER_STREAM_STRIDE * sender_index))
+
+
 def flows(w: Workload, duration_s: float, stream: int = 0) -> Iterator[Flow]:
     """The flows one on-off sender starts within ``duration_s`` seconds.
 

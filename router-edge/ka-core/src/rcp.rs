@@ -211,6 +211,15 @@ mod tests {
             });
         }
         assert_eq!(rcp.rate_bps(), 10e6);
+        overload(&mut rcp);
+        assert_eq!(rcp.rate_bps(), min_encodable_rate_bps());
+        // The floor is still a rate the router can write into a fragment.
+        let floor = crate::encoding::bps_to_bytes_per_ms(rcp.rate_bps());
+        assert_eq!(crate::encoding::leading_fragment_len(floor), Some(24));
+    }
+
+    /// 10 s of a link loaded far past its capacity, queue full.
+    fn overload(rcp: &mut Rcp) {
         for _ in 0..1000 {
             rcp.on_interval(&Measurement {
                 interval_s: 0.01,
@@ -219,10 +228,6 @@ mod tests {
                 rtt_s: 0.1,
             });
         }
-        assert_eq!(rcp.rate_bps(), min_encodable_rate_bps());
-        // The floor is still a rate the router can write into a fragment.
-        let floor = crate::encoding::bps_to_bytes_per_ms(rcp.rate_bps());
-        assert_eq!(crate::encoding::leading_fragment_len(floor), Some(24));
     }
 
     /// The paper's literal floor (anything under the encodable minimum) is
@@ -232,14 +237,7 @@ mod tests {
         let mut cfg = RcpConfig::ns2_defaults(10e6);
         cfg.min_rate_bps = 8_000.0;
         let mut rcp = Rcp::new(cfg);
-        for _ in 0..1000 {
-            rcp.on_interval(&Measurement {
-                interval_s: 0.01,
-                arrived_bytes: 1_000_000,
-                queue_bytes: 1_000_000,
-                rtt_s: 0.1,
-            });
-        }
+        overload(&mut rcp);
         assert_eq!(rcp.rate_bps(), 8000.0);
         let r = crate::encoding::bps_to_bytes_per_ms(rcp.rate_bps());
         assert_eq!(crate::encoding::leading_fragment_len(r), None);

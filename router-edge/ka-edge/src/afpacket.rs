@@ -17,6 +17,22 @@ const PACKET_VNET_HDR: libc::c_int = 15;
 /// Size of the `virtio_net_hdr` in front of every frame.
 pub const VNET_HDR_LEN: usize = 10;
 
+/// A raw AF_PACKET socket for interface `name` (not bound yet) that skips
+/// our own transmissions and carries the `virtio_net_hdr`; returns it with
+/// the interface index.
+pub(crate) fn open_vnet(name: &str, protocol: u16) -> Result<(Fd, i32)> {
+    let idx = ifindex(name)? as i32;
+    let fd = packet::open(libc::SOCK_RAW, protocol).map_err(|e| {
+        Error::new(format!("cannot open an AF_PACKET socket: {e}"))
+            .hint("run as root or with CAP_NET_RAW")
+    })?;
+    packet::ignore_outgoing(fd.0);
+    let one: libc::c_int = 1;
+    set_opt(fd.0, libc::SOL_PACKET, PACKET_VNET_HDR, &one)
+        .map_err(|e| Error::new(format!("cannot enable PACKET_VNET_HDR on {name}: {e}")))?;
+    Ok((fd, idx))
+}
+
 pub struct PacketSocket {
     fd: Fd,
     ifindex: i32,
@@ -25,16 +41,8 @@ pub struct PacketSocket {
 
 impl PacketSocket {
     pub fn open(name: &str, rcvbuf: usize) -> Result<PacketSocket> {
-        let idx = ifindex(name)? as i32;
         let eth_all = libc::ETH_P_ALL as u16;
-        let fd = packet::open(libc::SOCK_RAW, eth_all).map_err(|e| {
-            Error::new(format!("cannot open an AF_PACKET socket: {e}"))
-                .hint("run as root or with CAP_NET_RAW")
-        })?;
-        packet::ignore_outgoing(fd.0);
-        let one: libc::c_int = 1;
-        set_opt(fd.0, libc::SOL_PACKET, PACKET_VNET_HDR, &one)
-            .map_err(|e| Error::new(format!("cannot enable PACKET_VNET_HDR on {name}: {e}")))?;
+        let (fd, idx) = open_vnet(name, eth_all)?;
         grow_buffer(fd.0, true, rcvbuf);
         packet::bind(fd.0, eth_all, idx)
             .map_err(|e| Error::new(format!("cannot bind to {name}: {e}")))?;

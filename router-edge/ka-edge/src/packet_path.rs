@@ -33,11 +33,10 @@ use std::os::fd::RawFd;
 
 use ka_core::wire::checksum;
 
+use crate::afpacket::VNET_HDR_LEN;
 use crate::sys::{self, grow_buffer, ifindex, packet, set_opt, Error, Fd, Result};
 
-const PACKET_VNET_HDR: libc::c_int = 15;
 const PACKET_QDISC_BYPASS: libc::c_int = 20;
-const VNET_HDR_LEN: usize = 10;
 const ETH_HDR_LEN: usize = 14;
 /// virtio-net header + Ethernet header in front of every received packet.
 pub const RX_PREFIX: usize = VNET_HDR_LEN + ETH_HDR_LEN;
@@ -216,16 +215,8 @@ impl LanRx {
     /// `recvmmsg` batches instead); `frame_room`: the largest frame (MTU +
     /// Ethernet header) it must hold.
     pub fn open(name: &str, ring_frames: usize, frame_room: usize) -> Result<LanRx> {
-        let idx = ifindex(name)? as i32;
         // Protocol 0 until the filter is in: nothing unfiltered queues up.
-        let fd = packet::open(libc::SOCK_RAW, 0).map_err(|e| {
-            Error::new(format!("cannot open an AF_PACKET socket: {e}"))
-                .hint("run as root or with CAP_NET_RAW")
-        })?;
-        packet::ignore_outgoing(fd.0);
-        let one: libc::c_int = 1;
-        set_opt(fd.0, libc::SOL_PACKET, PACKET_VNET_HDR, &one)
-            .map_err(|e| Error::new(format!("cannot enable PACKET_VNET_HDR on {name}: {e}")))?;
+        let (fd, idx) = crate::afpacket::open_vnet(name, 0)?;
         packet::attach_filter(fd.0, &lan_filter())
             .map_err(|e| Error::new(format!("cannot attach the BPF filter on {name}: {e}")))?;
         grow_buffer(fd.0, true, 16 << 20);

@@ -478,7 +478,7 @@ impl<V: TokenValidator> Receiver<V> {
                     flow_id: d.flow_id,
                 };
                 if !self.flows.contains_key(&key) {
-                    self.reset(now, peer, d.flow_id, d.seq, d.timestamp, bytes.len());
+                    self.reset(now, peer, d.flow_id, d.seq, d.timestamp);
                     return Err(RecvError::UnknownFlow);
                 }
                 self.on_data(now, key, d.seq, d.timestamp, d.payload, rx)
@@ -486,7 +486,7 @@ impl<V: TokenValidator> Receiver<V> {
             Repr::Fin(f) => {
                 let r = self.on_fin(now, peer, &f);
                 if r == Err(RecvError::UnknownFlow) {
-                    self.reset(now, peer, f.flow_id, f.final_size, f.timestamp, bytes.len());
+                    self.reset(now, peer, f.flow_id, f.final_size, f.timestamp);
                 }
                 r
             }
@@ -499,14 +499,16 @@ impl<V: TokenValidator> Receiver<V> {
         }
     }
 
-    /// Answer a DATA/FIN for no open flow with a RESET, if it is no larger
-    /// than what came in and the budget allows.
-    fn reset(&mut self, now: Nanos, peer: SocketAddr, flow_id: u64, seq: u64, ts: u64, len: usize) {
+    /// Answer a DATA/FIN for no open flow with a RESET while the budget
+    /// allows. Never larger than what came in: a RESET is FIN_LEN bytes, a
+    /// FIN exactly that and a DATA at least its DATA_HEADER_LEN (the same).
+    fn reset(&mut self, now: Nanos, peer: SocketAddr, flow_id: u64, seq: u64, ts: u64) {
+        const _: () = assert!(wire::FIN_LEN <= wire::DATA_HEADER_LEN);
         let rate = f64::from(self.cfg.max_resets_per_s);
         let elapsed = now.saturating_sub(self.reset_refilled) as f64 / 1e9;
         self.reset_tokens = (self.reset_tokens + elapsed * rate).min(rate);
         self.reset_refilled = self.reset_refilled.max(now);
-        if self.reset_tokens < 1.0 || len < wire::FIN_LEN {
+        if self.reset_tokens < 1.0 {
             self.stats.resets_suppressed += 1;
             return;
         }

@@ -219,6 +219,28 @@ fn unresponsive_flood(hold_rtts: f64) -> Nanos {
     entered.expect("entered TCP mode")
 }
 
+/// An RTT indicator for `rtt` every 100 ms, as a Kick-Ass sender sends them.
+fn indicator_if_due(r: &mut Router, now: Nanos, next: &mut Nanos, rtt: Nanos) {
+    if *next <= now {
+        let _ = r.on_packet(
+            now,
+            packet(999, 0, encoding::rtt_indicator(rtt as f64 / 1e6), true),
+        );
+        *next += 100 * MS;
+    }
+}
+
+/// For a cut datagram: its flow (the source port `packet` wrote) and the
+/// rate its leading fragment advertises, bits/s, as a receiver reads them.
+fn advertised_to(t: &Transmit) -> Option<(usize, f64)> {
+    let s = t.split.as_ref()?;
+    let [lead, _] = s.to_packets(&t.packet);
+    let p = Packet::new_checked(&lead[..]).expect("ip");
+    let flow = u16::from_be_bytes([p.payload()[0], p.payload()[1]]) as usize;
+    let bpms = encoding::advertised_rate(p.payload_len()).expect("valid length");
+    Some((flow, encoding::bytes_per_ms_to_bps(bpms)))
+}
+
 /// N senders that obey the advertised rate, as a receiver reading
 /// leading-fragment lengths would tell them one RTT later, converge to C/N
 /// with a short queue and a busy link.
@@ -261,22 +283,11 @@ fn obeying_flows(n: usize, capacity_bps: f64, rtt: Nanos, alpha: f64, beta: f64)
                 next_send[f] += gap.max(1);
             }
         }
-        if next_indicator <= now {
-            let _ = r.on_packet(
-                now,
-                packet(999, 0, encoding::rtt_indicator(rtt as f64 / 1e6), true),
-            );
-            next_indicator += 100 * MS;
-        }
+        indicator_if_due(&mut r, now, &mut next_indicator, rtt);
         r.handle_timeout(now);
         while let Some(t) = r.poll_transmit(now) {
-            let Some(s) = &t.split else { continue };
-            let [lead, _] = s.to_packets(&t.packet);
-            let p = Packet::new_checked(&lead[..]).expect("ip");
-            let flow = u16::from_be_bytes([p.payload()[0], p.payload()[1]]) as usize;
-            if flow < n {
-                let bpms = encoding::advertised_rate(p.payload_len()).expect("valid length");
-                feedback.push_back((now + half + half, flow, encoding::bytes_per_ms_to_bps(bpms)));
+            if let Some((flow, bps)) = advertised_to(&t).filter(|(f, _)| *f < n) {
+                feedback.push_back((now + half + half, flow, bps));
                 if now >= measure_from {
                     delivered[flow] += 1500;
                 }
@@ -396,26 +407,15 @@ fn arrivals(cfg: RouterConfig, rtt: Nanos, flows: &[(Nanos, u32)]) -> (f64, u64,
                 now + MS // waiting for the handshake answer
             };
         }
-        if next_indicator <= now {
-            let _ = r.on_packet(
-                now,
-                packet(999, 0, encoding::rtt_indicator(rtt as f64 / 1e6), true),
-            );
-            next_indicator += 100 * MS;
-        }
+        indicator_if_due(&mut r, now, &mut next_indicator, rtt);
         r.handle_timeout(now);
         if now >= last {
             at_last.get_or_insert((r.mode.switches(), r.counters().drops));
             max_occ = max_occ.max(r.queue.occupancy());
         }
         while let Some(t) = r.poll_transmit(now) {
-            let Some(s) = &t.split else { continue };
-            let [lead, _] = s.to_packets(&t.packet);
-            let p = Packet::new_checked(&lead[..]).expect("ip");
-            let flow = u16::from_be_bytes([p.payload()[0], p.payload()[1]]) as usize;
-            if flow < n {
-                let bpms = encoding::advertised_rate(p.payload_len()).expect("valid length");
-                feedback.push_back((now + rtt, flow, encoding::bytes_per_ms_to_bps(bpms)));
+            if let Some((flow, bps)) = advertised_to(&t).filter(|(f, _)| *f < n) {
+                feedback.push_back((now + rtt, flow, bps));
             }
         }
         let wake = next_send
