@@ -122,3 +122,14 @@ def test_refused_token_and_agent_gone_mid_flow_are_told_apart(receiver: TcpRecei
         srv.close()
     assert not gone.completed
     assert "accepted the flow" in gone.error and "mid-flow" in gone.error, gone.error
+
+    # An agent that is not running (a port bound, never listening: nothing
+    # else can take it meanwhile) refuses the connection.
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    try:
+        down = send_flow(closed.getsockname(), tk.issue(SECRET, tk.KIND_TCP, time.time()), 1500)
+    finally:
+        closed.close()
+    assert not down.completed
+    assert "nothing listens on the agent's TCP port" in down.error, down.error

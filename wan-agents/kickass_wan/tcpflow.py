@@ -119,6 +119,16 @@ def send_flow(
                     "the agent accepted the flow, then broke the connection before confirming "
                     f"every byte (it stopped or restarted mid-flow): {result.error}"
                 )
+            elif isinstance(exc, ConnectionRefusedError):
+                result.error = (
+                    "nothing listens on the agent's TCP port (the agent is stopped or "
+                    f"restarting): {result.error}"
+                )
+            elif not connected and isinstance(exc, TimeoutError):
+                result.error = (
+                    f"no answer to the connection in {timeout_s:g}s (the agent or its "
+                    f"network is down, or a firewall drops it): {result.error}"
+                )
             elif connected and isinstance(exc, ConnectionError):
                 result.error = (
                     "the agent broke the connection without accepting the flow (token refused, "
