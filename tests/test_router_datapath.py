@@ -260,13 +260,14 @@ def test_obeying_senders_converge_to_fair_share(
         request.applymarker(
             pytest.mark.xfail(
                 strict=False,
-                reason="open defect (issue 10): on the packet datapaths this failed in 3 of 4 "
-                "full-suite CI runs (one variant each time: rates frozen at 6.84/1.56/1.56 "
-                "Mbit/s, or late samples in TCP mode) but passed 18 of 18 runs on its own, "
-                "and under one or two CPU hogs, a 4M-object heap and after the probe-client "
-                "files. Senders given a TCP-mode back-off (halve per RTT without a rate) "
-                "failed on utilization instead, tun too (2.35 Mbit/s each after 8 RTTs "
-                "without feedback; 7% hypervisor steal during those runs): cause not found",
+                reason="open defect (issue 10): on the packet datapaths this failed in 3 "
+                "full-suite CI runs in a row (one variant each time: rates frozen at "
+                "6.84/1.56/1.56 Mbit/s, or late samples in TCP mode) but passed 18 of 18 "
+                "runs on its own, and under one or two CPU hogs, a 4M-object heap and "
+                "after the probe-client files. Senders given a TCP-mode back-off (halve "
+                "per RTT without a rate) failed on utilization instead, tun too (2.35 "
+                "Mbit/s each after 8 RTTs without feedback; about 9% hypervisor steal "
+                "during those runs): cause not found",
             )
         )
     n, cap_bps = 3, 10e6

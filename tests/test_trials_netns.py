@@ -799,7 +799,7 @@ def test_agent_restart_and_server_outage_lose_and_duplicate_no_flow_record(
     flow, then closed the connection before confirming..."; 1 Kick-Ass flow:
     "the receiver holds no state for this flow (RESET...)"); a TCP flow that
     tries to connect in the ~0.35 s the agent is down says "nothing listens
-    on the agent's TCP port" (measured 1 such flow in each of 4 runs); the
+    on the agent's TCP port" (1 such flow in each of the 6 runs printed); the
     runner's count of failed flows equals the rows not completed; the second
     upload sends nothing.
     """
