@@ -35,11 +35,11 @@ from typing import Any
 
 import kickass_db as db
 import yaml
-from kickass_server.atlas.campaign import Campaign
-from kickass_server.atlas.ingest import MeasurementSpec, join, parse_result
-from kickass_server.atlas.store import AtlasStore
-from kickass_server.icmp_responder import nft_ruleset
-from kickass_server.responder_core import ReplyRecord
+from kickass_atlas.campaign import Campaign
+from kickass_atlas.ingest import MeasurementSpec, join, parse_result
+from kickass_atlas.responder import nft_ruleset
+from kickass_atlas.responder_core import ReplyRecord
+from kickass_atlas.store import AtlasStore
 from kickass_testbed.pg import create_database, embedded_postgres
 from kickass_testbed.topology import Built, End, Host, Link, Process, Topology, build
 

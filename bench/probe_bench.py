@@ -175,10 +175,10 @@ def run_engine(
     until_done: bool = False,
     seed: int = 1,
 ) -> dict:
-    from kickass_db.store import Store
+    from kickass_db.study_store import StudyStore
 
     engine = ProbeEngine(
-        Store(url), bench_policy(), bind_host="127.0.0.1", probe_port=0, server_version="bench"
+        StudyStore(url), bench_policy(), bind_host="127.0.0.1", probe_port=0, server_version="bench"
     )
     engine.start()
     try:

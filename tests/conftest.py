@@ -7,7 +7,7 @@
   database, and each test gets a cheap ``CREATE DATABASE ... TEMPLATE`` copy,
   dropped afterwards even when the test fails.
 - ``empty_database_url``: a fresh database with no schema (migration tests).
-- ``store``: a Store on ``database_url``.
+- ``store``: a StudyStore on ``database_url``.
 
 Other fixtures live in their own modules, listed in ``pytest_plugins``.
 """
@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import kickass_db as db
 import pytest
-from kickass_db.store import Store
+from kickass_db.study_store import StudyStore
 from kickass_testbed.pg import create_database, drop_database, embedded_postgres
 
 pytest_plugins: list[str] = []
@@ -69,8 +69,8 @@ def empty_database_url(pg_server_url: str) -> Iterator[str]:
 
 
 @pytest.fixture
-def store(database_url: str) -> Iterator[Store]:
-    s = Store(database_url)
+def store(database_url: str) -> Iterator[StudyStore]:
+    s = StudyStore(database_url)
     try:
         yield s
     finally:

@@ -1,4 +1,4 @@
-"""Realistic fragment-viability data, written through the real Store API.
+"""Realistic fragment-viability data, written through the real StudyStore API.
 
 ``seed_study(store, n_clients=40, rng=7)`` plays a small study: every
 client is created, proves its UDP address, gets per-probe outcomes and a
@@ -22,9 +22,9 @@ run a second session with the same install id. With ``live=True`` one
 session is left probing and one expired without a handshake, so views that
 must skip unfinished sessions have something to skip.
 
-The Store stamps ``created_at``/``started_at``/``finished_at`` with now();
+The StudyStore stamps ``created_at``/``started_at``/``finished_at`` with now();
 ``spread`` backdates sessions over that much past time with one UPDATE per
-session (the only write here that is not the Store's, and only of times) so
+session (the only write here that is not the StudyStore's, and only of times) so
 time-series panels get more than one bucket. A client's repeat session is
 always later than its first, so its latest verdict is its last session's.
 """
@@ -39,7 +39,7 @@ from datetime import UTC, datetime, timedelta
 
 from kickass_core.plan import Probe, ProbePlan, expected_max_fragment
 from kickass_core.verdict import decide
-from kickass_db.store import ProbeOutcome, Store
+from kickass_db.study_store import ProbeOutcome, StudyStore
 from sqlalchemy import text
 
 PAPER_INTOLERANT_SHARE = 0.083  # 8.3% of 405 clients (Kick-Ass paper)
@@ -73,7 +73,7 @@ class SeededSession:
 
 
 def seed_study(
-    store: Store,
+    store: StudyStore,
     n_clients: int = 40,
     rng: random.Random | int = 0,
     *,
@@ -89,7 +89,7 @@ def seed_study(
 
 
 def seed_study_detailed(
-    store: Store,
+    store: StudyStore,
     n_clients: int = 40,
     rng: random.Random | int = 0,
     *,
@@ -171,7 +171,7 @@ def _session_id(r: random.Random) -> str:
     return f"{r.getrandbits(64):016x}"
 
 
-def _create(store: Store, c: _Client, plan: ProbePlan, r: random.Random, t0: datetime) -> str:
+def _create(store: StudyStore, c: _Client, plan: ProbePlan, r: random.Random, t0: datetime) -> str:
     session_id = _session_id(r)
     store.create_session(
         session_id=session_id,
@@ -188,7 +188,7 @@ def _create(store: Store, c: _Client, plan: ProbePlan, r: random.Random, t0: dat
 
 
 def _run_session(
-    store: Store,
+    store: StudyStore,
     c: _Client,
     plan: ProbePlan,
     r: random.Random,
@@ -222,7 +222,7 @@ def _run_session(
     return SeededSession(session_id, c.install_id, c.kind, "complete", v.verdict, c.platform)
 
 
-def _expired_session(store: Store, r: random.Random, now: datetime) -> SeededSession:
+def _expired_session(store: StudyStore, r: random.Random, now: datetime) -> SeededSession:
     install_id = f"seed-expired-{r.getrandbits(32):08x}"
     c = _Client(install_id, "clean", "Windows-AMD64", _address(r), 50.0, 0.0)
     session_id = _create(store, c, default_plan(), r, now)
@@ -285,7 +285,7 @@ WHERE session_id = :session_id
 """)
 
 
-def _backdate(store: Store, session_id: str, t0: datetime, end: datetime) -> None:
+def _backdate(store: StudyStore, session_id: str, t0: datetime, end: datetime) -> None:
     with store.engine.begin() as conn:
         conn.execute(
             _BACKDATE,
@@ -305,7 +305,8 @@ def seed_trials(database_url: str, rng: int = 5, flows_per_period: int = 40) -> 
     Kick-Ass flows finish in about size/rate + 2 RTT and spend most of their
     time in Kick-Ass mode; TCP flows pay slow start. Returns the trial ids.
     """
-    from kickass_db.trials import TrialStore, flow_id
+    from kickass_core.flow_record import flow_id
+    from kickass_db.trial_store import TrialStore
 
     r = random.Random(rng)
     store = TrialStore(database_url)
@@ -343,7 +344,8 @@ def seed_trials(database_url: str, rng: int = 5, flows_per_period: int = 40) -> 
                     i = period * 1000 + k
                     flows.append(
                         {
-                            "flow_id": flow_id(tid, i), "period_index": period, "protocol": proto,
+                            "flow_id": flow_id(tid, 0, i), "period_index": period,
+                            "protocol": proto,
                             "congestion_control": None if proto == "kickass" else "cubic",
                             "size_bytes": size * 1440, "size_packets": size,
                             "started_at": (t0 + timedelta(seconds=period * 120 + k)).isoformat(),

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from flask.testing import FlaskClient
 from kickass_core import wire
-from kickass_db.store import Store
+from kickass_db.study_store import StudyStore
 from kickass_server.api import ApiConfig, create_app
 from kickass_server.engine import ProbeEngine
 from kickass_server.policy import Policy
@@ -33,12 +33,12 @@ class Clock:
 
 
 class SwitchableStore:
-    """The real Store, or (``down``) one whose database cannot be reached: a
+    """The real StudyStore, or (``down``) one whose database cannot be reached: a
     real outage through the real code path, switched on and off at will."""
 
-    def __init__(self, real: Store) -> None:
+    def __init__(self, real: StudyStore) -> None:
         self.real = real
-        self.dead = Store(DEAD_URL)
+        self.dead = StudyStore(DEAD_URL)
         self.down = False
 
     def __getattr__(self, name: str) -> Any:
@@ -52,7 +52,7 @@ def clock() -> Clock:
 
 @pytest.fixture
 def store(database_url: str) -> Iterator[SwitchableStore]:
-    s = SwitchableStore(Store(database_url))
+    s = SwitchableStore(StudyStore(database_url))
     try:
         yield s
     finally:

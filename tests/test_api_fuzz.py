@@ -13,7 +13,7 @@ import pytest
 from flask.testing import FlaskClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kickass_db.store import Store
+from kickass_db.study_store import StudyStore
 from kickass_server.api import ApiConfig, create_app
 from kickass_server.engine import ProbeEngine
 from kickass_server.policy import Policy
@@ -61,7 +61,7 @@ bodies = (
 
 @pytest.fixture
 def client(database_url: str) -> Iterator[FlaskClient]:
-    store = Store(database_url)
+    store = StudyStore(database_url)
     # Limits high enough that every valid body really creates a session (and
     # reaches PostgreSQL); unproven sessions cost the engine no plan-sized memory.
     policy = Policy(

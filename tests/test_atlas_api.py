@@ -22,10 +22,10 @@ import kickass_db as db
 import pytest
 import yaml
 from atlas_standin import StandIn, envelope, ping_result, running
+from kickass_atlas.campaign import Campaign
+from kickass_atlas.responder_core import ReplyRecord
+from kickass_atlas.store import AtlasStore
 from kickass_core import cli
-from kickass_server.atlas.campaign import Campaign
-from kickass_server.atlas.store import AtlasStore
-from kickass_server.responder_core import ReplyRecord
 from sqlalchemy import text
 
 WHOLE_ADDR, SPLIT_ADDR = "198.18.90.10", "198.18.90.11"

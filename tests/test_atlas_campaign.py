@@ -7,14 +7,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kickass_server.atlas.campaign import (
+from kickass_atlas.campaign import (
     Campaign,
     CampaignError,
     credits_per_result,
     sample_sizes,
 )
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "server/kickass_server/atlas/example-campaign.yaml"
+EXAMPLE = Path(__file__).resolve().parents[1] / "atlas/example-campaign.yaml"
 
 
 def base(**over: Any) -> dict[str, Any]:

@@ -16,8 +16,8 @@ from typing import Any
 
 import kickass_db as db
 import pytest
-from kickass_server.atlas.campaign import Campaign, PlannedMeasurement
-from kickass_server.atlas.ingest import (
+from kickass_atlas.campaign import Campaign, PlannedMeasurement
+from kickass_atlas.ingest import (
     ERROR,
     REPLY,
     TIMEOUT,
@@ -31,7 +31,7 @@ from kickass_server.atlas.ingest import (
     match_runs,
     parse_result,
 )
-from kickass_server.atlas.store import AtlasStore, LoggedReply
+from kickass_atlas.store import AtlasStore, LoggedReply
 from sqlalchemy import text
 
 SAGAN = {

@@ -19,7 +19,7 @@ from kickass_core import cli
 from kickass_core.errors import KickassError
 from kickass_core.plan import ProbePlan, expected_max_fragment
 from kickass_db.models import Base
-from kickass_db.store import ProbeOutcome, Store
+from kickass_db.study_store import ProbeOutcome, StudyStore
 from sqlalchemy import CheckConstraint, Engine, inspect, text
 
 REPO = Path(__file__).resolve().parents[1]
@@ -294,7 +294,9 @@ T0 = datetime(2026, 1, 1, tzinfo=UTC)
 LEAD = 44  # leading fragment IP length of the seeded split
 
 
-def seed_session(store: Store, session_id: str, install_id: str | None = "volunteer-1") -> None:
+def seed_session(
+    store: StudyStore, session_id: str, install_id: str | None = "volunteer-1"
+) -> None:
     store.create_session(
         session_id=session_id,
         cookie_hash=b"\0" * 32,
@@ -320,7 +322,7 @@ def outcome(seq: int, phase: str, ip_len: int, result: str, **kw: object) -> Pro
     )
 
 
-def seeded(store: Store) -> None:
+def seeded(store: StudyStore) -> None:
     """Session A (complete): whole 1500 sent 10, acked 7 (1 late, 2 lost);
     split leading 44 sent 10, acked 5 (3 arrived as sent, 1 re-fragmented by
     a NAT, 1 reassembled). Session B (probing) has one more outcome; session C
@@ -351,7 +353,7 @@ def rows(engine: Engine, sql: str) -> list[dict[str, object]]:
         return [dict(r) for r in conn.execute(text(sql)).mappings()]
 
 
-def test_per_session_views(store: Store, engine: Engine) -> None:
+def test_per_session_views(store: StudyStore, engine: Engine) -> None:
     seeded(store)
     whole = rows(engine, "SELECT * FROM v_whole_drop WHERE session_id = 'aaaaaaaaaaaaaaaa'")
     assert whole == [
@@ -391,7 +393,7 @@ def test_per_session_views(store: Store, engine: Engine) -> None:
     ]
 
 
-def test_session_summary(store: Store, engine: Engine) -> None:
+def test_session_summary(store: StudyStore, engine: Engine) -> None:
     seeded(store)
     by_id = {
         r["session_id"]: r
@@ -414,7 +416,7 @@ def test_session_summary(store: Store, engine: Engine) -> None:
     assert (c["whole_sent"], c["whole_drop_rate"], c["split_sent"]) == (0, None, 0)
 
 
-def test_client_verdicts(store: Store, engine: Engine) -> None:
+def test_client_verdicts(store: StudyStore, engine: Engine) -> None:
     seeded(store)
     clients = rows(engine, "SELECT * FROM v_client_verdicts ORDER BY client_id")
     volunteer = [c for c in clients if c["install_id"] == "volunteer-1"]
@@ -427,7 +429,7 @@ def test_client_verdicts(store: Store, engine: Engine) -> None:
     assert [(c["sessions"], c["latest_session_id"]) for c in anonymous] == [(1, "cccccccccccccccc")]
 
 
-def test_pooled_views_count_finished_sessions_only(store: Store, engine: Engine) -> None:
+def test_pooled_views_count_finished_sessions_only(store: StudyStore, engine: Engine) -> None:
     seeded(store)
     seed_session(store, "dddddddddddddddd", install_id="volunteer-2")
     store.record_outcomes(

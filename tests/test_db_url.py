@@ -7,7 +7,7 @@ import pytest
 from kickass_core import cli
 from kickass_core.errors import KickassError
 from kickass_db.retry import DatabaseUnavailable
-from kickass_db.store import Store
+from kickass_db.study_store import StudyStore
 from sqlalchemy import make_url
 
 # Port 1 on loopback: nothing listens, so the connection is refused at once.
@@ -55,7 +55,7 @@ def test_urls_are_rewritten_for_psycopg3(
 def test_non_postgres_urls_are_refused(bad: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(db.ENV_DATABASE_URL, raising=False)
     with pytest.raises(KickassError):
-        Store(bad)
+        StudyStore(bad)
 
 
 def test_messages_never_show_the_password() -> None:
@@ -77,12 +77,12 @@ def test_unix_socket_url_forms_connect(database_url: str) -> None:
         f"postgresql+psycopg://{user}@/{name}?host={socket_dir}",
         f"postgresql://{user}@{encoded}/{name}",
     ):
-        with Store(url) as store:
+        with StudyStore(url) as store:
             store.ping()
 
 
 def test_unreachable_server_is_a_clear_error() -> None:
-    with Store(REFUSED_URL) as store, pytest.raises(DatabaseUnavailable) as err:
+    with StudyStore(REFUSED_URL) as store, pytest.raises(DatabaseUnavailable) as err:
         store.ping()
     message = str(err.value)
     assert "cannot reach the database at postgresql://kickass:***@127.0.0.1:1/kickass" in message
@@ -93,12 +93,12 @@ def test_unreachable_server_is_a_clear_error() -> None:
 
 def test_missing_socket_directory_is_a_clear_error() -> None:
     url = "postgresql://kickass@/kickass?host=/nonexistent/kickass"
-    with Store(url) as store, pytest.raises(KickassError, match="cannot reach the database"):
+    with StudyStore(url) as store, pytest.raises(KickassError, match="cannot reach the database"):
         store.ping()
 
 
 def test_store_calls_on_an_unreachable_database_raise_database_unavailable() -> None:
-    with Store(REFUSED_URL) as store:
+    with StudyStore(REFUSED_URL) as store:
         with pytest.raises(DatabaseUnavailable, match="database unavailable") as err:
             store.heartbeat("0123456789abcdef", 1, 1)
         assert "hunter2" not in str(err.value)
@@ -106,12 +106,12 @@ def test_store_calls_on_an_unreachable_database_raise_database_unavailable() -> 
 
 def test_missing_database_names_the_problem(pg_server_url: str) -> None:
     url = db.libpq_url(pg_server_url, "no_such_kickass_db")
-    with Store(url) as store, pytest.raises(KickassError, match="does not exist"):
+    with StudyStore(url) as store, pytest.raises(KickassError, match="does not exist"):
         store.ping()
 
 
 def test_unmigrated_database_tells_the_operator_to_upgrade(empty_database_url: str) -> None:
-    with Store(empty_database_url) as store, pytest.raises(KickassError) as err:
+    with StudyStore(empty_database_url) as store, pytest.raises(KickassError) as err:
         store.ping()
     assert "no kickass schema" in str(err.value)
     assert err.value.hint == "run: kickass db upgrade"

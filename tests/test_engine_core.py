@@ -17,8 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kickass_core import wire
+from kickass_core.pacing import Pacer, TokenBucket
 from kickass_core.plan import ProbePlan, plan_bytes
-from kickass_server.pacing import Pacer, TokenBucket
 from kickass_server.policy import AdmissionDenied, Policy
 from kickass_server.probe_core import (
     FINISHED_GRACE_S,

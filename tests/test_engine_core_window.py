@@ -444,7 +444,7 @@ def test_the_window_record_is_stored_beside_the_reassembly_record(store) -> None
     import hashlib
     from datetime import UTC, datetime, timedelta
 
-    from kickass_db import journal
+    from kickass_core import study_events
 
     plan = adaptive(repetitions=1, step=256)
     for sid in ("00000000000000a1", "00000000000000a2"):
@@ -461,12 +461,11 @@ def test_the_window_record_is_stored_beside_the_reassembly_record(store) -> None
     store.finish_session(
         "00000000000000a1", "complete", "inconclusive", "t", None, {"reports": 2}, record
     )
-    journal.apply(
-        store,
-        {"method": "finish_session", "session_id": "00000000000000a2", "state": "complete",
-         "verdict": "inconclusive", "verdict_reason": "t", "end_reason": None,
-         "reassembly": None, "window": record},
-    )  # fmt: skip
+    # Through the journal's codec, as a replay after a crash would store it.
+    event = study_events.RunFinished(
+        "00000000000000a2", "complete", "inconclusive", "t", None, None, record
+    )
+    store.apply(study_events.from_json(study_events.to_json(event)))
     for sid in ("00000000000000a1", "00000000000000a2"):
         meta = store.session_results(sid)["client_metadata"]
         assert meta["window"] == record

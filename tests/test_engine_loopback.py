@@ -21,7 +21,7 @@ import pytest
 from kickass_core import wire
 from kickass_core.errors import KickassError
 from kickass_core.plan import ProbePlan
-from kickass_db.store import Store
+from kickass_db.study_store import StudyStore
 from kickass_server.engine import ProbeEngine
 from kickass_server.policy import Policy
 
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="raw sockets need root
 @pytest.fixture
 def engine(database_url: str) -> Iterator[ProbeEngine]:
     e = ProbeEngine(
-        Store(database_url),
+        StudyStore(database_url),
         Policy(min_timeout_ms=200),
         bind_host="127.0.0.1",
         probe_port=0,
@@ -137,7 +137,7 @@ def test_ack_accounting_late_duplicate_reordered(engine: ProbeEngine, database_u
         # writer_sync hands the engine's pending rows over first: no race
         # with the periodic flush.
         engine.writer_sync()
-        res = Store(database_url).session_results(peer.new.session_id)
+        res = StudyStore(database_url).session_results(peer.new.session_id)
         by_len = {r["ip_len"]: r for r in res["whole"]}
         assert by_len[556]["acked"] == 0 and by_len[556]["late"] == 1
         assert by_len[44]["acked"] == 1 and by_len[1068]["acked"] == 1
@@ -161,7 +161,7 @@ def test_end_session_records_outstanding_as_lost(engine: ProbeEngine, database_u
         assert engine.end_session(peer.new.session_id, "00" * 16) == "forbidden"
         assert engine.end_session(peer.new.session_id, peer.new.cookie) == "ended"
         engine.writer_sync()
-        res = Store(database_url).session_results(peer.new.session_id)
+        res = StudyStore(database_url).session_results(peer.new.session_id)
         assert res["state"] == "ended" and res["end_reason"] == "client-ended"
         assert res["sent"] == sum(r["sent"] for r in res["whole"] + res["split"])
         assert res["acked"] >= 5
@@ -215,7 +215,7 @@ def test_database_restart_mid_session_loses_nothing(tmp_path) -> None:  # noqa: 
     try:
         upgrade(url)
         e = ProbeEngine(
-            Store(url),
+            StudyStore(url),
             # Paced so that the probing after the outage starts lasts
             # about 2.5 s: writes meet the outage, whatever the machine's speed.
             Policy(min_timeout_ms=200, pps_per_address=100),
@@ -248,7 +248,7 @@ def test_database_restart_mid_session_loses_nothing(tmp_path) -> None:  # noqa: 
                 assert restarted and acked == plan.total_probes
                 assert _wait_state(e, peer.new.session_id, "complete", deadline - time.monotonic())
                 assert e.writer_sync(30)
-                res = Store(url).session_results(peer.new.session_id)
+                res = StudyStore(url).session_results(peer.new.session_id)
                 assert res["state"] == "complete"
                 assert res["sent"] == plan.total_probes and res["acked"] == plan.total_probes
                 assert e.stats()["db_write_failures"] >= 1  # it really was away

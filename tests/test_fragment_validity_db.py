@@ -20,7 +20,7 @@ from flask.testing import FlaskClient
 from kickass_core import cli
 from kickass_core.plan import ProbePlan
 from kickass_core.verdict import decide, excess
-from kickass_db.store import ProbeOutcome, Store
+from kickass_db.study_store import ProbeOutcome, StudyStore
 from kickass_server.api import ApiConfig, create_app
 from kickass_server.engine import ProbeEngine
 from kickass_server.policy import Policy
@@ -32,7 +32,7 @@ COOKIE = bytes(range(16))
 PLAN = ProbePlan.build(repetitions=10, step=256, window=4)  # 8 whole, 6 split sizes
 
 
-def seed(store: Store, *, lost_splits: int = 20, state: str = "complete") -> None:
+def seed(store: StudyStore, *, lost_splits: int = 20, state: str = "complete") -> None:
     """Whole: all acked. Split: the first ``lost_splits`` lost, the rest acked."""
     store.create_session(
         session_id=SID,
@@ -65,7 +65,7 @@ def seed(store: Store, *, lost_splits: int = 20, state: str = "complete") -> Non
         store.finish_session(SID, state, "inconclusive", "seeded", None, {"reports": 3})
 
 
-def summary(store: Store) -> dict[str, Any]:
+def summary(store: StudyStore) -> dict[str, Any]:
     with store.engine.connect() as conn:
         return dict(
             conn.execute(
@@ -74,7 +74,7 @@ def summary(store: Store) -> dict[str, Any]:
         )  # fmt: skip
 
 
-def test_invalid_probes_leave_the_drop_rates(store: Store) -> None:
+def test_invalid_probes_leave_the_drop_rates(store: StudyStore) -> None:
     seed(store)
     before = summary(store)
     assert (before["split_sent"], before["split_acked"]) == (60, 40)
@@ -102,7 +102,7 @@ def test_invalid_probes_leave_the_drop_rates(store: Store) -> None:
     assert summary(store)["split_reassembly_invalid"] == 12
 
 
-def test_a_late_engine_write_keeps_the_flag(store: Store) -> None:
+def test_a_late_engine_write_keeps_the_flag(store: StudyStore) -> None:
     seed(store)
     first = PLAN.split_from
     store.record_client_report(SID, invalid_ranges=[(first, first + 1)])
@@ -114,7 +114,7 @@ def test_a_late_engine_write_keeps_the_flag(store: Store) -> None:
     assert summary(store)["split_reassembly_invalid"] == 1
 
 
-def test_metadata_before_during_after(store: Store) -> None:
+def test_metadata_before_during_after(store: StudyStore) -> None:
     seed(store)
     store.record_client_report(SID, metadata={"reassembly": {"client": {"after": {"fails": 7}}}})
     meta = store.session_results(SID)["client_metadata"]["reassembly"]
@@ -126,7 +126,7 @@ def test_metadata_before_during_after(store: Store) -> None:
     }
 
 
-def test_excess_in_sql_matches_python(store: Store) -> None:
+def test_excess_in_sql_matches_python(store: StudyStore) -> None:
     seed(store, lost_splits=7)
     row = summary(store)
     x = excess(row["whole_sent"], row["whole_acked"], row["split_sent"], row["split_acked"])
@@ -163,7 +163,7 @@ class Clock:
 
 
 @pytest.fixture
-def api(store: Store) -> Iterator[FlaskClient]:
+def api(store: StudyStore) -> Iterator[FlaskClient]:
     engine = ProbeEngine(store, Policy(), probe_port=9000, server_version="t", clock=Clock())
     try:
         yield create_app(engine, store, ApiConfig(health_cache_s=0)).test_client()
@@ -177,7 +177,7 @@ def post(api: FlaskClient, body: Any, cookie: str = COOKIE.hex()) -> Any:
     )
 
 
-def test_report_endpoint_stores_observations(api: FlaskClient, store: Store) -> None:
+def test_report_endpoint_stores_observations(api: FlaskClient, store: StudyStore) -> None:
     seed(store)
     # Split seqs: the first 10 acked splits swapped, the next 10 as sent.
     acked_splits = [s for s in range(PLAN.split_from + 20, PLAN.total_probes)]
@@ -247,7 +247,7 @@ def test_report_endpoint_stores_observations(api: FlaskClient, store: Store) -> 
     ],
 )
 def test_report_endpoint_refuses_bad_input(
-    api: FlaskClient, store: Store, body: dict, status: int
+    api: FlaskClient, store: StudyStore, body: dict, status: int
 ) -> None:
     seed(store)
     if "nan" in repr(body):
@@ -264,7 +264,7 @@ def test_report_endpoint_refuses_bad_input(
 
 
 def test_report_endpoint_needs_the_cookie_and_a_finished_session(
-    api: FlaskClient, store: Store
+    api: FlaskClient, store: StudyStore
 ) -> None:
     seed(store, state="probing")
     assert post(api, {}, cookie="00" * 16).status_code == 403

@@ -3,7 +3,7 @@
 There is no Grafana binary here, so the test does what Grafana would: expand
 the macros and template variables of each panel's raw SQL (the expander
 below mirrors Grafana's PostgreSQL data source) and execute the result on a
-migrated database seeded through the Store (tests/seed.py) — as the
+migrated database seeded through the StudyStore (tests/seed.py) — as the
 read-only role docker/grant_reader.py creates, which may read the analysis
 views and nothing else. A panel that touches a table fails here.
 """
@@ -24,7 +24,7 @@ import kickass_db as db
 import psycopg
 import pytest
 import yaml
-from kickass_db.store import Store
+from kickass_db.study_store import StudyStore
 from psycopg import sql
 from seed import seed_study, seed_trials
 
@@ -324,7 +324,7 @@ def _load_grant_reader() -> Callable[..., list[str]]:
 
 
 @pytest.fixture
-def reader_conn(database_url: str, store: Store) -> Iterator[psycopg.Connection]:
+def reader_conn(database_url: str, store: StudyStore) -> Iterator[psycopg.Connection]:
     """A connection to a seeded database, acting as the views-only reader role."""
     seed_study(store, n_clients=40, rng=11, spread=timedelta(days=14), live=True)
     seed_trials(database_url)

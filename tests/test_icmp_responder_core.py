@@ -9,14 +9,14 @@ import struct
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kickass_core.plan import split_leading_ip_lens
-from kickass_server import responder_core as rc
-from kickass_server.responder_core import (
+from kickass_atlas import responder_core as rc
+from kickass_atlas.responder_core import (
     ResponderConfig,
     ResponderCore,
     echo_reply_checksum,
     internet_checksum,
 )
+from kickass_core.plan import split_leading_ip_lens
 from scapy.layers.inet import ICMP, IP, defragment
 from scapy.packet import Raw
 
@@ -244,8 +244,8 @@ def test_requester_state_is_forgotten_when_quiet_and_bounded_under_spoofing() ->
 
 
 def test_the_shell_refuses_an_address_the_host_does_not_have() -> None:
+    from kickass_atlas.responder import check_addresses, nft_ruleset
     from kickass_core.errors import KickassError
-    from kickass_server.icmp_responder import check_addresses, nft_ruleset
 
     with pytest.raises(KickassError, match="192.0.2.99 is not an address of this host"):
         check_addresses(["127.0.0.1", "192.0.2.99"])

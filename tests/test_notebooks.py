@@ -17,7 +17,7 @@ from typing import Any
 import kickass_db as db
 import nbformat
 import pytest
-from kickass_db.store import Store
+from kickass_db.study_store import StudyStore
 from nbclient import NotebookClient
 from seed import seed_study_detailed, seed_trials
 
@@ -74,7 +74,7 @@ def test_notebooks_read_only_the_views() -> None:
 @pytest.mark.slow
 def test_fragment_viability_notebook_runs_on_seeded_data(
     database_url: str,
-    store: Store,
+    store: StudyStore,
     kernel_env: None,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,

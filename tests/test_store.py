@@ -1,4 +1,4 @@
-"""The Store on a real PostgreSQL: round trips, idempotence, orphans, restarts."""
+"""The StudyStore on a real PostgreSQL: round trips, idempotence, orphans, restarts."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from kickass_core.errors import KickassError
 from kickass_core.plan import ProbePlan
 from kickass_core.verdict import decide
 from kickass_db.retry import DatabaseUnavailable
-from kickass_db.store import ProbeOutcome, Store, UnknownSession
+from kickass_db.study_store import ProbeOutcome, StudyStore, UnknownSession
 from kickass_testbed.pg import EmbeddedPostgres
 from sqlalchemy import text
 
@@ -27,7 +27,7 @@ COOKIE = bytes(range(32))
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 
 
-def create(store: Store, session_id: str = SID, **overrides: Any) -> None:
+def create(store: StudyStore, session_id: str = SID, **overrides: Any) -> None:
     kwargs: dict[str, Any] = {
         "session_id": session_id,
         "cookie_hash": COOKIE,
@@ -62,16 +62,16 @@ def outcomes(
     ]
 
 
-def query(store: Store, sql: str, **params: Any) -> list[dict[str, Any]]:
+def query(store: StudyStore, sql: str, **params: Any) -> list[dict[str, Any]]:
     with store.engine.connect() as conn:
         return [dict(r) for r in conn.execute(text(sql), params).mappings()]
 
 
-def test_ping_on_a_migrated_database(store: Store) -> None:
+def test_ping_on_a_migrated_database(store: StudyStore) -> None:
     store.ping()
 
 
-def test_create_session_round_trip(store: Store) -> None:
+def test_create_session_round_trip(store: StudyStore) -> None:
     create(store)
     assert store.cookie_hash(SID) == COOKIE
     r = store.session_results(SID)
@@ -96,13 +96,13 @@ def test_timestamps_are_utc_whatever_the_server_zone(database_url: str) -> None:
         name = conn.execute("SELECT current_database()").fetchone()
         assert name is not None
         conn.execute(f"ALTER DATABASE \"{name[0]}\" SET timezone = 'America/New_York'")
-    with Store(database_url) as store:
+    with StudyStore(database_url) as store:
         create(store)
         r = store.session_results(SID)
         assert r is not None and r["created_at"].endswith("+00:00")
 
 
-def test_unknown_session(store: Store) -> None:
+def test_unknown_session(store: StudyStore) -> None:
     assert store.session_results(SID) is None
     assert store.cookie_hash(SID) is None
     assert store.mark_probing(SID, "203.0.113.9", 1234, None) is False
@@ -112,7 +112,7 @@ def test_unknown_session(store: Store) -> None:
         store.record_outcomes(SID, outcomes("whole", 1, 1))
 
 
-def test_clients_are_upserted_by_install_id(store: Store) -> None:
+def test_clients_are_upserted_by_install_id(store: StudyStore) -> None:
     create(store, "1111111111111111", platform="linux")
     create(
         store,
@@ -141,7 +141,7 @@ def test_clients_are_upserted_by_install_id(store: Store) -> None:
     assert [r["n"] for r in per_client] == [1, 1, 2]
 
 
-def test_create_session_is_idempotent_for_the_same_cookie(store: Store) -> None:
+def test_create_session_is_idempotent_for_the_same_cookie(store: StudyStore) -> None:
     create(store)
     create(store)  # a retried call
     assert query(store, "SELECT count(*) AS n FROM sessions") == [{"n": 1}]
@@ -151,12 +151,12 @@ def test_create_session_is_idempotent_for_the_same_cookie(store: Store) -> None:
 
 
 @pytest.mark.parametrize("bad", ["0123456789ABCDEF", "0123", "0123456789abcdef0", "xyz"])
-def test_session_ids_are_16_lowercase_hex(store: Store, bad: str) -> None:
+def test_session_ids_are_16_lowercase_hex(store: StudyStore, bad: str) -> None:
     with pytest.raises(ValueError, match="16 lowercase hex"):
         create(store, bad)
 
 
-def test_naive_datetimes_are_refused(store: Store) -> None:
+def test_naive_datetimes_are_refused(store: StudyStore) -> None:
     with pytest.raises(ValueError, match="timezone-aware"):
         create(store, expires_at=datetime(2026, 1, 1))
     create(store)
@@ -166,7 +166,7 @@ def test_naive_datetimes_are_refused(store: Store) -> None:
         store.record_outcomes(SID, [naive])
 
 
-def test_mark_probing(store: Store) -> None:
+def test_mark_probing(store: StudyStore) -> None:
     create(store)
     assert store.mark_probing(SID, "203.0.113.9", 40123, 31.5) is True
     r = store.session_results(SID)
@@ -184,7 +184,7 @@ def test_mark_probing(store: Store) -> None:
     assert query(store, "SELECT state FROM sessions") == [{"state": "expired"}]
 
 
-def test_record_outcomes_round_trip(store: Store) -> None:
+def test_record_outcomes_round_trip(store: StudyStore) -> None:
     create(store)
     rows = outcomes("whole", 3, 2) + outcomes("split", 2, 1, start=3, ip_len=500)
     rows[3].observed_frag_size = 1020
@@ -198,7 +198,7 @@ def test_record_outcomes_round_trip(store: Store) -> None:
     assert [ProbeOutcome(**r) for r in stored] == rows
 
 
-def test_a_resent_batch_changes_nothing(store: Store) -> None:
+def test_a_resent_batch_changes_nothing(store: StudyStore) -> None:
     create(store)
     batch = outcomes("whole", 50, 40)
     store.record_outcomes(SID, batch)
@@ -208,7 +208,7 @@ def test_a_resent_batch_changes_nothing(store: Store) -> None:
     assert query(store, "SELECT count(*) AS n FROM probe_outcomes") == [{"n": 50}]
 
 
-def test_late_ack_updates_a_lost_probe(store: Store) -> None:
+def test_late_ack_updates_a_lost_probe(store: StudyStore) -> None:
     create(store)
     store.record_outcomes(SID, outcomes("whole", 10, 7))
     late = outcomes("whole", 10, 7)[9]
@@ -238,14 +238,14 @@ def test_late_ack_updates_a_lost_probe(store: Store) -> None:
     assert row == [{"outcome": "late", "rtt_ms": 3000.0, "acked_at": late.acked_at}]
 
 
-def test_the_last_word_on_a_seq_wins_within_a_batch(store: Store) -> None:
+def test_the_last_word_on_a_seq_wins_within_a_batch(store: StudyStore) -> None:
     create(store)
     first, again = outcomes("whole", 1, 0)[0], outcomes("whole", 1, 1)[0]
     store.record_outcomes(SID, [first, again])
     assert query(store, "SELECT outcome FROM probe_outcomes") == [{"outcome": "acked"}]
 
 
-def test_invalid_outcomes_are_refused(store: Store) -> None:
+def test_invalid_outcomes_are_refused(store: StudyStore) -> None:
     create(store)
     bad = outcomes("whole", 1, 1)[0]
     bad.phase = "fragmented"
@@ -258,7 +258,7 @@ def test_invalid_outcomes_are_refused(store: Store) -> None:
     store.record_outcomes(SID, [])  # nothing to do is fine
 
 
-def test_a_full_paper_plan_is_one_quick_batch(store: Store) -> None:
+def test_a_full_paper_plan_is_one_quick_batch(store: StudyStore) -> None:
     plan = ProbePlan.build()  # the paper's N=100: 36,600 probes
     create(store, plan=plan.to_json())
     batch = [
@@ -279,7 +279,7 @@ def test_a_full_paper_plan_is_one_quick_batch(store: Store) -> None:
     assert elapsed < 10, f"{plan.total_probes} outcomes took {elapsed:.1f} s"
 
 
-def test_heartbeat_counters_until_outcomes_exist(store: Store) -> None:
+def test_heartbeat_counters_until_outcomes_exist(store: StudyStore) -> None:
     create(store)
     store.mark_probing(SID, "203.0.113.9", 4000, 20.0)
     assert store.heartbeat(SID, 120, 118) is True
@@ -290,7 +290,7 @@ def test_heartbeat_counters_until_outcomes_exist(store: Store) -> None:
     assert r is not None and (r["sent"], r["acked"]) == (10, 9)
 
 
-def test_finish_session_first_final_state_wins(store: Store) -> None:
+def test_finish_session_first_final_state_wins(store: StudyStore) -> None:
     create(store)
     assert store.finish_session(SID, "complete", "fragments-ok", "fine", "done") is True
     assert store.finish_session(SID, "expired", "inconclusive", "late timer") is False
@@ -305,7 +305,7 @@ def test_finish_session_first_final_state_wins(store: Store) -> None:
     assert datetime.fromisoformat(r["finished_at"]).utcoffset() == timedelta(0)
 
 
-def test_finish_session_validates(store: Store) -> None:
+def test_finish_session_validates(store: StudyStore) -> None:
     create(store)
     with pytest.raises(ValueError, match="state"):
         store.finish_session(SID, "probing", None, None)
@@ -313,7 +313,7 @@ def test_finish_session_validates(store: Store) -> None:
         store.finish_session(SID, "complete", "fine", None)
 
 
-def test_orphans_become_incomplete_with_a_verdict_from_their_data(store: Store) -> None:
+def test_orphans_become_incomplete_with_a_verdict_from_their_data(store: StudyStore) -> None:
     create(store, "000000000000000a")  # created, never probed
     create(store, "000000000000000b")
     store.mark_probing("000000000000000b", "203.0.113.9", 4000, 20.0)
@@ -345,7 +345,7 @@ def test_orphans_become_incomplete_with_a_verdict_from_their_data(store: Store) 
     assert store.mark_orphans_incomplete() == []
 
 
-def test_store_is_shared_by_threads(store: Store) -> None:
+def test_store_is_shared_by_threads(store: StudyStore) -> None:
     ids = [f"{i:016x}" for i in range(4)]
     for sid in ids:
         create(store, sid)
@@ -374,7 +374,7 @@ def test_store_is_shared_by_threads(store: Store) -> None:
 # -- the database goes away and comes back -----------------------------------
 
 
-def test_killed_connections_are_survived(store: Store, database_url: str) -> None:
+def test_killed_connections_are_survived(store: StudyStore, database_url: str) -> None:
     create(store)
     store.record_outcomes(SID, outcomes("whole", 5, 5))
     # What a restart does to the pool: every server-side backend is gone.
@@ -401,7 +401,7 @@ def restartable_pg() -> Iterator[EmbeddedPostgres]:
 def test_a_database_restart_loses_nothing(restartable_pg: EmbeddedPostgres) -> None:
     url = restartable_pg.url
     db.upgrade(url)
-    with Store(url) as store:
+    with StudyStore(url) as store:
         create(store)
         store.mark_probing(SID, "203.0.113.9", 4000, 20.0)
         first = outcomes("whole", 20, 18)

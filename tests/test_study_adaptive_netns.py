@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 from kickass_core.plan import ProbePlan
-from kickass_db.store import Store
+from kickass_db.study_store import StudyStore
 from kickass_testbed.binaries import rust_binary
 from kickass_testbed.internet import probe_internet
 from pcap_truth import ProbeTruth
@@ -119,5 +119,5 @@ def test_the_default_plan_takes_about_a_minute_and_measures_the_path(
         assert abs(n["true_loss"] - p) <= 4.5 * math.sqrt(p * (1 - p) / n["sent"]), n
     assert out["verdict"] == "fragments-ok"
     # The window's record is stored with the session.
-    stored = Store(database_url).session_results(out["session_id"])
+    stored = StudyStore(database_url).session_results(out["session_id"])
     assert stored is not None and stored["client_metadata"]["window"] == window

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 from kickass_core import wire
-from kickass_db.store import Store
+from kickass_db.study_store import StudyStore
 from kickass_testbed.internet import PROBE_PORT, SERVER_IP, parse_json_output, probe_internet
 
 pytestmark = [
@@ -82,7 +82,7 @@ def test_clean_path_every_size_and_split_acknowledged(internet, database_url) ->
     assert all(r["sent"] == 2 and r["acked"] == 2 for r in out["whole"]), out["whole"]
     assert all(r["sent"] == 2 and r["acked"] == 2 for r in out["split"]), out["split"]
     # What the client printed is what the database holds.
-    db = Store(database_url).session_results(out["session_id"])
+    db = StudyStore(database_url).session_results(out["session_id"])
     assert db is not None and db["state"] == "complete"
     for key, size_key in (("whole", "ip_len"), ("split", "leading_ip_len")):
         printed = {(r[size_key], r["sent"], r["acked"]) for r in out[key]}
@@ -123,7 +123,7 @@ def test_lossy_path_drop_rates(internet) -> None:  # noqa: ANN001
 def test_client_behind_nat_completes(internet, database_url) -> None:  # noqa: ANN001
     out = _run_json(internet, "natted", _plan(2, step=32))
     assert out["verdict"] == "fragments-ok"
-    db = Store(database_url).session_results(out["session_id"])
+    db = StudyStore(database_url).session_results(out["session_id"])
     assert db["state"] == "complete"
     # The NAT's conntrack reassembles and re-fragments, yet every datagram arrives.
     assert all(r["acked"] == r["sent"] for r in db["split"])
@@ -286,7 +286,7 @@ def test_server_killed_mid_session(internet, database_url) -> None:  # noqa: ANN
     proc = internet.popen_client(
         "clean", ["--json", *_plan(100, window=1)], stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
-    store = Store(database_url)
+    store = StudyStore(database_url)
     sid = None
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -322,7 +322,7 @@ def test_probe_rate_limit_per_address(database_url, tmp_path) -> None:  # noqa: 
     env = {"KICKASS_POLICY_PPS_PER_ADDRESS": "300"}
     with probe_internet(database_url, kinds=("clean",), server_env=env, log_dir=tmp_path) as net:
         out = _run_json(net, "clean", _plan(1, step=8, window=64))
-        store = Store(database_url)
+        store = StudyStore(database_url)
         with store.engine.connect() as conn:
             span = conn.exec_driver_sql(
                 "select extract(epoch from max(sent_at) - min(sent_at)), count(*) "

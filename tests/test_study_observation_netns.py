@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 from kickass_core.plan import ProbePlan
-from kickass_db.store import Store
+from kickass_db.study_store import StudyStore
 from kickass_testbed.internet import (
     SERVER_IP,
     SMALL_MTU,
@@ -92,7 +92,7 @@ def test_swapped_splits_unprivileged_and_observed(swapped, database_url, tmp_pat
     assert "with the largest fragment as cut by the server" in text
     assert "arrived as sent" not in text.lower()
     assert "Leading fragment" not in text  # nothing observed, nothing claimed
-    store = Store(database_url)
+    store = StudyStore(database_url)
     rows = {r["leading_ip_len"]: r for r in store.session_results(sid)["split"]}
     for size, r in rows.items():
         # The old column keeps its meaning (largest fragment as sent): every

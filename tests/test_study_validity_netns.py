@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 from kickass_core.plan import ProbePlan
 from kickass_core.verdict import decide
-from kickass_db.store import Store
+from kickass_db.study_store import StudyStore
 from kickass_testbed.internet import (
     SERVER_IP,
     SMALL_FRAGMENT_LEN,
@@ -208,7 +208,7 @@ def test_every_packet_duplicated(net_factory, tmp_path) -> None:  # noqa: ANN001
 
 
 def _check_stored_metadata(database_url: str, out: dict) -> None:
-    res = Store(database_url).session_results(out["session_id"])
+    res = StudyStore(database_url).session_results(out["session_id"])
     assert res is not None
     meta = res["client_metadata"]["reassembly"]
     # Before (with the session request), during (the engine's view of the
@@ -218,7 +218,7 @@ def _check_stored_metadata(database_url: str, out: dict) -> None:
     assert meta["server"]["reports"] > 0 and meta["server"]["refused"] == 0
     assert meta["client"]["after"]["fails"] is not None
     assert meta["client"]["split_start"] is not None
-    with Store(database_url).engine.connect() as conn:
+    with StudyStore(database_url).engine.connect() as conn:
         row = conn.exec_driver_sql(
             "SELECT split_reassembly_invalid, reassembly_refused, reassembly_high_thresh "
             "FROM v_session_summary WHERE session_id = %(sid)s",
@@ -289,7 +289,7 @@ def test_fragments_refused_by_a_full_memory_are_invalid_not_loss(
     assert "refused fragments" in out["verdict_reason"]
     assert "WARNING" not in proc.stdout  # JSON mode; the summary says it (below)
     # The stored rows: every invalid probe is a lost one, out of sent.
-    store = Store(database_url)
+    store = StudyStore(database_url)
     with store.engine.connect() as conn:
         rows = conn.exec_driver_sql(
             "SELECT o.outcome, count(*) FROM probe_outcomes o JOIN sessions s "

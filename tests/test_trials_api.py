@@ -8,7 +8,7 @@ import pytest
 from flask import Flask
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kickass_db.trials import TrialStore
+from kickass_db.trial_store import TrialStore
 from kickass_server import trials_api
 from test_trials_db import _flow, _trial
 

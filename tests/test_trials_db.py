@@ -7,7 +7,8 @@ from datetime import UTC, datetime, timedelta
 
 import kickass_db as db
 import pytest
-from kickass_db.trials import BadRecord, TrialStore, flow_id
+from kickass_core.flow_record import flow_id
+from kickass_db.trial_store import BadRecord, TrialStore
 from sqlalchemy import create_engine, text
 
 T0 = datetime(2026, 11, 22, 12, 0, tzinfo=UTC)
@@ -38,7 +39,7 @@ def _trial(tid: str, dest: str = "agent-a") -> dict:
 
 def _flow(tid: str, i: int, proto: str, size: int, fct: float | None, frac: float | None) -> dict:
     return {
-        "flow_id": flow_id(tid, i),
+        "flow_id": flow_id(tid, 0, i),
         "period_index": 0 if proto == "tcp" else 1,
         "protocol": proto,
         "size_bytes": size * 1500,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import kickass_db as db
 import pytest
-from kickass_db.trials import TrialStore
+from kickass_db.trial_store import TrialStore
 from sqlalchemy import create_engine, text
 from test_server_instances import _free_port, server
 from test_wan_agent import SECRET, agent, start_agent

@@ -10,7 +10,7 @@ import json
 import math
 from pathlib import Path
 
-from kickass_core import rate, rtt, wire
+from kickass_core import flow_record, rate, rtt, wire
 
 HERE = Path(__file__).resolve().parent
 
@@ -84,11 +84,96 @@ def wire_vectors() -> dict:
     return {"version": 1, "messages": {k: v.hex() for k, v in msgs.items()}}
 
 
+def _transport(**changes: object) -> dict:
+    """A ka-transport FlowRecord as ka-send prints it (every field, serde's names)."""
+    base: dict = {
+        "flow_id": 7,
+        "protocol": "kickass",
+        "handshake_mode": "padded",
+        "size_bytes": 144000,
+        "size_packets": 100,
+        "fct_ns": 312_500_000,
+        "completed": True,
+        "error": None,
+        "ka_mode_ns": 312_500_000,
+        "ka_mode_fraction": 1.0,
+        "mode_switch_count": 0,
+        "mode_switches": [],
+        "retransmissions": 0,
+        "retransmitted_bytes": 0,
+        "rto_count": 0,
+        "fast_retransmits": 0,
+        "srtt_ns": 101_200_000,
+        "min_rtt_ns": 100_100_000,
+        "advertised_rates": {
+            "count": 31,
+            "min_bytes_per_ms": 1220.7,
+            "max_bytes_per_ms": 1250.0,
+            "last_bytes_per_ms": 1248.5,
+        },
+        "datagrams_sent": 104,
+        "rtt_indicators_sent": 3,
+    }
+    base.update(changes)
+    return base
+
+
+def flow_record_vectors() -> dict:
+    cases = [
+        ("kickass, completed in Kick-Ass mode", _transport(), None),
+        (
+            "fell back to TCP: the receiver did not echo rates",
+            _transport(
+                protocol="tcp",
+                ka_mode_ns=0,
+                ka_mode_fraction=0.0,
+                mode_switch_count=1,
+                mode_switches=[
+                    {
+                        "at_ns": 100_000_000,
+                        "from": "kickass",
+                        "to": "tcp",
+                        "reason": "not_negotiated",
+                    }
+                ],
+                advertised_rates={
+                    "count": 0,
+                    "min_bytes_per_ms": None,
+                    "max_bytes_per_ms": None,
+                    "last_bytes_per_ms": None,
+                },
+            ),
+            None,
+        ),  # fmt: skip
+        (
+            "lost the receiver half-way",
+            _transport(
+                completed=False,
+                fct_ns=None,
+                error="no answer from the receiver for 3 s",
+                retransmissions=12,
+                retransmitted_bytes=17280,
+                rto_count=3,
+                mode_switch_count=2,
+                ka_mode_fraction=0.41,
+                ka_mode_ns=1_230_000_000,
+            ),
+            "no answer from the receiver for 3 s",
+        ),
+    ]
+    examples = [
+        {"case": name, "transport": t, "error": err, "measured": flow_record.from_transport(t, err)}
+        for name, t, err in cases
+    ]
+    return flow_record.vectors_document(examples)
+
+
 def main() -> None:
     for name, data in (
         ("rate_encoding.json", rate_vectors()),
         ("rtt_indicator.json", rtt_vectors()),
         ("probe_wire.json", wire_vectors()),
+        ("flow_record.json", flow_record_vectors()),
     ):
         text = json.dumps(data, indent=1, allow_nan=False) + "\n"
         (HERE / name).write_text(text)

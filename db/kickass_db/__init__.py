@@ -1,4 +1,4 @@
-"""The measurement database: models, URL handling and engines, the Store,
+"""The measurement database: models, URL handling and engines, the StudyStore,
 the ordered writer, migrations and the `kickass db` / `kickass telemetry` commands.
 
 The common entry points are re-exported here (``kickass_db.make_engine``,

@@ -1,6 +1,6 @@
 """The one retry policy of every database writer (ARCHITECTURE.md, "Nothing measured vanishes").
 
-The Store, the ordered writer thread and the telemetry ingest all retry the
+The StudyStore, the ordered writer thread and the telemetry ingest all retry the
 same failures the same way: only ``DatabaseUnavailable`` (the database is
 restarting or unreachable) is worth retrying; everything else is a bug or
 bad data and is raised at once. Delays double from ``initial`` to ``cap``.

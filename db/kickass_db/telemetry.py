@@ -21,11 +21,11 @@ from typing import Any, TextIO
 from kickass_core.errors import KickassError
 from sqlalchemy import insert, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.exc import InterfaceError, OperationalError
 
 from . import engine as db
-from .models import MARKING_MODES, RouterRun, RouterTelemetry
-from .retry import DatabaseUnavailable, RetryPolicy, retry, unavailable
+from .models.router import MARKING_MODES, RouterRunRow, RouterTelemetryRow
+from .retry import DatabaseUnavailable, RetryPolicy, retry
+from .tx import StoreBase
 
 # A router run outlives short database restarts; give up after a minute.
 FLUSH_POLICY = RetryPolicy(deadline=60.0)
@@ -45,11 +45,11 @@ def _ts(value: Any) -> datetime:
     return datetime.now(UTC)
 
 
-class TelemetryIngest:
+class TelemetryIngest(StoreBase):
     """Feed it lines; it keeps one router run's rows flowing into the database."""
 
     def __init__(self, database_url: str | None = None, run_name: str | None = None) -> None:
-        self.engine = db.make_engine(database_url)
+        super().__init__(database_url)
         self.run_name = run_name
         self.run_id: int | None = None
         self.pending: list[dict[str, Any]] = []
@@ -67,8 +67,11 @@ class TelemetryIngest:
             "options": options,
             "started_at": _ts(meta.get("started_unix")),
         }
-        with self.engine.begin() as conn:
-            self.run_id = conn.execute(insert(RouterRun).returning(RouterRun.id), values).scalar()
+        self.run_id = self.run(
+            lambda conn: conn.execute(
+                insert(RouterRunRow).returning(RouterRunRow.id), values
+            ).scalar()
+        )
 
     def feed_line(self, line: str) -> None:
         line = line.strip()
@@ -129,17 +132,13 @@ class TelemetryIngest:
             # No metadata line (a truncated capture): still keep the samples.
             self._create_run({"options": {}})
         rows = [{**r, "run_id": self.run_id} for r in self.pending]
-        stmt = pg_insert(RouterTelemetry).on_conflict_do_nothing()
-
-        def write() -> None:
-            try:
-                with self.engine.begin() as conn:
-                    conn.execute(stmt, rows)
-            except (OperationalError, InterfaceError) as exc:
-                raise unavailable(db.describe_url(self.engine.url), exc) from exc
-
+        stmt = pg_insert(RouterTelemetryRow).on_conflict_do_nothing()
         try:
-            retry(write, policy, what="router telemetry write")
+            retry(
+                lambda: self.run(lambda conn: conn.execute(stmt, rows)),
+                policy,
+                what="router telemetry write",
+            )
         except DatabaseUnavailable as exc:
             raise KickassError(
                 f"cannot write {len(rows)} router telemetry samples: {exc.message}",
@@ -151,16 +150,16 @@ class TelemetryIngest:
     def _finish(self, rec: dict[str, Any]) -> None:
         if self.run_id is None:
             return
-        with self.engine.begin() as conn:
-            conn.execute(
-                update(RouterRun)
-                .where(RouterRun.id == self.run_id)
-                .values(
-                    finished_at=_ts(rec.get("ts")),
-                    exit_reason=rec.get("reason"),
-                    counters=rec.get("counters"),
-                )
+        stmt = (
+            update(RouterRunRow)
+            .where(RouterRunRow.id == self.run_id)
+            .values(
+                finished_at=_ts(rec.get("ts")),
+                exit_reason=rec.get("reason"),
+                counters=rec.get("counters"),
             )
+        )
+        self.run(lambda conn: conn.execute(stmt))
 
     def feed(self, lines: Iterable[str], tee: TextIO | None = None) -> dict[str, Any]:
         for line in lines:

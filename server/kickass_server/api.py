@@ -1,7 +1,7 @@
 """HTTP API under /api/v1: start a session, read its results, end it early.
 
 ``create_app(engine, store, config)`` builds the Flask app around a running
-ProbeEngine (the live runs) and a Store (the truth for results), one
+ProbeEngine (the live runs) and a StudyStore (the truth for results), one
 blueprint per resource: ``sessions``, ``health``, ``stats``. Handlers only
 ever see a run's frozen ``RunSnapshot``, never the engine's mutable state.
 
@@ -90,7 +90,7 @@ class ApiError(Exception):
 @dataclass
 class _Services:
     engine: ProbeEngine
-    store: Any  # kickass_db.store.Store (duck-typed for tests)
+    store: Any  # kickass_db.study_store.StudyStore (duck-typed for tests)
     config: ApiConfig
     health: _DatabaseCheck
 

@@ -32,22 +32,19 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+from kickass_core import study_events
 from kickass_core.errors import KickassError
 from kickass_core.plan import ProbePlan
 from kickass_core.states import FINAL_STATES
-from kickass_db import journal
-from kickass_db.journal import Journal, outcome_rows, outcomes_call
+from kickass_core.study_events import ClockAnchor, OutcomeBatch, RunFinished, StudyEvent
+from kickass_db.journal import Journal
 from kickass_db.writer import OrderedWriter
 
 from .packets import open_raw_socket
 from .policy import AdmissionDenied, Policy
 from .probe_core import (
     Action,
-    Heartbeat,
-    OutcomeBatch,
     ProbeCore,
-    RunFinished,
-    RunProbing,
     RunSnapshot,
     SendDatagram,
     SendProbe,
@@ -85,7 +82,7 @@ class EngineUnavailable(KickassError):
 class ProbeEngine:
     def __init__(
         self,
-        store,  # noqa: ANN001 - kickass_db.store.Store (duck-typed for tests)
+        store,  # noqa: ANN001 - kickass_db.study_store.StudyStore (duck-typed for tests)
         policy: Policy | None = None,
         *,
         bind_host: str = "0.0.0.0",
@@ -115,7 +112,10 @@ class ProbeEngine:
         }
         # Writes the database has not confirmed are journaled on disk first,
         # so a shutdown (database down, or the process killed) loses none.
-        self.writer = OrderedWriter(journal=Journal(journal_dir) if journal_dir else None)
+        self.writer: OrderedWriter[StudyEvent] = OrderedWriter(
+            store.apply,
+            journal=Journal(journal_dir, study_events.to_json) if journal_dir else None,
+        )
         self.udp: socket.socket | None = None
         self.raw: socket.socket | None = None
         self._wake_r, self._wake_w = socket.socketpair()
@@ -482,37 +482,17 @@ class ProbeEngine:
             log.debug("udp send to %s failed: %s", a.addr, exc)
 
     def _persist(self, event: Action) -> None:
-        store = self.store
+        if isinstance(event, SendDatagram | SendProbe):
+            return
         if isinstance(event, OutcomeBatch):
-            # Rows are built in the writer thread from the core's monotonic
-            # times: datetime arithmetic per probe has no place on the probe
-            # clock. The anchor maps them to wall-clock times as of now.
-            call = outcomes_call(event.session_id, event.entries, self.wall_clock(), self.clock())
-            self.writer.submit(
-                lambda: store.record_outcomes(event.session_id, outcome_rows(call)), call
-            )
-            return
-        if isinstance(event, Heartbeat):
-            call = {"method": "heartbeat", "session_id": event.session_id,
-                    "sent": event.sent, "acked": event.acked}  # fmt: skip
-        elif isinstance(event, RunProbing):
-            call = {"method": "mark_probing", "session_id": event.session_id,
-                    "probe_address": event.probe_address, "probe_port": event.probe_port,
-                    "rtt_ms": event.rtt_ms}  # fmt: skip
-        elif isinstance(event, RunFinished):
-            if event.window is not None:
-                # The adaptive window's record (kickass_server.window), for the
-                # operator and the benchmark: how far it grew and why it shrank.
-                log.info("session %s window %s", event.session_id, json.dumps(event.window))
-            reassembly = None if event.reassembly is None else dict(event.reassembly)
-            call = {"method": "finish_session", "session_id": event.session_id,
-                    "state": event.state, "verdict": event.verdict,
-                    "verdict_reason": event.verdict_reason, "end_reason": event.end_reason,
-                    "reassembly": reassembly,
-                    "window": None if event.window is None else dict(event.window)}  # fmt: skip
-        else:
-            return
-        self.writer.submit(lambda: journal.apply(store, call), call)
+            # The core's times are monotonic; the anchor maps them to UTC in
+            # the writer thread (no datetime arithmetic on the probe clock).
+            event = event.stamped(ClockAnchor(self.wall_clock().timestamp(), self.clock()))
+        elif isinstance(event, RunFinished) and event.window is not None:
+            # The adaptive window's record (kickass_server.window), for the
+            # operator and the benchmark: how far it grew and why it shrank.
+            log.info("session %s window %s", event.session_id, json.dumps(dict(event.window)))
+        self.writer.submit(event)
 
 
 def _cookie_bytes(cookie_hex: str | None) -> bytes | None:

@@ -16,13 +16,13 @@ pure: time is passed in.
 
 from __future__ import annotations
 
-import ipaddress
 import math
 import os
 from collections import deque
 from dataclasses import dataclass, fields
 
 from kickass_core.errors import KickassError
+from kickass_core.pacing import prefix_of
 from kickass_core.plan import PHASES, PlanError, ProbePlan
 from kickass_core.rate import FULL_PACKET_LEN
 
@@ -159,13 +159,6 @@ def _count(body: dict, name: str, default: int, low: int, high: int) -> int:
     if value < low:
         raise PlanError(f"{name} {shown} below the server limit {low}")
     return value
-
-
-def prefix_of(address: str) -> str:
-    """The /24 (IPv4) or /48 (IPv6) an address belongs to: one subscriber's reach."""
-    ip = ipaddress.ip_address(address)
-    plen = 24 if ip.version == 4 else 48
-    return str(ipaddress.ip_network(f"{address}/{plen}", strict=False))
 
 
 @dataclass(frozen=True, eq=False)

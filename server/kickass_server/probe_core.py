@@ -9,7 +9,8 @@ actions, in the order they must happen:
 * what to send: ``SendDatagram`` (CHALLENGE and DONE on the probe UDP socket)
   and ``SendProbe`` (a probe's raw IP packets: one, or two fragments);
 * what to persist: ``RunProbing``, ``OutcomeBatch``, ``Heartbeat``,
-  ``RunFinished``.
+  ``RunFinished`` (``kickass_core.study_events``: the one definition the
+  database's writer, journal and store read).
 
 No sockets, threads, clock reads or database in here: the shell
 (``engine.ProbeEngine``) owns those, and tests drive this class on a
@@ -61,6 +62,7 @@ from typing import NamedTuple
 
 from kickass_core import verdict as verdicts
 from kickass_core import wire
+from kickass_core.pacing import Pacer, PacingLane
 from kickass_core.plan import SPLIT, WHOLE, ProbePlan, plan_bytes
 from kickass_core.states import (
     ACKED,
@@ -74,8 +76,15 @@ from kickass_core.states import (
     LOST,
     PROBING,
 )
+from kickass_core.study_events import (
+    Heartbeat,
+    OutcomeBatch,
+    OutcomeEntry,
+    RunFinished,
+    RunProbing,
+    StudyEvent,
+)
 
-from .pacing import Pacer, PacingLane
 from .packets import SessionPackets
 from .policy import Admission, AdmissionDenied, AdmissionTicket, Policy
 from .rtt_estimator import RttEstimator
@@ -156,69 +165,8 @@ class SendProbe:
     packets: tuple[bytes, ...]
 
 
-class OutcomeEntry(NamedTuple):
-    """One probe's outcome, as recorded (times are the core's monotonic ``now``)."""
-
-    seq: int
-    phase: str
-    ip_len: int
-    outcome: str
-    sent_at: float
-    acked_at: float | None
-    ack_count: int
-    received_len: int | None
-    observed_frag_size: int | None
-    reassembly_invalid: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class RunProbing:
-    """The client proved its address; probing starts (store.mark_probing)."""
-
-    session_id: str
-    probe_address: str
-    probe_port: int
-    rtt_ms: float
-
-
-@dataclass(frozen=True, slots=True)
-class OutcomeBatch:
-    """Outcomes to upsert (store.record_outcomes). A seq may appear again in a
-    later batch (late or duplicate ACK): each entry is the whole row, and the
-    last word wins."""
-
-    session_id: str
-    entries: tuple[OutcomeEntry, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Heartbeat:
-    """Progress counters for pollers (store.heartbeat)."""
-
-    session_id: str
-    sent: int
-    acked: int
-
-
-@dataclass(frozen=True, slots=True)
-class RunFinished:
-    """The run reached a final state (store.finish_session)."""
-
-    session_id: str
-    state: str
-    verdict: str
-    verdict_reason: str
-    end_reason: str | None
-    # What the server learnt of the client's reassembly memory (None: the
-    # client sent no flow control); stored in the session's metadata.
-    reassembly: Mapping[str, object] | None = None
-    # An adaptive run's window controller summary (None: a fixed window).
-    window: Mapping[str, object] | None = None
-
-
 Transmit = SendDatagram | SendProbe
-Event = RunProbing | OutcomeBatch | Heartbeat | RunFinished
-Action = Transmit | Event
+Action = Transmit | StudyEvent
 
 
 @dataclass(frozen=True)

@@ -157,9 +157,10 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kickass_core import study_events
     from kickass_db import journal
-    from kickass_db.store import Store
-    from kickass_db.trials import TrialStore
+    from kickass_db.study_store import StudyStore
+    from kickass_db.trial_store import TrialStore
 
     from . import trials_api
     from .api import create_app
@@ -174,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     host, port = args.listen_host, args.listen_port
-    store = Store(args.database_url, instance=args.instance_id)
+    store = StudyStore(args.database_url, instance=args.instance_id)
     store.ping()
     engine = ProbeEngine(
         store,
@@ -189,7 +190,9 @@ def run(args: argparse.Namespace) -> int:
     # mistake fails above and never touches the first one's live sessions.
     # First what an earlier run journaled but could not store (its final
     # states included), then the orphans that are still live after that.
-    replayed = journal.replay(store, args.journal_dir, skip=engine.writer.journal_path)
+    replayed = journal.replay(
+        args.journal_dir, study_events.from_json, store.apply, skip=engine.writer.journal_path
+    )
     if replayed["replayed"] or replayed["failed"]:
         log.warning(
             "stored %d writes an earlier run had journaled (%d refused, set aside in %s)",

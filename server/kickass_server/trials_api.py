@@ -16,7 +16,7 @@ from typing import Any
 from flask import Blueprint, current_app, jsonify, request
 from kickass_core import strictjson
 from kickass_db.retry import DatabaseUnavailable
-from kickass_db.trials import BadRecord, TrialStore
+from kickass_db.trial_store import BadRecord, TrialStore
 
 log = logging.getLogger("kickass.trials")
 

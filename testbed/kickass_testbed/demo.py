@@ -100,9 +100,9 @@ def run(args: argparse.Namespace) -> int:
         out_dir = Path(tmp)
         console.print(f"[bold]database[/]: {where}")
         db.upgrade(url)
-        from kickass_db.store import Store
+        from kickass_db.study_store import StudyStore
 
-        store = Store(url)
+        store = StudyStore(url)
         with probe_internet(url, kinds=kinds, loss_percent=args.loss, log_dir=out_dir) as net:
             console.print(
                 f"[bold]internet[/]: server {net.server_url}, clients: "
@@ -204,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _second_act(args: argparse.Namespace, url: str, console: Any, out_console: Any) -> dict:
     """Act two: an interleaved Kick-Ass vs TCP trial through the emulated edge router."""
-    from .trials import TrialSpec, render_summary, run_trial
+    from .trial_store import TrialSpec, render_summary, run_trial
     from .wan import TestbedConfig
 
     config = TestbedConfig(senders=1, receivers=1, capacity="10mbit", rtt_ms=100.0)

@@ -240,7 +240,7 @@ def rate_bps(rate: str) -> float:
 
 
 def _runner_token(database_url: str) -> str:
-    from kickass_db.trials import TrialStore
+    from kickass_db.trial_store import TrialStore
 
     store = TrialStore(database_url)
     try:

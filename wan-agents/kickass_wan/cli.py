@@ -172,7 +172,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_runner_add(args: argparse.Namespace) -> int:
     try:
-        from kickass_db.trials import TrialStore
+        from kickass_db.trial_store import TrialStore
     except ImportError:
         raise KickassError(
             "the database package is not installed here",

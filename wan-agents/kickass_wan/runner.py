@@ -30,6 +30,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from kickass_core import flow_record
 from kickass_core.errors import KickassError
 
 from . import __version__
@@ -385,7 +386,9 @@ class TrialRunner:
                 except (ValueError, KeyError, IndexError):
                     log.warning("ka-send printed something unexpected: %.200s", line)
                     continue
-                results[index] = _from_ka_record(out.get("record") or {}, out.get("error"))
+                results[index] = flow_record.from_transport(
+                    out.get("record") or {}, out.get("error")
+                )
         finally:
             timer.cancel()
             proc.wait()
@@ -400,10 +403,9 @@ class TrialRunner:
         rec: dict[str, Any],
         started: datetime,
     ) -> None:
-        flow_id = f"{trial_id}-{f.index + 100000 * local_index}"
-        row = {
-            "trial_id": trial_id,
-            "flow_id": flow_id,
+        fid = flow_record.flow_id(trial_id, local_index, f.index)
+        planned = {
+            "flow_id": fid,
             "period_index": local_index,
             "protocol": period.protocol,
             "congestion_control": None
@@ -412,60 +414,19 @@ class TrialRunner:
             "size_bytes": f.size_bytes,
             "size_packets": f.size_packets,
             "started_at": datetime.fromtimestamp(started.timestamp() + f.start_s, UTC).isoformat(),
-            **{k: rec.get(k) for k in _FLOW_KEYS},
-            "completed": bool(rec.get("completed")),
         }
-        self.spool.put("flow", flow_id, row)
-        if row["completed"] and row["fct_ms"] is not None:
+        measured = {k: v for k, v in rec.items() if k in flow_record.FIELD_NAMES}
+        row = {**measured, **planned, "completed": bool(rec.get("completed"))}
+        try:
+            flow_record.check(row)
+        except flow_record.FlowRecordError as exc:
+            # Kept, as a failed flow that says why, rather than lost.
+            row = {**planned, "completed": False, "error": f"unusable sender record: {exc}"}
+        row["trial_id"] = trial_id
+        self.spool.put("flow", fid, row)
+        if row["completed"] and row.get("fct_ms") is not None:
             self.summary.setdefault(period.destination, {}).setdefault(period.protocol, []).append(
                 row["fct_ms"]
             )
         else:
             self.failed += 1
-
-
-_FLOW_KEYS = (
-    "handshake", "fct_ms", "ka_mode_ms", "ka_mode_fraction", "mode_switches", "retransmissions",
-    "srtt_ms", "min_rtt_ms", "advertised_rate_min_bps", "advertised_rate_max_bps",
-    "advertised_rate_last_bps", "advertised_rates_seen", "error", "extra",
-)  # fmt: skip
-
-
-def _ms(ns: Any) -> float | None:
-    return None if ns is None else float(ns) / 1e6
-
-
-def _bps(bytes_per_ms: Any) -> float | None:
-    return None if bytes_per_ms is None else float(bytes_per_ms) * 8000.0
-
-
-def _from_ka_record(r: dict[str, Any], error: Any) -> dict[str, Any]:
-    """ka-transport's FlowRecord (ns, bytes/ms) in the database's units (ms, bit/s)."""
-    rates = r.get("advertised_rates") or {}
-    return {
-        "completed": bool(r.get("completed")) and not error,
-        "handshake": r.get("handshake_mode"),
-        "fct_ms": _ms(r.get("fct_ns")),
-        "ka_mode_ms": _ms(r.get("ka_mode_ns")),
-        "ka_mode_fraction": r.get("ka_mode_fraction"),
-        "mode_switches": r.get("mode_switch_count"),
-        "retransmissions": r.get("retransmissions"),
-        "srtt_ms": _ms(r.get("srtt_ns")),
-        "min_rtt_ms": _ms(r.get("min_rtt_ns")),
-        "advertised_rate_min_bps": _bps(rates.get("min_bytes_per_ms")),
-        "advertised_rate_max_bps": _bps(rates.get("max_bytes_per_ms")),
-        "advertised_rate_last_bps": _bps(rates.get("last_bytes_per_ms")),
-        "advertised_rates_seen": rates.get("count"),
-        "error": error or r.get("error"),
-        "extra": {
-            k: r.get(k)
-            for k in (
-                "rto_count",
-                "fast_retransmits",
-                "datagrams_sent",
-                "rtt_indicators_sent",
-                "mode_switches",
-            )
-            if k in r
-        },
-    }

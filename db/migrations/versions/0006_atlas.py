@@ -5,7 +5,7 @@ Revision ID: 0006
 Revises: 0005
 Create Date: 2026-11-23
 
-How an Atlas result becomes rows (kickass_server.atlas.ingest):
+How an Atlas result becomes rows (kickass_atlas.ingest):
 
 - ``atlas_results``: one row per Atlas result (one ping of one probe), the raw
   JSON kept as Atlas served it.

@@ -1,4 +1,4 @@
-"""The measurement database as typed SQLAlchemy models.
+"""The fragment viability study's tables: clients, sessions, probe outcomes.
 
 These models describe the schema; they never create it. Alembic
 (db/migrations) is the only schema truth, and a test checks that the two
@@ -20,45 +20,25 @@ from sqlalchemy import (
     Boolean,
     CheckConstraint,
     DateTime,
-    Float,
     ForeignKey,
     Identity,
     Index,
     Integer,
     LargeBinary,
-    MetaData,
     SmallInteger,
     Text,
     func,
     text,
 )
 from sqlalchemy.dialects.postgresql import INET, JSONB
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.orm import Mapped, mapped_column
 
-# Deterministic constraint names: migrations can drop or alter a constraint by
-# name, and a name chosen by PostgreSQL would differ between databases.
-NAMING_CONVENTION = {
-    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
-    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
-    "ck": "ck_%(table_name)s_%(constraint_name)s",
-    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
-    "pk": "pk_%(table_name)s",
-}
+from ..base import Base, check_in
 
 SESSION_ID_PATTERN = "^[0-9a-f]{16}$"
-ROUTER_KINDS = ("kickass", "droptail")
-MARKING_MODES = ("kickass", "tcp", "droptail")
 
 
-def _in(column: str, values: tuple[str, ...]) -> str:
-    return f"{column} IN ({', '.join(repr(v) for v in values)})"
-
-
-class Base(DeclarativeBase):
-    metadata = MetaData(naming_convention=NAMING_CONVENTION)
-
-
-class Client(Base):
+class ClientRow(Base):
     """A probe client installation (or one anonymous run when it sent no install id)."""
 
     __tablename__ = "clients"
@@ -77,8 +57,8 @@ class SessionRow(Base):
 
     __tablename__ = "sessions"
     __table_args__ = (
-        CheckConstraint(_in("state", SESSION_STATES), name="state"),
-        CheckConstraint(_in("verdict", VERDICTS), name="verdict"),
+        CheckConstraint(check_in("state", SESSION_STATES), name="state"),
+        CheckConstraint(check_in("verdict", VERDICTS), name="verdict"),
         CheckConstraint(f"session_id ~ '{SESSION_ID_PATTERN}'", name="session_id_format"),
         CheckConstraint("sent >= 0 AND acked >= 0", name="counters"),
         Index(None, "client_id"),
@@ -131,8 +111,8 @@ class ProbeOutcomeRow(Base):
 
     __tablename__ = "probe_outcomes"
     __table_args__ = (
-        CheckConstraint(_in("phase", PHASES), name="phase"),
-        CheckConstraint(_in("outcome", OUTCOMES), name="outcome"),
+        CheckConstraint(check_in("phase", PHASES), name="phase"),
+        CheckConstraint(check_in("outcome", OUTCOMES), name="outcome"),
         CheckConstraint("seq >= 0", name="seq"),
         # Every per-size view groups by exactly these.
         Index(None, "session_pk", "phase", "ip_len"),
@@ -162,54 +142,3 @@ class ProbeOutcomeRow(Base):
     # of the fragment at offset 0 and how many distinct fragments arrived.
     observed_leading_len: Mapped[int | None] = mapped_column(SmallInteger)
     observed_fragments: Mapped[int | None] = mapped_column(SmallInteger)
-
-
-class RouterRun(Base):
-    """One ka-router process: its metadata line (options, capacity, mode)."""
-
-    __tablename__ = "router_runs"
-    __table_args__ = (CheckConstraint(_in("router_kind", ROUTER_KINDS), name="router_kind"),)
-
-    id: Mapped[int] = mapped_column(BigInteger, Identity(always=False), primary_key=True)
-    run_name: Mapped[str | None] = mapped_column(Text)
-    # Which router ran: Kick-Ass marking, or the plain drop-tail baseline.
-    router_kind: Mapped[str] = mapped_column(Text)
-    capacity_bps: Mapped[float | None] = mapped_column(Float)
-    program_version: Mapped[str | None] = mapped_column(Text)
-    options: Mapped[dict[str, Any]] = mapped_column(JSONB)
-    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    exit_reason: Mapped[str | None] = mapped_column(Text)
-    counters: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
-
-
-class RouterTelemetry(Base):
-    """One control interval of a ka-router run (its NDJSON sample line)."""
-
-    __tablename__ = "router_telemetry"
-    __table_args__ = (CheckConstraint(_in("marking_mode", MARKING_MODES), name="marking_mode"),)
-
-    run_id: Mapped[int] = mapped_column(
-        BigInteger, ForeignKey("router_runs.id", ondelete="CASCADE"), primary_key=True
-    )
-    t: Mapped[float] = mapped_column(Float, primary_key=True)
-    recorded_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-    advertised_rate_bps: Mapped[float] = mapped_column(Float)
-    leading_fragment_len: Mapped[int | None] = mapped_column(SmallInteger)
-    input_rate_bps: Mapped[float] = mapped_column(Float)
-    output_rate_bps: Mapped[float | None] = mapped_column(Float)
-    queue_bytes: Mapped[int] = mapped_column(BigInteger)
-    queue_packets: Mapped[int | None] = mapped_column(BigInteger)
-    # What the router did this interval: Kick-Ass marking, or TCP mode (queue
-    # above half the buffer: paper section III); 'droptail' for the baseline.
-    marking_mode: Mapped[str] = mapped_column(Text)
-    rtt_ms: Mapped[float | None] = mapped_column(REAL)
-    drops: Mapped[int] = mapped_column(BigInteger)
-    fragmented: Mapped[int] = mapped_column(BigInteger)
-    mode_switches: Mapped[int | None] = mapped_column(BigInteger)
-    extra: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
-
-
-# Models of other subsystems live in their own modules on the same Base:
-# importing them here puts every table in Base.metadata (Alembic, tests).
-from . import atlas_models, trial_models  # noqa: E402, F401

@@ -15,27 +15,15 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
+from kickass_core import flow_record
 from kickass_core.errors import KickassError
 from sqlalchemy import Connection, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.exc import InterfaceError, OperationalError
 
-from . import engine as db
-from .retry import unavailable
-from .trial_models import PROTOCOLS, TRIAL_ID_PATTERN, FlowRow, Runner, TrialPeriodRow, TrialRow
+from .models.trials import PROTOCOLS, TRIAL_ID_PATTERN, FlowRow, RunnerRow, TrialPeriodRow, TrialRow
+from .tx import StoreBase
 
 _TRIAL_ID = re.compile(TRIAL_ID_PATTERN.replace("$", r"\Z"))
-_FLOW_ID = re.compile(r"^[0-9a-f]{32}-[0-9]{1,9}\Z")
-
-_FLOW_FIELDS = (
-    "period_index", "protocol", "congestion_control", "handshake", "size_bytes", "size_packets",
-    "started_at", "completed", "fct_ms", "ka_mode_ms", "ka_mode_fraction", "mode_switches",
-    "retransmissions", "srtt_ms", "min_rtt_ms", "advertised_rate_min_bps",
-    "advertised_rate_max_bps", "advertised_rate_last_bps", "advertised_rates_seen", "error",
-    "extra",
-)  # fmt: skip
-
-
 class BadRecord(KickassError):
     """An upload that can never be stored (wrong shape): a client error, not an outage."""
 
@@ -44,26 +32,7 @@ def token_hash(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
 
 
-def flow_id(trial_id: str, index: int) -> str:
-    """The flow's idempotency key: its trial and its index in the trial."""
-    return f"{trial_id}-{index}"
-
-
-class TrialStore:
-    def __init__(self, database_url: str | None = None) -> None:
-        self.database_url = db.resolve_database_url(database_url)
-        self.engine = db.make_engine(self.database_url)
-
-    def close(self) -> None:
-        self.engine.dispose()
-
-    def _run(self, work: Any) -> Any:
-        try:
-            with self.engine.begin() as conn:
-                return work(conn)
-        except (OperationalError, InterfaceError) as exc:
-            raise unavailable(db.describe_url(self.database_url), exc) from exc
-
+class TrialStore(StoreBase):
     # -- runners ----------------------------------------------------------
 
     def add_runner(self, name: str) -> str:
@@ -73,14 +42,14 @@ class TrialStore:
         token = secrets.token_urlsafe(32)
 
         def work(conn: Connection) -> None:
-            stmt = pg_insert(Runner).values(name=name, token_hash=token_hash(token))
+            stmt = pg_insert(RunnerRow).values(name=name, token_hash=token_hash(token))
             stmt = stmt.on_conflict_do_update(
-                index_elements=[Runner.name],
+                index_elements=[RunnerRow.name],
                 set_={"token_hash": stmt.excluded.token_hash, "revoked_at": None},
             )
             conn.execute(stmt)
 
-        self._run(work)
+        self.run(work)
         return token
 
     def authenticate(self, token: str) -> int | None:
@@ -91,14 +60,14 @@ class TrialStore:
 
         def work(conn: Connection) -> int | None:
             rows = conn.execute(
-                select(Runner.id, Runner.token_hash).where(Runner.revoked_at.is_(None))
+                select(RunnerRow.id, RunnerRow.token_hash).where(RunnerRow.revoked_at.is_(None))
             ).all()
             for rid, h in rows:
                 if hmac.compare_digest(h, digest):
                     return int(rid)
             return None
 
-        return self._run(work)
+        return self.run(work)
 
     # -- results ----------------------------------------------------------
 
@@ -122,7 +91,7 @@ class TrialStore:
                     [{"trial_pk": pk, **p} for p in t["periods"]],
                 )
 
-        self._run(work)
+        self.run(work)
 
     def put_flows(
         self, runner_id: int | None, trial_id: str, flows: Sequence[dict[str, Any]]
@@ -148,10 +117,10 @@ class TrialStore:
                 )
             return [r["flow_id"] for r in rows]
 
-        return self._run(work)
+        return self.run(work)
 
     def finish_trial(self, trial_id: str, finished_at: datetime) -> None:
-        self._run(
+        self.run(
             lambda conn: conn.execute(
                 update(TrialRow)
                 .where(TrialRow.trial_id == trial_id)
@@ -225,32 +194,16 @@ def _protocol(value: Any) -> str:
 
 
 def _check_flow(trial_id: str, f: dict[str, Any]) -> dict[str, Any]:
+    """A flow record (kickass_core.flow_record) as a ``flows`` row."""
     if not isinstance(f, dict):
         raise BadRecord("a flow must be an object")
-    fid = f.get("flow_id")
-    if not isinstance(fid, str) or not _FLOW_ID.match(fid) or not fid.startswith(trial_id + "-"):
-        raise BadRecord(f"flow_id must be '<trial_id>-<index>', got {fid!r}")
-    row = {k: f.get(k) for k in _FLOW_FIELDS}
     try:
-        row["protocol"] = _protocol(row["protocol"])
-        row["period_index"] = int(row["period_index"])
-        row["size_bytes"] = int(row["size_bytes"])
-        row["size_packets"] = int(row["size_packets"])
-        row["completed"] = bool(row["completed"])
-        if row["size_bytes"] < 1 or row["size_packets"] < 1:
-            raise ValueError("sizes must be positive")
-        frac = row["ka_mode_fraction"]
-        if frac is not None and not 0.0 <= float(frac) <= 1.0:
-            raise ValueError("ka_mode_fraction must be within [0, 1]")
-        for k in ("fct_ms", "ka_mode_ms", "srtt_ms", "min_rtt_ms"):
-            if row[k] is not None and not 0.0 <= float(row[k]) < 1e9:
-                raise ValueError(f"{k} out of range")
-    except (TypeError, ValueError) as exc:
-        raise BadRecord(f"bad flow {fid}: {exc}") from None
+        flow_record.check(f)
+        owner, _, _ = flow_record.parse_flow_id(f["flow_id"])
+    except ValueError as exc:
+        raise BadRecord(f"bad flow {str(f.get('flow_id'))[:80]}: {exc}") from None
+    if owner != trial_id:
+        raise BadRecord(f"flow {f['flow_id']} is not of trial {trial_id}")
+    row = {k: f.get(k) for k in flow_record.FIELD_NAMES}
     row["started_at"] = _aware("started_at", row["started_at"])
-    if row["started_at"] is None:
-        raise BadRecord(f"bad flow {fid}: started_at missing")
-    if row["extra"] is not None and not isinstance(row["extra"], dict):
-        raise BadRecord(f"bad flow {fid}: extra must be an object")
-    row["flow_id"] = fid
     return row

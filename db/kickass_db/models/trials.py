@@ -29,13 +29,13 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
-from .models import Base, _in
+from ..base import Base, check_in
 
 PROTOCOLS = ("kickass", "tcp")
 TRIAL_ID_PATTERN = "^[0-9a-f]{32}$"
 
 
-class Runner(Base):
+class RunnerRow(Base):
     """A trial runner allowed to upload results; only its token's hash is kept."""
 
     __tablename__ = "runners"
@@ -75,7 +75,7 @@ class TrialRow(Base):
 
 class TrialPeriodRow(Base):
     __tablename__ = "trial_periods"
-    __table_args__ = (CheckConstraint(_in("protocol", PROTOCOLS), name="protocol"),)
+    __table_args__ = (CheckConstraint(check_in("protocol", PROTOCOLS), name="protocol"),)
 
     trial_pk: Mapped[int] = mapped_column(
         BigInteger, ForeignKey("trials.id", ondelete="CASCADE"), primary_key=True
@@ -93,7 +93,7 @@ class FlowRow(Base):
 
     __tablename__ = "flows"
     __table_args__ = (
-        CheckConstraint(_in("protocol", PROTOCOLS), name="protocol"),
+        CheckConstraint(check_in("protocol", PROTOCOLS), name="protocol"),
         CheckConstraint("size_packets >= 1 AND size_bytes >= 1", name="size"),
         CheckConstraint(
             "ka_mode_fraction IS NULL OR (ka_mode_fraction >= 0 AND ka_mode_fraction <= 1)",

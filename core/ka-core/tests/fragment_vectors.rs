@@ -1,4 +1,4 @@
-//! Byte tables made by scapy (`tools/make_fragment_vectors.py`, an
+//! Byte tables made by scapy (`core/vectors/make_fragment_vectors.py`, an
 //! independent implementation of the ip_do_fragment rules): the fragmenter
 //! must reproduce every output byte.
 
@@ -16,8 +16,7 @@ fn unhex(s: &str) -> Vec<u8> {
 
 #[test]
 fn fragment_outputs_match_the_vectors() {
-    let path =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../core/vectors/fragment_kickass.json");
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../vectors/fragment_kickass.json");
     let text =
         std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
     let v: Value = serde_json::from_str(&text).expect("JSON");

@@ -1,6 +1,6 @@
 """The ICMP responder's sans-IO core: echo requests in, echo replies and log rows out.
 
-RIPE Atlas probes ping the server (kickass_server.atlas). ``ResponderCore``
+RIPE Atlas probes ping the server (kickass_atlas). ``ResponderCore``
 is fed every IPv4 datagram the raw socket received, with the time
 (``on_request(now, datagram)``), and answers with at most one ``Reply``: the
 raw IP packets to send and the ``ReplyRecord`` to log. No sockets, clocks or
@@ -46,10 +46,9 @@ from array import array
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
+from kickass_core.pacing import TokenBucket
 from kickass_core.plan import SPLIT, WHOLE
 from kickass_core.rate import FULL_PACKET_LEN, IPV4_HEADER_LEN
-
-from .pacing import TokenBucket
 
 ICMP_ECHO_REPLY = 0
 ICMP_ECHO_REQUEST = 8

@@ -8,9 +8,16 @@ instead of polling.
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 
-from .policy import prefix_of
+
+def prefix_of(address: str) -> str:
+    """The /24 (IPv4) or /48 (IPv6) an address belongs to: one subscriber's reach."""
+    ip = ipaddress.ip_address(address)
+    plen = 24 if ip.version == 4 else 48
+    return str(ipaddress.ip_network(f"{address}/{plen}", strict=False))
+
 
 # A bucket that reached 1 token minus float noise is full enough: without this
 # slack ``ready_at`` can name an instant at which ``refill`` computes

@@ -51,7 +51,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="RIPE Atlas campaigns for the fragment viability study",
         description="Run the fragment viability study from RIPE Atlas probes: plan and create "
         "the ping measurements, run the ICMP responder they ping, fetch and store their "
-        "results beside the volunteers'. See server/kickass_server/atlas/README.md.",
+        "results beside the volunteers'. See atlas/README.md.",
     )
 
     def usage(_args: argparse.Namespace) -> int:
@@ -476,14 +476,14 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_responder(args: argparse.Namespace) -> int:
-    from ..icmp_responder import (
+    from .responder import (
         IcmpResponder,
         check_addresses,
         kernel_echo_replies_off,
         new_run_id,
         undo_kernel_switch,
     )
-    from ..responder_core import ResponderConfig, ResponderCore
+    from .responder_core import ResponderConfig, ResponderCore
 
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
@@ -519,10 +519,10 @@ def cmd_responder(args: argparse.Namespace) -> int:
         store = _store(args)
         campaign_id = store.upsert_campaign(campaign)
         run = new_run_id()
-        writer = OrderedWriter(name="kickass-reply-log")
-
-        def sink(batch: list[Any]) -> None:
-            writer.submit(lambda: store.write_reply_log(campaign_id, run, batch))
+        writer = OrderedWriter(
+            lambda batch: store.write_reply_log(campaign_id, run, batch), name="kickass-reply-log"
+        )
+        sink = writer.submit
 
     responder = IcmpResponder(core, sink)
 

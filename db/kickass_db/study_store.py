@@ -2,7 +2,7 @@
 
 Used from the probe engine's thread and from Flask request threads at once:
 every method takes its own pooled connection and runs one short
-transaction, so a Store is safe to share. Results are read back through the
+transaction, so a StudyStore is safe to share. Results are read back through the
 analysis views (db/migrations 0002), so the HTTP API shows exactly what the
 dashboards and notebooks compute.
 
@@ -17,14 +17,21 @@ from __future__ import annotations
 
 import hmac
 import re
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any
 
 from kickass_core.errors import KickassError
 from kickass_core.plan import PHASES
 from kickass_core.states import FINAL_STATES, LIVE_STATES, OUTCOMES
+from kickass_core.study_events import (
+    Heartbeat,
+    OutcomeBatch,
+    RunFinished,
+    RunProbing,
+    StudyEvent,
+)
 from kickass_core.verdict import VERDICTS, decide, excess
 from sqlalchemy import (
     Connection,
@@ -38,20 +45,18 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.exc import InterfaceError, OperationalError
 
 from . import engine as db
 from .migrations import head_revision
-from .models import SESSION_ID_PATTERN, Client, SessionRow
-from .retry import DatabaseUnavailable, unavailable
-
-T = TypeVar("T")
+from .models.study import SESSION_ID_PATTERN, ClientRow, SessionRow
+from .retry import DatabaseUnavailable
+from .tx import StoreBase
 
 _SESSION_ID_RE = re.compile(SESSION_ID_PATTERN.replace("$", r"\Z"))
 
 ORPHAN_END_REASON = "server-restart"
 
-_clients = Client.__table__
+_clients = ClientRow.__table__
 _sessions = SessionRow.__table__
 
 
@@ -106,19 +111,7 @@ ON CONFLICT (session_pk, seq) DO UPDATE SET
     observed_frag_size = excluded.observed_frag_size,
     reassembly_invalid = probe_outcomes.reassembly_invalid OR excluded.reassembly_invalid
 """)
-_OUTCOME_FIELDS = (
-    "seq",
-    "phase",
-    "ip_len",
-    "sent_at",
-    "outcome",
-    "acked_at",
-    "rtt_ms",
-    "ack_count",
-    "received_len",
-    "observed_frag_size",
-    "reassembly_invalid",
-)
+_OUTCOME_FIELDS = tuple(f.name for f in fields(ProbeOutcome))  # the statement's arrays
 
 _WHOLE_ROWS = text("""
 SELECT ip_len, sent, acked, late, drop_rate, rtt_ms_median, fragmented_on_arrival,
@@ -167,48 +160,13 @@ class _SessionExists(Exception):
     """Internal: rolls back a create_session whose id is taken."""
 
 
-class Store:
-    """``instance`` names the server process that uses this Store: sessions it
+class StudyStore(StoreBase):
+    """``instance`` names the server process that uses this store: sessions it
     creates carry it, and at start it ends only its own orphans."""
 
     def __init__(self, database_url: str | None = None, instance: str | None = None) -> None:
-        self.database_url = db.resolve_database_url(database_url)
-        self.engine = db.make_engine(self.database_url)
+        super().__init__(database_url)
         self.instance = instance
-
-    def close(self) -> None:
-        self.engine.dispose()
-
-    def __enter__(self) -> Store:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"Store({db.describe_url(self.database_url)})"
-
-    # -- plumbing ---------------------------------------------------------
-
-    def _run(self, work: Callable[[Connection], T], *, isolation: str | None = None) -> T:
-        """Run ``work`` in one transaction, with the restart policy above."""
-        for attempt in (1, 2):
-            try:
-                conn = self.engine.connect()
-                try:
-                    if isolation:
-                        conn.execution_options(isolation_level=isolation)
-                    with conn.begin():
-                        return work(conn)
-                finally:
-                    conn.close()
-            except (OperationalError, InterfaceError) as exc:
-                # pre_ping only checks at checkout; a restart can still kill
-                # the connection mid-call. Once more on a fresh connection.
-                if attempt == 1 and exc.connection_invalidated:
-                    continue
-                raise unavailable(db.describe_url(self.database_url), exc) from exc
-        raise AssertionError("unreachable")
 
     def ping(self) -> None:
         """Raise KickassError unless the database is reachable and its schema current."""
@@ -216,7 +174,7 @@ class Store:
             db.check_connection(self.engine)
         except KickassError as exc:
             raise DatabaseUnavailable(str(exc), hint=exc.hint) from exc
-        current = self._run(_schema_revision)
+        current = self.run(_schema_revision)
         head = head_revision()
         if current is None:
             raise KickassError(
@@ -230,6 +188,11 @@ class Store:
             )
 
     # -- writes -----------------------------------------------------------
+
+    def apply(self, event: StudyEvent) -> None:
+        """Store one of the probe engine's events: the one entry of its writer
+        and of a journal's replay (one table, event type -> store call)."""
+        _APPLY[type(event)](self, event)
 
     def create_session(
         self,
@@ -298,7 +261,7 @@ class Store:
                 raise _SessionExists  # roll back the client upsert too
 
         try:
-            self._run(work)
+            self.run(work)
         except _SessionExists:
             existing = self.cookie_hash(session_id)
             if existing is None or not hmac.compare_digest(existing, cookie_hash):
@@ -320,7 +283,7 @@ class Store:
                 started_at=func.coalesce(_sessions.c.started_at, func.now()),
             )
         )
-        return self._run(lambda conn: conn.execute(stmt).rowcount > 0)
+        return self.run(lambda conn: conn.execute(stmt).rowcount > 0)
 
     def record_outcomes(self, session_id: str, outcomes: Sequence[ProbeOutcome]) -> None:
         """Upsert a batch of outcomes in one statement; the last word on a seq wins.
@@ -339,7 +302,7 @@ class Store:
             f: [getattr(o, f) for o in latest.values()] for f in _OUTCOME_FIELDS
         }
         params["session_id"] = session_id
-        written = self._run(lambda conn: conn.execute(_UPSERT_OUTCOMES, params).rowcount)
+        written = self.run(lambda conn: conn.execute(_UPSERT_OUTCOMES, params).rowcount)
         if written == 0:
             raise UnknownSession(f"no session {session_id} to record outcomes for")
 
@@ -350,7 +313,7 @@ class Store:
             .where(_sessions.c.session_id == session_id)
             .values(sent=sent, acked=acked)
         )
-        return self._run(lambda conn: conn.execute(stmt).rowcount > 0)
+        return self.run(lambda conn: conn.execute(stmt).rowcount > 0)
 
     def finish_session(
         self,
@@ -384,7 +347,7 @@ class Store:
                 **_metadata_update(reassembly, window),
             )
         )
-        return self._run(lambda conn: conn.execute(stmt).rowcount > 0)
+        return self.run(lambda conn: conn.execute(stmt).rowcount > 0)
 
     def record_client_report(
         self,
@@ -459,7 +422,7 @@ class Store:
                 )
             return True
 
-        return self._run(work)
+        return self.run(work)
 
     def mark_orphans_incomplete(self) -> list[str]:
         """At server start: sessions this instance's previous run left live become
@@ -507,13 +470,13 @@ class Store:
             )
             return [sid for _, sid in orphans]
 
-        return self._run(work)
+        return self.run(work)
 
     # -- reads ------------------------------------------------------------
 
     def cookie_hash(self, session_id: str) -> bytes | None:
         stmt = select(_sessions.c.cookie_hash).where(_sessions.c.session_id == session_id)
-        return self._run(lambda conn: conn.execute(stmt).scalar_one_or_none())
+        return self.run(lambda conn: conn.execute(stmt).scalar_one_or_none())
 
     def report_context(self, session_id: str) -> dict[str, Any] | None:
         """What checking a client report needs: cookie hash, state, plan size."""
@@ -522,7 +485,7 @@ class Store:
             _sessions.c.state,
             _sessions.c.plan["total_probes"].astext.label("total_probes"),
         ).where(_sessions.c.session_id == session_id)
-        row = self._run(lambda conn: conn.execute(stmt).first())
+        row = self.run(lambda conn: conn.execute(stmt).first())
         return None if row is None else dict(row._mapping)
 
     def session_results(self, session_id: str) -> dict[str, Any] | None:
@@ -541,7 +504,46 @@ class Store:
 
         # One snapshot: the counters and the per-size rows must agree even
         # while the engine is writing.
-        return self._run(work, isolation="REPEATABLE READ")
+        return self.run(work, isolation="REPEATABLE READ")
+
+
+def outcome_rows(batch: OutcomeBatch) -> list[ProbeOutcome]:
+    """A stamped batch's entries as rows (monotonic times mapped to UTC)."""
+    anchor = batch.anchor
+    if anchor is None:
+        raise ValueError(f"outcomes of session {batch.session_id} without a clock anchor")
+    return [
+        ProbeOutcome(
+            seq=e.seq,
+            phase=e.phase,
+            ip_len=e.ip_len,
+            sent_at=anchor.utc(e.sent_at),
+            outcome=e.outcome,
+            acked_at=None if e.acked_at is None else anchor.utc(e.acked_at),
+            rtt_ms=None if e.acked_at is None else (e.acked_at - e.sent_at) * 1000.0,
+            ack_count=e.ack_count,
+            received_len=e.received_len,
+            observed_frag_size=e.observed_frag_size,
+            reassembly_invalid=bool(e.reassembly_invalid),
+        )
+        for e in batch.entries
+    ]
+
+
+_APPLY: dict[type, Any] = {
+    OutcomeBatch: lambda s, e: s.record_outcomes(e.session_id, outcome_rows(e)),
+    Heartbeat: lambda s, e: s.heartbeat(e.session_id, e.sent, e.acked),
+    RunProbing: lambda s, e: s.mark_probing(e.session_id, e.probe_address, e.probe_port, e.rtt_ms),
+    RunFinished: lambda s, e: s.finish_session(
+        e.session_id,
+        e.state,
+        e.verdict,
+        e.verdict_reason,
+        e.end_reason,
+        None if e.reassembly is None else dict(e.reassembly),
+        None if e.window is None else dict(e.window),
+    ),
+}
 
 
 def _metadata_update(

@@ -1,6 +1,6 @@
 """RIPE Atlas campaigns for the fragment viability study.
 
-Atlas probes ping the server's ICMP responder (``kickass_server.icmp_responder``),
+Atlas probes ping the server's ICMP responder (``kickass_atlas.responder``),
 which answers with whole or split echo replies and logs every reply it sent;
 ``kickass atlas`` plans and creates the measurements (Cousteau), fetches their
 results (Cousteau + Sagan), joins them to the reply log and stores them beside

@@ -7,27 +7,25 @@ what makes a re-sent batch or a re-fetched window harmless. A fetched chunk,
 its outcomes and the measurement's ``fetched_until`` watermark commit in one
 transaction, so an interrupted fetch resumes exactly after its last chunk.
 
-Like kickass_db.Store, every call runs one short transaction on a pooled
+Like kickass_db.StudyStore, every call runs one short transaction on a pooled
 connection and raises DatabaseUnavailable while the database is away.
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
-import kickass_db as db
 from kickass_core.verdict import decide
-from kickass_db.retry import unavailable
+from kickass_db.tx import StoreBase
 from psycopg.types.json import Jsonb
 from sqlalchemy import Connection, text
-from sqlalchemy.exc import InterfaceError, OperationalError
 
-from ..responder_core import ReplyRecord
 from .campaign import Campaign, PlannedMeasurement
+from .responder_core import ReplyRecord
 
 T = TypeVar("T")
 
@@ -98,30 +96,8 @@ def _utc(t: float) -> datetime:
     return datetime.fromtimestamp(t, UTC)
 
 
-class AtlasStore:
-    def __init__(self, database_url: str | None = None) -> None:
-        self.database_url = db.resolve_database_url(database_url)
-        self.engine = db.make_engine(self.database_url)
-
-    def close(self) -> None:
-        self.engine.dispose()
-
-    def __enter__(self) -> AtlasStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _run(self, work: Callable[[Connection], T]) -> T:
-        for attempt in (1, 2):
-            try:
-                with self.engine.begin() as conn:
-                    return work(conn)
-            except (OperationalError, InterfaceError) as exc:
-                if attempt == 1 and exc.connection_invalidated:
-                    continue  # killed under us by a restart: once more, fresh
-                raise unavailable(db.describe_url(self.database_url), exc) from exc
-        raise AssertionError("unreachable")
+class AtlasStore(StoreBase):
+    """The only code that writes the Atlas tables (one transaction per call)."""
 
     # -- campaigns and measurements ------------------------------------------------
 
@@ -141,11 +117,11 @@ class AtlasStore:
             "definition": Jsonb(campaign.to_json()),
             "budget": campaign.credit_budget,
         }
-        return self._run(lambda conn: int(conn.execute(stmt, params).scalar_one()))
+        return self.run(lambda conn: int(conn.execute(stmt, params).scalar_one()))
 
     def campaign_id(self, name: str) -> int | None:
         stmt = text("SELECT id FROM atlas_campaigns WHERE name = :name")
-        return self._run(lambda conn: conn.execute(stmt, {"name": name}).scalar_one_or_none())
+        return self.run(lambda conn: conn.execute(stmt, {"name": name}).scalar_one_or_none())
 
     def record_measurement(
         self,
@@ -181,14 +157,14 @@ class AtlasStore:
             "credits": planned.credits,
             "stop_time": stop_time,
         }
-        self._run(lambda conn: conn.execute(stmt, params))
+        self.run(lambda conn: conn.execute(stmt, params))
 
     def measurements(self, campaign_id: int) -> list[dict[str, Any]]:
         stmt = text("""
             SELECT * FROM atlas_measurements WHERE campaign_id = :c
             ORDER BY phase DESC, ip_len, msm_id
         """)
-        return self._run(
+        return self.run(
             lambda conn: [dict(r) for r in conn.execute(stmt, {"c": campaign_id}).mappings()]
         )
 
@@ -201,7 +177,7 @@ class AtlasStore:
             raise ValueError(f"cannot update {sorted(set(values) - allowed)}")
         sets = ", ".join(f"{k} = :{k}" for k in values)
         stmt = text(f"UPDATE atlas_measurements SET {sets} WHERE msm_id = :msm_id")
-        self._run(lambda conn: conn.execute(stmt, {**values, "msm_id": msm_id}))
+        self.run(lambda conn: conn.execute(stmt, {**values, "msm_id": msm_id}))
 
     # -- the reply log -------------------------------------------------------------
 
@@ -218,7 +194,7 @@ class AtlasStore:
             )
             for r in records
         )  # fmt: skip
-        self._run(lambda conn: _copy_insert(conn, "atlas_reply_log", REPLY_LOG_COLUMNS, rows))
+        self.run(lambda conn: _copy_insert(conn, "atlas_reply_log", REPLY_LOG_COLUMNS, rows))
 
     def reply_log(
         self, campaign_id: int, responder_address: str, request_len: int, t0: float, t1: float
@@ -240,7 +216,7 @@ class AtlasStore:
             "t0": _utc(t0),
             "t1": _utc(t1),
         }
-        return self._run(lambda conn: [LoggedReply(*r) for r in conn.execute(stmt, params)])
+        return self.run(lambda conn: [LoggedReply(*r) for r in conn.execute(stmt, params)])
 
     # -- fetched results -------------------------------------------------------------
 
@@ -275,7 +251,7 @@ class AtlasStore:
             )
             return new
 
-        return self._run(work)
+        return self.run(work)
 
     def store_chunk_row_by_row(
         self,
@@ -313,7 +289,7 @@ class AtlasStore:
             )
             return new
 
-        return self._run(work)
+        return self.run(work)
 
     # -- probes and verdicts -------------------------------------------------------
 
@@ -323,7 +299,7 @@ class AtlasStore:
             "SELECT prb_id, host(address_v4) AS a FROM atlas_probes WHERE prb_id = ANY(:ids)"
         )
         ids = sorted(set(prb_ids))
-        return self._run(lambda conn: {r.prb_id: r.a for r in conn.execute(stmt, {"ids": ids})})
+        return self.run(lambda conn: {r.prb_id: r.a for r in conn.execute(stmt, {"ids": ids})})
 
     def upsert_probes(self, probes: Sequence[dict[str, Any]]) -> None:
         if not probes:
@@ -356,7 +332,7 @@ class AtlasStore:
             }
             for p in probes
         ]
-        self._run(lambda conn: conn.execute(stmt, rows))
+        self.run(lambda conn: conn.execute(stmt, rows))
 
     def refresh_verdicts(self, campaign_id: int, prb_ids: Iterable[int] | None = None) -> int:
         """Apply the volunteers' verdict rule to each probe's pooled counts."""
@@ -412,7 +388,7 @@ class AtlasStore:
                 )
             return len(rows)
 
-        return self._run(work)
+        return self.run(work)
 
     # -- reads for `kickass atlas status` ------------------------------------------
 
@@ -446,7 +422,7 @@ class AtlasStore:
             ).scalar_one()
             return {"measurements": msms, "verdicts": verdicts, "replies_logged": replies}
 
-        return self._run(work)
+        return self.run(work)
 
 
 def _astuple(row: Any) -> tuple[Any, ...]:

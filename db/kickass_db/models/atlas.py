@@ -1,6 +1,6 @@
 """The RIPE Atlas tables (migration 0006) as typed models on the one ``Base``.
 
-Written only by ``kickass_server.atlas.store``; read through the views
+Written only by ``kickass_atlas.store``; read through the views
 (``v_atlas_*``, ``v_*_by_source``). Like models.py, these describe the schema
 and never create it: Alembic is the schema truth, a test compares the two.
 """
@@ -33,13 +33,13 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import INET, JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
-from .models import Base, _in
+from ..base import Base, check_in
 
 # Per echo request of an Atlas ping: the volunteers' acked/lost/late, plus two
 # outcomes no drop rate counts (the request never reached the responder, or
 # the probe could not send it).
 ATLAS_OUTCOMES = ("acked", "lost", "late", "unanswered", "error")
-# How an Atlas result was joined to the reply log (kickass_server.atlas.ingest).
+# How an Atlas result was joined to the reply log (kickass_atlas.ingest).
 JOIN_STATUSES = ("exact", "ambiguous", "inconsistent", "no-log", "aggregate")
 
 
@@ -61,7 +61,7 @@ class AtlasMeasurementRow(Base):
 
     __tablename__ = "atlas_measurements"
     __table_args__ = (
-        CheckConstraint(_in("phase", PHASES), name="phase"),
+        CheckConstraint(check_in("phase", PHASES), name="phase"),
         UniqueConstraint("campaign_id", "key"),
     )
 
@@ -111,11 +111,11 @@ class AtlasProbeRow(Base):
 
 
 class AtlasReplyLogRow(Base):
-    """One echo reply the ICMP responder sent (kickass_server.responder_core.ReplyRecord)."""
+    """One echo reply the ICMP responder sent (kickass_atlas.responder_core.ReplyRecord)."""
 
     __tablename__ = "atlas_reply_log"
     __table_args__ = (
-        CheckConstraint(_in("phase", PHASES), name="phase"),
+        CheckConstraint(check_in("phase", PHASES), name="phase"),
         Index(None, "campaign_id", "responder_address", "sent_at"),
     )
 
@@ -140,7 +140,7 @@ class AtlasResultRow(Base):
     """One Atlas result (one ping of one probe), raw JSON kept as served."""
 
     __tablename__ = "atlas_results"
-    __table_args__ = (CheckConstraint(_in("join_status", JOIN_STATUSES), name="join_status"),)
+    __table_args__ = (CheckConstraint(check_in("join_status", JOIN_STATUSES), name="join_status"),)
 
     msm_id: Mapped[int] = mapped_column(
         BigInteger, ForeignKey("atlas_measurements.msm_id", ondelete="CASCADE"), primary_key=True
@@ -165,8 +165,8 @@ class AtlasOutcomeRow(Base):
 
     __tablename__ = "atlas_outcomes"
     __table_args__ = (
-        CheckConstraint(_in("phase", PHASES), name="phase"),
-        CheckConstraint(_in("outcome", ATLAS_OUTCOMES), name="outcome"),
+        CheckConstraint(check_in("phase", PHASES), name="phase"),
+        CheckConstraint(check_in("outcome", ATLAS_OUTCOMES), name="outcome"),
         ForeignKeyConstraint(
             ["msm_id", "prb_id", "result_at"],
             ["atlas_results.msm_id", "atlas_results.prb_id", "atlas_results.result_at"],
@@ -194,7 +194,7 @@ class AtlasVerdictRow(Base):
     """The volunteers' verdict rule applied to one Atlas probe's pooled counts in a campaign."""
 
     __tablename__ = "atlas_verdicts"
-    __table_args__ = (CheckConstraint(_in("verdict", VERDICTS), name="verdict"),)
+    __table_args__ = (CheckConstraint(check_in("verdict", VERDICTS), name="verdict"),)
 
     campaign_id: Mapped[int] = mapped_column(
         BigInteger, ForeignKey("atlas_campaigns.id", ondelete="CASCADE"), primary_key=True

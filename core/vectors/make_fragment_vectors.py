@@ -1,13 +1,13 @@
 """Regenerate core/vectors/fragment_kickass.json (run from the repo root):
 
-    .venv/bin/python router-edge/tools/make_fragment_vectors.py
+    .venv/bin/python core/vectors/make_fragment_vectors.py
 
 Input packets and the expected router output are built with scapy, which
 has its own header and checksum code, independent of the Rust fragmenter:
 the expected pieces follow Linux ip_do_fragment (header copied, same id,
 offset in 8-byte units, MF on all but the last, DF/reserved cleared,
 non-copied options NOP'ed in the second piece, checksum recomputed).
-The Rust test ka-core/tests/fragment_vectors.rs must reproduce every byte.
+The Rust test core/ka-core/tests/fragment_vectors.rs must reproduce every byte.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 from scapy.all import IP, TCP, UDP, Raw
 from scapy.layers.inet import IPOption
 
-OUT = Path(__file__).resolve().parents[2] / "core" / "vectors" / "fragment_kickass.json"
+OUT = Path(__file__).resolve().parent / "fragment_kickass.json"
 SRC, DST = "198.18.1.2", "198.18.2.2"
 
 
@@ -121,7 +121,7 @@ def cases() -> list[dict]:
 def main() -> None:
     doc = {
         "version": 1,
-        "generator": "router-edge/tools/make_fragment_vectors.py (scapy)",
+        "generator": "core/vectors/make_fragment_vectors.py (scapy)",
         "rule": "DESIGN.md section 3; headers as Linux ip_do_fragment",
         "cases": cases(),
     }

@@ -182,7 +182,7 @@ class Campaign:
         except FileNotFoundError:
             raise CampaignError(
                 f"campaign file {p} not found",
-                hint="see server/kickass_server/atlas/example-campaign.yaml",
+                hint="see atlas/example-campaign.yaml",
             ) from None
         except (OSError, yaml.YAMLError) as exc:
             raise CampaignError(f"cannot read campaign file {p}: {exc}") from None
@@ -273,7 +273,7 @@ class _Parser:
     def fail(self, field_name: str, problem: str) -> CampaignError:
         return CampaignError(
             f"{self.source}: {field_name}: {problem}",
-            hint="see server/kickass_server/atlas/README.md, campaign file reference",
+            hint="see atlas/README.md, campaign file reference",
         )
 
     def section(self, name: str, required: bool = True) -> Mapping[str, Any]:

@@ -1,0 +1,253 @@
+"""The wide-area trials' flow record: its one definition (fields, types, bounds, id).
+
+A flow record crosses three boundaries: ``ka-send`` (Rust) prints the
+transport's record, the trial runner turns it into this record and uploads
+it, the server validates it and stores it in ``flows``. Every one of them
+reads the table below:
+
+* the runner builds records with ``from_transport`` and ``flow_id``;
+* the server's request models are derived from ``FIELDS``
+  (``kickass_server.schemas``), and the trial store writes exactly these
+  columns;
+* ``core/vectors/flow_record.json`` pins the table and transport-to-record
+  examples; the Rust tests (ka-transport ``tests/flow_record_vectors.rs``)
+  deserialise the transport halves, Python tests check the conversion and
+  that the file is what this module generates
+  (``core/vectors/make_vectors.py``).
+
+Bounds are those of the columns the values land in (a 32-bit ``integer``, a
+``real``), tightened to what a flow can mean: no flow lasts 10^9 ms.
+Standard library only: the volunteer client ships this package.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+PROTOCOLS = ("kickass", "tcp")
+HANDSHAKES = ("paper", "padded")
+# A flow's index within its period stays below this, so (period, index) maps
+# to one number: the flow id's suffix.
+FLOWS_PER_PERIOD_MAX = 100_000
+INT32_MAX = 2**31 - 1
+# 1 Tbit/s: far above any access link, far below float trouble.
+RATE_BPS_MAX = 1e12
+DURATION_MS_MAX = 1e9
+SIZE_BYTES_MAX = 2**40  # 1 TiB: the workload's largest flow is 2000 x 1440 bytes
+ERROR_MAX_CHARS = 2000
+EXTRA_MAX_KEYS = 32
+EXTRA_MAX_BYTES = 4096  # as compact JSON
+
+TRIAL_ID_RE = re.compile(r"[0-9a-f]{32}\Z")
+FLOW_ID_RE = re.compile(r"([0-9a-f]{32})-([0-9]{1,15})\Z")
+CONGESTION_CONTROL_RE = re.compile(r"[a-z][a-z0-9_]{0,31}\Z")
+
+
+@dataclass(frozen=True)
+class Field:
+    """One field: its JSON type, whether it may be null or left out, its bounds."""
+
+    name: str
+    kind: str  # "int" | "float" | "bool" | "str" | "time" | "object"
+    nullable: bool = True
+    required: bool = False
+    minimum: float | None = None
+    maximum: float | None = None
+    choices: tuple[str, ...] | None = None
+    pattern: str | None = None
+    max_len: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, "kind": self.kind}
+        for key in ("nullable", "required"):
+            out[key] = getattr(self, key)
+        for key in ("minimum", "maximum", "choices", "pattern", "max_len"):
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = list(value) if isinstance(value, tuple) else value
+        return out
+
+
+# The record as uploaded and stored, in the order of the ``flows`` columns.
+FIELDS: tuple[Field, ...] = (
+    Field("flow_id", "str", nullable=False, required=True, pattern=FLOW_ID_RE.pattern),
+    Field("period_index", "int", nullable=False, required=True, minimum=0, maximum=INT32_MAX),
+    Field("protocol", "str", nullable=False, required=True, choices=PROTOCOLS),
+    Field("congestion_control", "str", pattern=CONGESTION_CONTROL_RE.pattern),
+    Field("handshake", "str", choices=HANDSHAKES),
+    Field("size_bytes", "int", nullable=False, required=True, minimum=1, maximum=SIZE_BYTES_MAX),
+    Field("size_packets", "int", nullable=False, required=True, minimum=1, maximum=INT32_MAX),
+    Field("started_at", "time", nullable=False, required=True),
+    Field("completed", "bool", nullable=False, required=True),
+    Field("fct_ms", "float", minimum=0.0, maximum=DURATION_MS_MAX),
+    Field("ka_mode_ms", "float", minimum=0.0, maximum=DURATION_MS_MAX),
+    Field("ka_mode_fraction", "float", minimum=0.0, maximum=1.0),
+    Field("mode_switches", "int", minimum=0, maximum=INT32_MAX),
+    Field("retransmissions", "int", minimum=0, maximum=INT32_MAX),
+    Field("srtt_ms", "float", minimum=0.0, maximum=DURATION_MS_MAX),
+    Field("min_rtt_ms", "float", minimum=0.0, maximum=DURATION_MS_MAX),
+    Field("advertised_rate_min_bps", "float", minimum=0.0, maximum=RATE_BPS_MAX),
+    Field("advertised_rate_max_bps", "float", minimum=0.0, maximum=RATE_BPS_MAX),
+    Field("advertised_rate_last_bps", "float", minimum=0.0, maximum=RATE_BPS_MAX),
+    Field("advertised_rates_seen", "int", minimum=0, maximum=INT32_MAX),
+    Field("error", "str", max_len=ERROR_MAX_CHARS),
+    # What the transport adds (rto_count, datagrams_sent, the first mode
+    # switches with their reasons...): at most EXTRA_MAX_KEYS keys and
+    # EXTRA_MAX_BYTES of JSON.
+    Field("extra", "object", max_len=EXTRA_MAX_KEYS),
+)
+FIELD_NAMES = tuple(f.name for f in FIELDS)
+BY_NAME = {f.name: f for f in FIELDS}
+
+
+def flow_id(trial_id: str, period_index: int, index: int) -> str:
+    """The flow's idempotency key: its trial, its period and its index there."""
+    if not TRIAL_ID_RE.match(trial_id):
+        raise ValueError(f"trial_id must be 32 lowercase hex digits, got {trial_id!r}")
+    if not 0 <= index < FLOWS_PER_PERIOD_MAX or not 0 <= period_index <= INT32_MAX:
+        raise ValueError(f"flow index {index} or period {period_index} out of range")
+    return f"{trial_id}-{index + FLOWS_PER_PERIOD_MAX * period_index}"
+
+
+def parse_flow_id(value: str) -> tuple[str, int, int]:
+    """(trial_id, period_index, index) of a flow id; ValueError if malformed."""
+    m = FLOW_ID_RE.match(value)
+    if m is None:
+        raise ValueError(f"flow_id must be '<trial_id>-<number>', got {value!r}")
+    n = int(m.group(2))
+    return m.group(1), n // FLOWS_PER_PERIOD_MAX, n % FLOWS_PER_PERIOD_MAX
+
+
+# -- the transport's record (ka-transport FlowRecord, printed by ka-send) -------------
+
+# Transport counters copied into ``extra`` as they are.
+TRANSPORT_EXTRA = (
+    "rto_count",
+    "fast_retransmits",
+    "datagrams_sent",
+    "rtt_indicators_sent",
+    "retransmitted_bytes",
+    "mode_switches",
+)
+
+
+def _ms(ns: Any) -> float | None:
+    return None if ns is None else float(ns) / 1e6
+
+
+def _bps(bytes_per_ms: Any) -> float | None:
+    return None if bytes_per_ms is None else float(bytes_per_ms) * 8000.0
+
+
+def from_transport(record: Mapping[str, Any], error: str | None = None) -> dict[str, Any]:
+    """The measured part of a flow record from ka-transport's FlowRecord
+    (nanoseconds and bytes/ms become milliseconds and bit/s)."""
+    rates = record.get("advertised_rates") or {}
+    return {
+        "completed": bool(record.get("completed")) and not error,
+        "handshake": record.get("handshake_mode"),
+        "fct_ms": _ms(record.get("fct_ns")),
+        "ka_mode_ms": _ms(record.get("ka_mode_ns")),
+        "ka_mode_fraction": record.get("ka_mode_fraction"),
+        "mode_switches": record.get("mode_switch_count"),
+        "retransmissions": record.get("retransmissions"),
+        "srtt_ms": _ms(record.get("srtt_ns")),
+        "min_rtt_ms": _ms(record.get("min_rtt_ns")),
+        "advertised_rate_min_bps": _bps(rates.get("min_bytes_per_ms")),
+        "advertised_rate_max_bps": _bps(rates.get("max_bytes_per_ms")),
+        "advertised_rate_last_bps": _bps(rates.get("last_bytes_per_ms")),
+        "advertised_rates_seen": rates.get("count"),
+        "error": error or record.get("error"),
+        "extra": {k: record[k] for k in TRANSPORT_EXTRA if k in record},
+    }
+
+
+# -- validation (the runner's own check before it spools) --------------------------------
+
+
+class FlowRecordError(ValueError):
+    """A record that does not fit the definition; ``field`` names the culprit."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+
+
+def check(record: Mapping[str, Any]) -> None:
+    """Raise FlowRecordError unless ``record`` fits ``FIELDS`` (unknown keys too).
+
+    Times are ISO 8601 strings with an offset here; the server parses them.
+    """
+    unknown = set(record) - set(FIELD_NAMES)
+    if unknown:
+        raise FlowRecordError(sorted(unknown)[0], "not a field of a flow record")
+    for f in FIELDS:
+        if f.name not in record:
+            if f.required:
+                raise FlowRecordError(f.name, "missing")
+            continue
+        _check_value(f, record[f.name])
+
+
+def _check_value(f: Field, value: Any) -> None:
+    if value is None:
+        if not f.nullable:
+            raise FlowRecordError(f.name, "may not be null")
+        return
+    if f.kind == "bool":
+        if not isinstance(value, bool):
+            raise FlowRecordError(f.name, "must be true or false")
+    elif f.kind in ("int", "float"):
+        ok = isinstance(value, int) if f.kind == "int" else isinstance(value, (int, float))
+        if isinstance(value, bool) or not ok:
+            raise FlowRecordError(
+                f.name, f"must be {'an integer' if f.kind == 'int' else 'a number'}"
+            )
+        if not math.isfinite(value):
+            raise FlowRecordError(f.name, "must be finite")
+        if (f.minimum is not None and value < f.minimum) or (
+            f.maximum is not None and value > f.maximum
+        ):
+            raise FlowRecordError(f.name, f"must lie within [{f.minimum}, {f.maximum}]")
+    elif f.kind in ("str", "time"):
+        if not isinstance(value, str):
+            raise FlowRecordError(f.name, "must be a string")
+        if f.choices is not None and value not in f.choices:
+            raise FlowRecordError(f.name, f"must be one of {list(f.choices)}")
+        if f.pattern is not None and not re.fullmatch(f.pattern, value):
+            raise FlowRecordError(f.name, f"must match {f.pattern}")
+        if f.max_len is not None and len(value) > f.max_len:
+            raise FlowRecordError(f.name, f"longer than {f.max_len} characters")
+        if f.kind == "time" and len(value) > 64:
+            raise FlowRecordError(f.name, "not an ISO 8601 time")
+    elif f.kind == "object":
+        if not isinstance(value, dict):
+            raise FlowRecordError(f.name, "must be an object")
+        if f.max_len is not None and len(value) > f.max_len:
+            raise FlowRecordError(f.name, f"more than {f.max_len} keys")
+        if any(not isinstance(k, str) or len(k) > 64 for k in value):
+            raise FlowRecordError(f.name, "keys must be short strings")
+        try:
+            size = len(json.dumps(value, allow_nan=False, separators=(",", ":")))
+        except (TypeError, ValueError) as exc:
+            raise FlowRecordError(f.name, f"not plain JSON: {exc}") from None
+        if size > EXTRA_MAX_BYTES:
+            raise FlowRecordError(f.name, f"more than {EXTRA_MAX_BYTES} bytes of JSON")
+
+
+def vectors_document(examples: list[dict[str, Any]]) -> dict[str, Any]:
+    """The shared vector file's content (core/vectors/flow_record.json)."""
+    return {
+        "description": "The trial flow record (kickass_core.flow_record): fields with types and "
+        "bounds, and ka-transport FlowRecord -> flow record conversions. Generated by "
+        "core/vectors/make_vectors.py; read by Python and Rust tests.",
+        "flows_per_period_max": FLOWS_PER_PERIOD_MAX,
+        "fields": [f.to_json() for f in FIELDS],
+        "transport_extra": list(TRANSPORT_EXTRA),
+        "examples": examples,
+    }
