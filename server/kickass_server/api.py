@@ -26,25 +26,21 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from flask import Blueprint, Flask, Response, current_app, jsonify, request
-from kickass_core import strictjson
 from kickass_core.errors import KickassError
 from kickass_core.plan import PlanError
 from kickass_core.states import CREATED, FINAL_STATES, LIVE_STATES
-from kickass_db.retry import DatabaseUnavailable
-from werkzeug.exceptions import HTTPException
 
-from . import __version__
-from .client_report import ReportError, parse_announced, parse_report
+from . import __version__, http, trials_api
+from .client_report import ReportError, parse_report
 from .engine import AdmissionDenied, EngineUnavailable, ProbeEngine
+from .http import ApiError, RateLimited, parse_body
+from .schemas import ClientReportBody, PlanRequest, SessionRequest
 
 log = logging.getLogger("kickass.api")
 
 API_PREFIX = "/api/v1"
 COOKIE_HEADER = "X-Kickass-Cookie"  # the volunteer client sends it (kickass_probe.api)
 _SESSION_ID = re.compile(r"[0-9a-f]{16}\Z")
-# C0 controls, DEL and lone surrogates: PostgreSQL text takes no NUL, UTF-8
-# has no surrogates, and none of them belongs in a version or platform name.
-_BAD_TEXT = re.compile("[\x00-\x1f\x7f\ud800-\udfff]")
 
 
 @dataclass(frozen=True)
@@ -81,16 +77,11 @@ class ApiConfig:
         return cls(**kwargs)
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message = status, code, message
-
-
 @dataclass
 class _Services:
     engine: ProbeEngine
     store: Any  # kickass_db.study_store.StudyStore (duck-typed for tests)
+    trials: Any  # kickass_db.trial_store.TrialStore, or None: uploads refused (503)
     config: ApiConfig
     health: _DatabaseCheck
 
@@ -107,34 +98,23 @@ sessions = Blueprint("sessions", __name__, url_prefix=f"{API_PREFIX}/sessions")
 @sessions.post("")
 def create_session() -> tuple[Response, int]:
     svc = _services()
-    body = _json_object(svc.config)
-    plan_req = body.get("plan")
+    body = parse_body(SessionRequest, max_depth=svc.config.max_json_depth)
     try:
-        plan = svc.engine.policy.plan_from_request({} if plan_req is None else plan_req)
+        plan = svc.engine.policy.plan_from_request(body.plan or PlanRequest())
     except PlanError as exc:
         raise ApiError(400, "bad-plan", str(exc)) from None
-    client_version = _text(body, "client_version", 64)
-    platform = _text(body, "platform", 128)
-    install_id = _text(body, "install_id", 64)
-    try:
-        reassembly = parse_announced(body.get("reassembly"))
-    except ReportError as exc:
-        raise ApiError(400, "bad-request", str(exc)) from None
     address = _client_address(svc.config)
     try:
         new = svc.engine.create_session(
             plan,
             address,
-            client_version=client_version,
-            platform=platform,
-            install_id=install_id,
-            reassembly=reassembly,
+            client_version=body.client_version,
+            platform=body.platform,
+            install_id=body.install_id,
+            reassembly=None if body.reassembly is None else body.reassembly.to_metadata(),
         )
     except AdmissionDenied as exc:
-        log.info("429 rate-limited %s: %s", address, exc)
-        resp = jsonify(error="rate-limited", message=str(exc))
-        resp.headers["Retry-After"] = str(svc.config.rate_limited_retry_after_s)
-        return resp, 429
+        raise RateLimited(str(exc)) from None
     return (
         jsonify(
             session_id=new.session_id,
@@ -185,8 +165,9 @@ def report_session(session_id: str) -> Response:
     results, whose verdict may have changed (invalid probes left out)."""
     svc = _services()
     sid = _session_id(session_id)
-    request.max_content_length = svc.config.max_report_bytes
-    body = _json_object(svc.config)
+    body = parse_body(
+        ClientReportBody, max_bytes=svc.config.max_report_bytes, max_depth=svc.config.max_json_depth
+    )
     info = svc.store.report_context(sid)
     if info is None:
         raise ApiError(404, "not-found", "no such session")
@@ -318,37 +299,6 @@ def get_stats() -> Response:
 # -- input ------------------------------------------------------------------------------
 
 
-def _json_object(config: ApiConfig) -> dict[str, Any]:
-    """The request body as a JSON object, or ApiError 400 (413 when too large)."""
-    if not request.is_json:
-        raise ApiError(400, "bad-request", "expected a JSON body (Content-Type: application/json)")
-    raw = request.get_data(cache=False)  # MAX_CONTENT_LENGTH: 413 beyond it
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ApiError(400, "bad-request", "the body is not UTF-8") from None
-    try:
-        value = strictjson.loads(text, config.max_json_depth)
-    except ValueError as exc:
-        raise ApiError(
-            400, "bad-request", f"the body is not valid JSON: {_one_line(exc)}"
-        ) from None
-    if not isinstance(value, dict):
-        raise ApiError(400, "bad-request", "expected a JSON object body")
-    return value
-
-
-def _text(body: dict[str, Any], name: str, limit: int) -> str | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise ApiError(400, "bad-request", f"{name} must be a string or null")
-    if _BAD_TEXT.search(value):
-        raise ApiError(400, "bad-request", f"{name} holds control characters or invalid Unicode")
-    return value[:limit]
-
-
 def _client_address(config: ApiConfig) -> str:
     """The address admission limits are keyed on."""
     candidate = request.remote_addr or ""
@@ -367,11 +317,6 @@ def _client_address(config: ApiConfig) -> str:
     return str(ip)
 
 
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0][:200] if text else type(exc).__name__
-
-
 # -- the app ------------------------------------------------------------------------------
 
 
@@ -379,57 +324,23 @@ def create_app(
     engine: ProbeEngine,
     store: Any,
     config: ApiConfig | Mapping[str, Any] | None = None,
+    *,
+    trials: Any = None,
 ) -> Flask:
-    """The Flask app around ``engine`` and ``store``; ``config`` is an
-    ApiConfig or a mapping of its fields (any case: ``{"PROBE_HOST": ...}``)."""
+    """The Flask app around ``engine``, ``store`` and ``trials`` (a TrialStore;
+    None: the trials endpoints answer 503); ``config`` is an ApiConfig or a
+    mapping of its fields (any case: ``{"PROBE_HOST": ...}``)."""
     cfg = config if isinstance(config, ApiConfig) else ApiConfig.from_mapping(config)
     app = Flask("kickass_server")
     app.config["MAX_CONTENT_LENGTH"] = cfg.max_body_bytes
     app.extensions["kickass"] = _Services(
-        engine, store, cfg, _DatabaseCheck(store, cfg.health_cache_s)
+        engine, store, trials, cfg, _DatabaseCheck(store, cfg.health_cache_s)
     )
-    for bp in (sessions, health, stats):
+    for bp in (sessions, health, stats, trials_api.bp):
         app.register_blueprint(bp)
-
-    def _unavailable(message: str) -> tuple[Response, int]:
-        resp = jsonify(error="unavailable", message=message)
-        resp.headers["Retry-After"] = str(cfg.unavailable_retry_after_s)
-        return resp, 503
-
-    @app.errorhandler(ApiError)
-    def _api_error(exc: ApiError) -> tuple[Response, int]:
-        log.info(
-            "%d %s %s %r: %s",
-            exc.status,
-            exc.code,
-            request.method,
-            request.path[:80],
-            _one_line(exc),
-        )
-        return jsonify(error=exc.code, message=exc.message), exc.status
-
-    @app.errorhandler(HTTPException)
-    def _http_error(exc: HTTPException) -> Any:
-        if exc.code is None or exc.code < 400:
-            return exc  # a redirect and the like: werkzeug's own response
-        code = (exc.name or "error").lower().replace(" ", "-")
-        log.info("%d %s %s %r", exc.code, code, request.method, request.path[:80])
-        return jsonify(error=code, message=exc.description), exc.code
-
-    @app.errorhandler(DatabaseUnavailable)
-    def _database_down(exc: DatabaseUnavailable) -> tuple[Response, int]:
-        log.warning("503 %s %r: %s", request.method, request.path[:80], exc.message)
-        return _unavailable("the database is unavailable right now; try again shortly")
-
-    @app.errorhandler(EngineUnavailable)
-    def _engine_down(exc: EngineUnavailable) -> tuple[Response, int]:
-        log.warning("503 %s %r: %s", request.method, request.path[:80], exc.message)
-        return _unavailable(exc.message)
-
-    @app.errorhandler(Exception)
-    def _unexpected(exc: Exception) -> tuple[Response, int]:
-        # Not bad input (that is a 400) and not an outage (503): a bug.
-        log.exception("500 %s %r", request.method, request.path[:80])
-        return jsonify(error="internal-error", message="the server failed on this request"), 500
-
+    http.install(
+        app,
+        http.RetryAfter(cfg.unavailable_retry_after_s, cfg.rate_limited_retry_after_s),
+        unavailable=(EngineUnavailable,),
+    )
     return app

@@ -25,6 +25,9 @@ from kickass_core.errors import KickassError
 from kickass_core.pacing import prefix_of
 from kickass_core.plan import PHASES, PlanError, ProbePlan
 from kickass_core.rate import FULL_PACKET_LEN
+from pydantic import ValidationError
+
+from .schemas import PlanRequest, errors_text
 
 # A plan request's ``"window": "auto"``: adaptive, up to ``max_window``.
 AUTO_WINDOW = "auto"
@@ -110,48 +113,35 @@ class Policy:
                 ) from None
         return cls(**kwargs)  # type: ignore[arg-type]
 
-    def plan_from_request(self, body: object) -> ProbePlan:
-        """Build the plan a client asked for, within bounds; PlanError otherwise.
-
-        Every field is type-checked here: a request is untrusted input, and a
-        float, a boolean or a string where a count belongs is the client's
-        mistake (HTTP 400), never a crash.
-        """
-        if not isinstance(body, dict):
-            raise PlanError("plan must be a JSON object")
-        quick = body.get("quick", False)
-        if not isinstance(quick, bool):
-            raise PlanError("plan.quick must be true or false")
-        if quick:
+    def plan_from_request(self, req: PlanRequest | object) -> ProbePlan:
+        """The plan a client asked for (a ``schemas.PlanRequest``, or the JSON
+        of one), within this server's bounds; PlanError otherwise."""
+        if not isinstance(req, PlanRequest):
+            try:
+                req = PlanRequest.model_validate(req)
+            except ValidationError as exc:
+                raise PlanError(f"plan: {errors_text(exc)}") from None
+        if req.quick:
             return ProbePlan.quick()
-        repetitions = _count(body, "repetitions", 100, 1, self.max_repetitions)
-        step = _count(body, "step", 8, self.min_step, FULL_PACKET_LEN)
+        repetitions = _bounded("repetitions", req.repetitions, 1, self.max_repetitions)
+        step = _bounded("step", req.step, self.min_step, FULL_PACKET_LEN)
         # No window: the paper's stop-and-wait. "auto": the server adapts the
         # window up to its maximum. A number: exactly that many, always.
-        adaptive = body.get("window") == AUTO_WINDOW
+        adaptive = req.window == AUTO_WINDOW
         if adaptive:
             window = max(1, int(self.max_window))
         else:
-            window = _count(body, "window", 1, 1, self.max_window)
-        phases = body.get("phases", list(PHASES))
-        if (
-            not isinstance(phases, list)
-            or not phases
-            or not all(isinstance(p, str) and p in PHASES for p in phases)
-            or len(set(phases)) != len(phases)
-        ):
+            assert isinstance(req.window, int)
+            window = _bounded("window", req.window, 1, self.max_window)
+        phases = list(req.phases)
+        if len(set(phases)) != len(phases):
             raise PlanError(f"plan.phases must be a non-empty list of distinct names from {PHASES}")
         return ProbePlan.build(
             repetitions=repetitions, step=step, window=window, phases=phases, adaptive=adaptive
         )
 
 
-def _count(body: dict, name: str, default: int, low: int, high: int) -> int:
-    value = body.get(name, default)
-    # bool is an int in Python; JSON true is not a count.
-    if isinstance(value, bool) or not isinstance(value, int):
-        also = f' or "{AUTO_WINDOW}"' if name == "window" else ""
-        raise PlanError(f"plan.{name} must be an integer{also}, got {type(value).__name__}")
+def _bounded(name: str, value: int, low: int, high: int) -> int:
     # A huge number is echoed as its size only: error messages go to logs.
     shown = value if abs(value) < 10**12 else f"of {len(str(abs(value)))} digits"
     if value > high:

@@ -162,7 +162,6 @@ def run(args: argparse.Namespace) -> int:
     from kickass_db.study_store import StudyStore
     from kickass_db.trial_store import TrialStore
 
-    from . import trials_api
     from .api import create_app
     from .engine import ProbeEngine
     from .front import create_front
@@ -207,9 +206,13 @@ def run(args: argparse.Namespace) -> int:
             len(orphans),
             args.instance_id,
         )
-    app = create_app(engine, store, {"PROBE_HOST": args.probe_host or None})
-    # Trial runners upload here; the same database, its own tables.
-    trials_api.register(app, TrialStore(args.database_url))
+    # Trial runners upload to the same app: the same database, their own tables.
+    app = create_app(
+        engine,
+        store,
+        {"PROBE_HOST": args.probe_host or None},
+        trials=TrialStore(args.database_url),
+    )
     try:
         # The front resolves X-Forwarded-For itself (only from the trusted
         # proxy), so the app reads the client address from REMOTE_ADDR alone.

@@ -1,11 +1,17 @@
-"""`/api/v1/trials`: trial runners upload their results here (issue: wide-area trials).
+"""`/api/v1/trials`: trial runners upload their results here.
 
-Every call carries ``Authorization: Bearer <runner token>`` (tokens come from
-`kickass trials runners add NAME`; only their hashes are stored). Uploads are
-idempotent, so a runner re-sending its spool after a lost answer is safe:
+Every call is authenticated as a runner (``_runner``). Uploads are idempotent,
+so a runner re-sending its spool after a lost answer is safe, and they answer
+per record, so one bad record never takes its neighbours with it:
 
-    PUT  /api/v1/trials/<trial_id>          the trial and its schedule
-    POST /api/v1/trials/<trial_id>/flows    {"flows": [...]} -> {"stored": [flow ids]}
+    PUT  /api/v1/trials/<trial_id>          the trial and its schedule (TrialBody)
+    POST /api/v1/trials/<trial_id>/flows    {"flows": [...]} ->
+         {"stored": [flow ids], "refused": [{"index", "flow_id", "error", "message"}]}
+
+A refused record's ``error`` is ``bad-flow`` (it can never be stored as
+sent) or ``conflict`` (its id is stored with other content: nothing was
+replaced). A batch of flows of a trial not uploaded yet is a 404
+``unknown-trial``: keep the flows and send the trial first.
 """
 
 from __future__ import annotations
@@ -13,94 +19,98 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from flask import Blueprint, current_app, jsonify, request
-from kickass_core import strictjson
-from kickass_db.retry import DatabaseUnavailable
-from kickass_db.trial_store import BadRecord, TrialStore
+from flask import Blueprint, Response, current_app, jsonify, request
+from kickass_core import flow_record
+from kickass_db.trial_store import BadRecord, Conflict, TrialStore, UnknownTrial
+from pydantic import ValidationError
+
+from .http import ApiError, Unavailable, parse_body
+from .schemas import FlowRecord, FlowsBody, TrialBody, errors_text
 
 log = logging.getLogger("kickass.trials")
 
 bp = Blueprint("trials", __name__, url_prefix="/api/v1/trials")
-MAX_FLOWS_PER_CALL = 500
 # A batch of flow records is larger than the study's requests (the app's
 # MAX_CONTENT_LENGTH); the HTTP front caps every body at 256 KiB.
 MAX_BODY_BYTES = 256 * 1024
 
 
-@bp.before_request
-def _allow_batches() -> None:
-    request.max_content_length = MAX_BODY_BYTES
-
-
 def _store() -> TrialStore:
-    return current_app.extensions["kickass.trials"]
+    store = current_app.extensions["kickass"].trials
+    if store is None:
+        raise Unavailable("this server takes no trial uploads")
+    return store
 
 
-def _error(status: int, code: str, message: str) -> Any:
-    resp = jsonify(error=code, message=message)
-    resp.status_code = status
-    if status == 503:
-        resp.headers["Retry-After"] = "30"
-    return resp
-
-
-def _runner() -> int | None:
+def _runner() -> int:
     auth = request.headers.get("Authorization", "")
     scheme, _, token = auth.partition(" ")
-    if scheme.lower() != "bearer" or not token:
-        return None
-    return _store().authenticate(token.strip())
+    runner = None
+    if scheme.lower() == "bearer" and token:
+        runner = _store().authenticate(token.strip())
+    if runner is None:
+        raise ApiError(401, "unauthorized", "a valid runner token is required")
+    return runner
 
 
-def _body() -> dict[str, Any] | None:
-    try:
-        body = strictjson.loads(request.get_data(cache=False))
-    except ValueError:
-        return None
-    return body if isinstance(body, dict) else None
+def _trial_id(value: str) -> str:
+    if not flow_record.TRIAL_ID_RE.fullmatch(value):
+        raise ApiError(404, "not-found", "a trial id is 32 lowercase hex digits")
+    return value
 
 
 @bp.put("/<trial_id>")
-def put_trial(trial_id: str) -> Any:
+def put_trial(trial_id: str) -> Response:
+    store = _store()
+    runner = _runner()
+    tid = _trial_id(trial_id)
+    body = parse_body(TrialBody, max_bytes=MAX_BODY_BYTES)
+    if body.trial_id not in (None, tid):
+        raise ApiError(400, "bad-request", "trial_id in the body differs from the URL")
     try:
-        runner = _runner()
-        if runner is None:
-            return _error(401, "unauthorized", "a valid runner token is required")
-        body = _body()
-        if body is None:
-            return _error(400, "bad-request", "expected a JSON object body")
-        if body.get("trial_id", trial_id) != trial_id:
-            return _error(400, "bad-request", "trial_id in the body differs from the URL")
-        _store().put_trial(runner, {**body, "trial_id": trial_id})
+        store.put_trial(runner, {**body.model_dump(), "trial_id": tid})
+    except Conflict as exc:
+        raise ApiError(409, "conflict", exc.message) from None
     except BadRecord as exc:
-        log.info("refused trial %s: %s", trial_id[:40], exc.message)
-        return _error(400, "bad-trial", exc.message)
-    except DatabaseUnavailable:
-        return _error(503, "unavailable", "the database is unavailable; retry later")
-    return jsonify(trial_id=trial_id), 200
+        raise ApiError(403, "forbidden", exc.message) from None
+    return jsonify(trial_id=tid)
 
 
 @bp.post("/<trial_id>/flows")
-def put_flows(trial_id: str) -> Any:
+def put_flows(trial_id: str) -> Response:
+    store = _store()
+    runner = _runner()
+    tid = _trial_id(trial_id)
+    body = parse_body(FlowsBody, max_bytes=MAX_BODY_BYTES)
+    valid: list[dict[str, Any]] = []
+    refused: list[dict[str, Any]] = []
+    for index, item in enumerate(body.flows):
+        fid = item.get("flow_id") if isinstance(item, dict) else None
+        fid = fid[:80] if isinstance(fid, str) else None
+        try:
+            rec = FlowRecord.model_validate(item)
+        except ValidationError as exc:
+            refused.append(_refusal(index, fid, "bad-flow", errors_text(exc)))
+            continue
+        if flow_record.parse_flow_id(rec.flow_id)[0] != tid:
+            refused.append(_refusal(index, fid, "bad-flow", f"not a flow of trial {tid}"))
+            continue
+        valid.append({"_index": index, **rec.model_dump()})
     try:
-        runner = _runner()
-        if runner is None:
-            return _error(401, "unauthorized", "a valid runner token is required")
-        body = _body()
-        flows = body.get("flows") if body else None
-        if not isinstance(flows, list) or len(flows) > MAX_FLOWS_PER_CALL:
-            return _error(
-                400, "bad-request", f'expected {{"flows": [...]}} with at most {MAX_FLOWS_PER_CALL}'
-            )
-        stored = _store().put_flows(runner, trial_id, flows)
-    except BadRecord as exc:
-        log.info("refused flows of trial %s: %s", trial_id[:40], exc.message)
-        return _error(400, "bad-flows", exc.message)
-    except DatabaseUnavailable:
-        return _error(503, "unavailable", "the database is unavailable; retry later")
-    return jsonify(stored=stored), 200
+        result = store.put_flows(
+            runner, tid, [{k: v for k, v in f.items() if k != "_index"} for f in valid]
+        )
+    except UnknownTrial as exc:
+        raise ApiError(404, "unknown-trial", exc.message) from None
+    index_of = {f["flow_id"]: f["_index"] for f in valid}
+    for fid, why in result.conflicts:
+        refused.append(_refusal(index_of[fid], fid, "conflict", why))
+    if refused:
+        log.info("trial %s: %d of %d flows refused (first: %s)", tid, len(refused),
+                 len(body.flows), refused[0]["message"][:120])  # fmt: skip
+    refused.sort(key=lambda r: r["index"])
+    return jsonify(stored=result.stored, refused=refused)
 
 
-def register(app: Any, trials: TrialStore) -> None:
-    app.extensions["kickass.trials"] = trials
-    app.register_blueprint(bp)
+def _refusal(index: int, flow_id: str | None, error: str, message: str) -> dict[str, Any]:
+    return {"index": index, "flow_id": flow_id, "error": error, "message": message}

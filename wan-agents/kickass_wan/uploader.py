@@ -1,10 +1,14 @@
 """Sends spooled trial results to the measurement server, idempotently.
 
-Trials go before their flows (the server refuses flows of an unknown trial).
-A record leaves the spool only once the server has confirmed its id; a
-network error or a 5xx keeps it for the next attempt, a 4xx (the server
-will never take it) moves it aside to ``rejected/`` with the reason, so one
-bad record cannot block the rest and nothing disappears without a word.
+Trials go before their flows (the server keeps flows of a trial it does not
+have yet waiting: 404 ``unknown-trial``). A record leaves the spool only once
+the server has confirmed its id. The server answers a batch of flows record
+by record: a stored id leaves the spool, a refused one (a bad record, or a
+conflict with what is stored under its id) is moved aside to ``rejected/``
+with the server's reason, alone; its neighbours are unaffected. A batch over
+the server's body cap (413) is halved until it fits. A network error, a 5xx,
+a 401/429 keep everything for the next attempt, so nothing disappears
+without a word.
 """
 
 from __future__ import annotations
@@ -69,14 +73,7 @@ class Uploader:
                 by_trial.setdefault(rec["record"]["trial_id"], []).append(rec)
             for trial_id, recs in by_trial.items():
                 for i in range(0, len(recs), BATCH):
-                    chunk = recs[i : i + BATCH]
-                    flows = [
-                        {k: v for k, v in r["record"].items() if k != "trial_id"} for r in chunk
-                    ]
-                    status, body = self._call(
-                        "POST", f"{self.base}/{trial_id}/flows", {"flows": flows}
-                    )
-                    self._settle(report, "flow", chunk, status, body, body.get("stored") or [])
+                    self._send_flows(report, trial_id, recs[i : i + BATCH])
         except (OSError, ValueError) as exc:
             # Server unreachable or answering garbage: everything stays spooled.
             report.errors.append(f"{type(exc).__name__}: {exc}")
@@ -92,6 +89,20 @@ class Uploader:
             self._send_flows(report, trial_id, chunk[:half])
             self._send_flows(report, trial_id, chunk[half:])
             return
+        if status == 404 and body.get("error") == "unknown-trial":
+            # The trial's own upload has not landed yet: keep, send later.
+            report.errors.append(f"flows of trial {trial_id} wait for their trial")
+            return
+        if status == 200:
+            for refusal in body.get("refused") or []:
+                if not isinstance(refusal, dict):
+                    continue
+                index = refusal.get("index")
+                if isinstance(index, int) and 0 <= index < len(chunk):
+                    why = f"{refusal.get('error')}: {refusal.get('message')}"
+                    self.spool.reject("flow", [chunk[index]["id"]], why)
+                    report.rejected += 1
+                    report.errors.append(f"flow {chunk[index]['id']} refused: {why}")
         self._settle(report, "flow", chunk, status, body, body.get("stored") or [])
 
     def _settle(

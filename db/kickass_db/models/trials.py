@@ -47,6 +47,19 @@ class RunnerRow(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
+class RequestNonceRow(Base):
+    """A signed request's nonce, kept through the replay window (0008)."""
+
+    __tablename__ = "request_nonces"
+    __table_args__ = (Index(None, "seen_at"),)
+
+    runner_id: Mapped[int] = mapped_column(
+        BigInteger, ForeignKey("runners.id", ondelete="CASCADE"), primary_key=True
+    )
+    nonce: Mapped[str] = mapped_column(Text, primary_key=True)
+    seen_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+
+
 class TrialRow(Base):
     __tablename__ = "trials"
     __table_args__ = (

@@ -1,0 +1,341 @@
+"""Every HTTP body the server accepts, as declared models (pydantic v2, strict).
+
+One schema layer for everything that crosses a trust boundary: a volunteer's
+session request and end-of-session report, a trial runner's trial and flows.
+Strict mode: a string is never a number, ``1`` is never ``true``, a list is
+never a string. Every number that reaches a fixed-width column is bounded by
+that column (or tighter), every string and list by a length. Bodies arrive
+through ``http.parse_body`` (size cap, UTF-8, ``kickass_core.strictjson``
+for NaN, infinities and nesting) and only then meet these models; a
+validation error becomes a 400 that names the field.
+
+The flow model is not written here: it is derived from the one definition
+of the flow record, ``kickass_core.flow_record.FIELDS``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from kickass_core import flow_record
+from kickass_core.plan import PHASES
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    create_model,
+)
+
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+# C0 controls, DEL and lone surrogates: PostgreSQL text takes no NUL, UTF-8
+# has no surrogates, and none of them belongs in a name or a version.
+_BAD_TEXT = re.compile("[\x00-\x1f\x7f\ud800-\udfff]")
+
+
+def _printable(value: str) -> str:
+    if _BAD_TEXT.search(value):
+        raise ValueError("holds control characters or invalid Unicode")
+    return value
+
+
+def _aware_time(value: Any) -> datetime:
+    if not isinstance(value, str) or len(value) > 64:
+        raise ValueError("not an ISO 8601 time")
+    try:
+        t = datetime.fromisoformat(value)
+    except ValueError:
+        raise ValueError("not an ISO 8601 time") from None
+    if t.utcoffset() is None:
+        raise ValueError("needs a UTC offset (a time without one is hours off)")
+    return t
+
+
+MAX_JSON_NODES = 2000
+MAX_KEY_CHARS = 64
+MAX_FREE_TEXT_CHARS = 200
+
+
+def _bounded_json(limit: int) -> Any:
+    """Free-form JSON that PostgreSQL's jsonb takes as it is: printable short
+    text (no NUL, no lone surrogate), 64-bit integers, finite numbers, at most
+    ``MAX_JSON_NODES`` values and ``limit`` bytes."""
+
+    def walk(v: Any, budget: list[int]) -> None:
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise ValueError(f"more than {MAX_JSON_NODES} values")
+        if isinstance(v, str):
+            if len(v) > MAX_FREE_TEXT_CHARS or _BAD_TEXT.search(v):
+                raise ValueError("text must be short and printable")
+        elif isinstance(v, bool) or v is None:
+            return
+        elif isinstance(v, int):
+            if not -INT64_MAX <= v <= INT64_MAX:
+                raise ValueError("integers must fit in 64 bits")
+        elif isinstance(v, float):
+            if not math.isfinite(v):
+                raise ValueError("numbers must be finite")
+        elif isinstance(v, list):
+            for x in v:
+                walk(x, budget)
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                if not isinstance(k, str) or len(k) > MAX_KEY_CHARS or _BAD_TEXT.search(k):
+                    raise ValueError("keys must be short printable text")
+                walk(x, budget)
+        else:
+            raise ValueError("not plain JSON")
+
+    def check(value: Any) -> Any:
+        walk(value, [MAX_JSON_NODES])
+        if len(json.dumps(value, separators=(",", ":"))) > limit:
+            raise ValueError(f"more than {limit} bytes of JSON")
+        return value
+
+    return check
+
+
+def Text(max_len: int) -> Any:  # noqa: N802 - reads as a type in the models below
+    """Printable text of at most ``max_len`` characters."""
+    return Annotated[str, StringConstraints(max_length=max_len), AfterValidator(_printable)]
+
+
+def Truncated(max_len: int) -> Any:  # noqa: N802
+    """Printable text, cut to ``max_len`` (a long version string is not an error)."""
+    return Annotated[
+        str,
+        StringConstraints(max_length=4096),
+        AfterValidator(_printable),
+        AfterValidator(lambda v: v[:max_len]),
+    ]
+
+
+def JsonObject(max_bytes: int) -> Any:  # noqa: N802
+    """A JSON object of at most ``max_bytes`` bytes (compact)."""
+    return Annotated[dict[str, Any], AfterValidator(_bounded_json(max_bytes))]
+
+
+# JSON has no time type: an ISO 8601 string with an offset, parsed before
+# the (strict) datetime check.
+AwareTime = Annotated[datetime, BeforeValidator(_aware_time)]
+Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
+
+
+class Strict(BaseModel):
+    """Strict types; unknown fields refused (nothing sent is silently dropped)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+
+class Lenient(Strict):
+    """Strict types, unknown fields ignored: a newer volunteer client may send
+    a field this server does not know yet, and must still get a session."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+
+# -- a volunteer's session ---------------------------------------------------------------
+
+
+def _window(value: Any) -> Any:
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    raise ValueError('must be an integer or "auto"')
+
+
+class PlanRequest(Lenient):
+    """What a client may ask of the plan; the server's policy sets the bounds.
+    Absent fields take the paper's plan (null is not absent: it is refused)."""
+
+    quick: bool = False
+    repetitions: int = 100
+    step: int = 8
+    # No window: the paper's stop-and-wait; "auto": the server adapts it.
+    window: Annotated[int | Literal["auto"], BeforeValidator(_window)] = 1
+    phases: Annotated[list[Literal[PHASES]], Field(min_length=1, max_length=len(PHASES))] = (  # type: ignore[valid-type]
+        Field(default_factory=lambda: list(PHASES))
+    )
+
+
+LIMIT_KEYS = ("high_thresh", "low_thresh", "time_s")
+SAMPLE_KEYS = ("reqds", "oks", "fails", "timeouts", "overlaps", "memory", "queues")
+MAX_SPLIT_CREDIT = 10_000_000
+
+
+class ReassemblyLimits(Lenient):
+    high_thresh: Count | None = None
+    low_thresh: Count | None = None
+    time_s: Count | None = None
+
+
+class ReassemblySample(Lenient):
+    reqds: Count | None = None
+    oks: Count | None = None
+    fails: Count | None = None
+    timeouts: Count | None = None
+    overlaps: Count | None = None
+    memory: Count | None = None
+    queues: Count | None = None
+
+
+class AnnouncedReassembly(Lenient):
+    """The client's reassembly memory before the session, and its flow control."""
+
+    limits: ReassemblyLimits | None = None
+    before: ReassemblySample | None = None
+    split_credit: Annotated[int, Field(ge=0, le=MAX_SPLIT_CREDIT)] | None = None
+
+    def to_metadata(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "limits": None if self.limits is None else self.limits.model_dump(),
+            "before": None if self.before is None else self.before.model_dump(),
+        }
+        if self.split_credit is not None:
+            out["split_credit"] = self.split_credit
+        return out
+
+
+class SessionRequest(Lenient):
+    """``POST /api/v1/sessions``."""
+
+    plan: PlanRequest | None = None
+    client_version: Truncated(64) | None = None  # type: ignore[valid-type]
+    platform: Truncated(128) | None = None  # type: ignore[valid-type]
+    install_id: Truncated(64) | None = None  # type: ignore[valid-type]
+    reassembly: AnnouncedReassembly | None = None
+
+
+# -- a volunteer's end-of-session report -------------------------------------------------
+
+MAX_RANGES = 4096
+# Free-form summaries (the client's reassembly counters, its observation's
+# summary): plain JSON, bounded in bytes and depth (strictjson).
+MAX_SUMMARY_BYTES = 32 * 1024
+OBSERVATION_ENCODING = "zlib-base64-v1"
+# Two arrays of the plan's length (at most ~40k probes), zlib'd, base64'd.
+MAX_OBSERVATION_CHARS = 200_000
+
+
+class FragmentObservation(Lenient):
+    summary: JsonObject(MAX_SUMMARY_BYTES) | None = None  # type: ignore[valid-type]
+    encoding: Literal["zlib-base64-v1"] | None = None
+    leading: Annotated[str, StringConstraints(max_length=MAX_OBSERVATION_CHARS)] | None = None
+    fragments: Annotated[str, StringConstraints(max_length=MAX_OBSERVATION_CHARS)] | None = None
+
+
+class ClientReportBody(Lenient):
+    """``POST /api/v1/sessions/<id>/report``."""
+
+    reassembly: JsonObject(MAX_SUMMARY_BYTES) | None = None  # type: ignore[valid-type]
+    invalid_ranges: (
+        Annotated[
+            list[
+                Annotated[
+                    list[Annotated[int, Field(ge=0, le=INT32_MAX)]],
+                    Field(min_length=2, max_length=2),
+                ]
+            ],
+            Field(max_length=MAX_RANGES),
+        ]
+        | None
+    ) = None
+    fragment_observation: FragmentObservation | None = None
+
+
+# -- a trial runner's uploads ------------------------------------------------------------
+
+MAX_FLOWS_PER_CALL = 500
+MAX_PERIODS = 10_000
+CongestionControl = Annotated[
+    str, StringConstraints(pattern=flow_record.CONGESTION_CONTROL_RE.pattern)
+]
+
+
+class TrialPeriod(Strict):
+    index: Annotated[int, Field(ge=0, le=INT32_MAX)]
+    pair: Annotated[int, Field(ge=0, le=INT32_MAX)]
+    protocol: Literal[flow_record.PROTOCOLS]  # type: ignore[valid-type]
+    start_s: Annotated[float, Field(ge=0, le=1e8, allow_inf_nan=False)]
+    duration_s: Annotated[float, Field(gt=0, le=1e8, allow_inf_nan=False)]
+    congestion_control: CongestionControl | None = None
+    # Written by older runners beside the schedule: the destination's name.
+    destination: Text(255) | None = None  # type: ignore[valid-type]
+
+
+class TrialBody(Strict):
+    """``PUT /api/v1/trials/<trial_id>``."""
+
+    trial_id: Annotated[str, StringConstraints(pattern=flow_record.TRIAL_ID_RE.pattern)] | None = (
+        None
+    )
+    destination: Annotated[
+        str, StringConstraints(min_length=1, max_length=255), AfterValidator(_printable)
+    ]
+    access_capacity_bps: Annotated[float, Field(gt=0, le=1e13, allow_inf_nan=False)] | None = None
+    router_run_name: Text(128) | None = None  # type: ignore[valid-type]
+    parameters: JsonObject(64 * 1024) = Field(default_factory=dict)  # type: ignore[valid-type]
+    versions: JsonObject(16 * 1024) = Field(default_factory=dict)  # type: ignore[valid-type]
+    started_at: AwareTime
+    finished_at: AwareTime | None = None
+    periods: Annotated[list[TrialPeriod], Field(max_length=MAX_PERIODS)] = Field(
+        default_factory=list
+    )
+
+
+class FlowsBody(Strict):
+    """``POST /api/v1/trials/<trial_id>/flows``: each flow is checked on its own
+    (``FlowRecord``), so one bad record never takes its neighbours with it."""
+
+    flows: Annotated[list[Any], Field(max_length=MAX_FLOWS_PER_CALL)]
+
+
+def _flow_annotation(f: flow_record.Field) -> Any:
+    if f.kind == "int":
+        base: Any = Annotated[int, Field(ge=f.minimum, le=f.maximum)]
+    elif f.kind == "float":
+        base = Annotated[float, Field(ge=f.minimum, le=f.maximum, allow_inf_nan=False)]
+    elif f.kind == "bool":
+        base = bool
+    elif f.kind == "time":
+        base = AwareTime
+    elif f.kind == "object":
+        base = Annotated[
+            dict[str, Any],
+            Field(max_length=f.max_len),
+            AfterValidator(_bounded_json(flow_record.EXTRA_MAX_BYTES)),
+        ]
+    elif f.choices is not None:
+        base = Literal[f.choices]  # type: ignore[valid-type]
+    else:
+        base = Annotated[
+            str,
+            StringConstraints(pattern=f.pattern, max_length=f.max_len),
+            AfterValidator(_printable),
+        ]
+    return base | None if f.nullable else base
+
+
+FlowRecord = create_model(  # type: ignore[call-overload]
+    "FlowRecord",
+    __base__=Strict,
+    __doc__="One trial flow record (kickass_core.flow_record.FIELDS).",
+    **{f.name: (_flow_annotation(f), ... if f.required else None) for f in flow_record.FIELDS},
+)
+
+
+def errors_text(exc: Any, limit: int = 3) -> str:
+    """A pydantic ValidationError as one short line: 'field.path: problem; ...'."""
+    parts = []
+    for err in exc.errors(include_url=False, include_input=False)[:limit]:
+        where = ".".join(str(p) for p in err.get("loc", ())) or "body"
+        parts.append(f"{where}: {err.get('msg', 'invalid')}"[:160])
+    more = exc.error_count() - len(parts)
+    return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
