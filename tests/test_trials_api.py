@@ -1,13 +1,17 @@
-"""The trial-upload API on a real database: tokens, idempotency, bad input, outages."""
+"""The trial-upload API on a real database: signed requests, idempotency, bad input,
+outages."""
 
 from __future__ import annotations
 
+import json
 import secrets
+from typing import Any
 
 import pytest
 from flask.testing import FlaskClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kickass_core import signing
 from kickass_db.study_store import StudyStore
 from kickass_db.trial_store import TrialStore
 from kickass_server.api import ApiConfig, create_app
@@ -22,6 +26,18 @@ def app_client(database_url: str, trials: TrialStore) -> tuple[FlaskClient, Prob
     return create_app(engine, study, ApiConfig(), trials=trials).test_client(), engine
 
 
+def call(
+    client: FlaskClient, method: str, path: str, token: str | None, body: Any, **extra: str
+) -> Any:
+    """A request as the runner's uploader sends it: signed, never the token itself."""
+    data = json.dumps(body).encode()
+    headers = {"Content-Type": "application/json", **extra}
+    if token is not None:
+        key = signing.key_from_secret(token)
+        headers |= signing.sign(key, signing.runner_name(token), method, path, data)
+    return client.open(path, method=method, data=data, headers=headers)
+
+
 @pytest.fixture
 def client_and_token(database_url: str):  # noqa: ANN201
     store = TrialStore(database_url)
@@ -33,28 +49,48 @@ def client_and_token(database_url: str):  # noqa: ANN201
 
 def test_upload_flow(client_and_token) -> None:  # noqa: ANN001
     client, token = client_and_token
-    auth = {"Authorization": f"Bearer {token}"}
     tid = secrets.token_hex(16)
-    assert client.put(f"/api/v1/trials/{tid}", json=_trial(tid)).status_code == 401
-    assert (
-        client.put(
-            f"/api/v1/trials/{tid}", json=_trial(tid), headers={"Authorization": "Bearer x"}
-        ).status_code
-        == 401
-    )
-    assert client.put(f"/api/v1/trials/{tid}", json=_trial(tid), headers=auth).status_code == 200
+    path = f"/api/v1/trials/{tid}"
+    assert call(client, "PUT", path, None, _trial(tid)).status_code == 401
+    assert call(client, "PUT", path, "edge.not-the-token", _trial(tid)).status_code == 401
+    # The old way, the token in a header: refused (it must never travel).
+    r = call(client, "PUT", path, None, _trial(tid), Authorization=f"Bearer {token}")
+    assert r.status_code == 401
+    assert call(client, "PUT", path, token, _trial(tid)).status_code == 200
     flows = [_flow(tid, i, "tcp", 5, 10.0 + i, None) for i in range(3)]
-    r = client.post(f"/api/v1/trials/{tid}/flows", json={"flows": flows}, headers=auth)
+    r = call(client, "POST", f"{path}/flows", token, {"flows": flows})
     assert r.status_code == 200 and r.json["stored"] == [f["flow_id"] for f in flows]
     # Re-sent after a lost answer: same reply, nothing doubled.
-    r = client.post(f"/api/v1/trials/{tid}/flows", json={"flows": flows}, headers=auth)
-    assert r.status_code == 200
-    bad = client.post(f"/api/v1/trials/{tid}/flows", json={"flows": [{"x": 1}]}, headers=auth)
+    r = call(client, "POST", f"{path}/flows", token, {"flows": flows})
+    assert r.status_code == 200 and r.json["stored"] == [f["flow_id"] for f in flows]
+    bad = call(client, "POST", f"{path}/flows", token, {"flows": [{"x": 1}]})
     assert bad.status_code == 200 and bad.json["stored"] == []
     assert [r["error"] for r in bad.json["refused"]] == ["bad-flow"]
     other = secrets.token_hex(16)
-    r = client.post(f"/api/v1/trials/{other}/flows", json={"flows": []}, headers=auth)
+    r = call(client, "POST", f"/api/v1/trials/{other}/flows", token, {"flows": []})
     assert r.status_code == 404 and r.json["error"] == "unknown-trial"
+
+
+def test_a_replayed_or_altered_request_is_refused(client_and_token) -> None:  # noqa: ANN001
+    client, token = client_and_token
+    tid = secrets.token_hex(16)
+    path = f"/api/v1/trials/{tid}"
+    data = json.dumps(_trial(tid)).encode()
+    headers = {"Content-Type": "application/json"} | signing.sign(
+        signing.key_from_secret(token), signing.runner_name(token), "PUT", path, data
+    )
+    assert client.open(path, method="PUT", data=data, headers=headers).status_code == 200
+    again = client.open(path, method="PUT", data=data, headers=headers)
+    assert again.status_code == 401 and "replayed" in again.json["message"]
+    altered = dict(headers, **{signing.NONCE: "f" * 32})
+    r = client.open(path, method="PUT", data=data, headers=altered)
+    assert r.status_code == 401 and "bad signature" in r.json["message"]
+    stale = {"Content-Type": "application/json"} | signing.sign(
+        signing.key_from_secret(token), signing.runner_name(token), "PUT", path, data,
+        now=signing.time.time() - 3 * signing.WINDOW_S,
+    )  # fmt: skip
+    r = client.open(path, method="PUT", data=data, headers=stale)
+    assert r.status_code == 401 and "clock" in r.json["message"]
 
 
 @pytest.mark.parametrize(
@@ -72,14 +108,15 @@ def test_upload_flow(client_and_token) -> None:  # noqa: ANN001
 )
 def test_bad_flows_are_refused_with_a_reason(client_and_token, patch: dict) -> None:  # noqa: ANN001
     client, token = client_and_token
-    auth = {"Authorization": f"Bearer {token}"}
     tid = secrets.token_hex(16)
-    assert client.put(f"/api/v1/trials/{tid}", json=_trial(tid), headers=auth).status_code == 200
+    assert call(client, "PUT", f"/api/v1/trials/{tid}", token, _trial(tid)).status_code == 200
     good = _flow(tid, 1, "tcp", 5, 10.0, None)
-    r = client.post(
+    r = call(
+        client,
+        "POST",
         f"/api/v1/trials/{tid}/flows",
-        json={"flows": [{**_flow(tid, 0, "tcp", 5, 10.0, None), **patch}, good]},
-        headers=auth,
+        token,
+        {"flows": [{**_flow(tid, 0, "tcp", 5, 10.0, None), **patch}, good]},
     )
     assert r.status_code == 200
     assert r.json["stored"] == [good["flow_id"]]  # its neighbour is stored all the same
@@ -91,9 +128,7 @@ def test_database_outage_is_503_with_retry_after(database_url: str) -> None:
     down = TrialStore("postgresql://u@127.0.0.1:1/none?connect_timeout=1")
     client, engine = app_client(database_url, down)
     engine.stop()
-    r = client.put(
-        f"/api/v1/trials/{secrets.token_hex(16)}", json={}, headers={"Authorization": "Bearer t"}
-    )
+    r = call(client, "PUT", f"/api/v1/trials/{secrets.token_hex(16)}", "edge.t", {})
     assert r.status_code == 503 and r.headers["Retry-After"]
 
 
@@ -109,17 +144,10 @@ def test_database_outage_is_503_with_retry_after(database_url: str) -> None:
 )
 def test_any_json_body_gets_a_4xx_or_2xx_never_a_5xx(client_and_token, body) -> None:  # noqa: ANN001
     client, token = client_and_token
-    auth = {"Authorization": f"Bearer {token}"}
     tid = "0" * 32
-    for path, method in (
-        (f"/api/v1/trials/{tid}", client.put),
-        (f"/api/v1/trials/{tid}/flows", client.post),
-    ):
-        r = method(path, json=body, headers=auth)
+    for path, method in ((f"/api/v1/trials/{tid}", "PUT"), (f"/api/v1/trials/{tid}/flows", "POST")):
+        r = call(client, method, path, token, body)
         assert r.status_code < 500, (path, body, r.data)
-        r = method(
-            path,
-            json={"flows": [body]} if "flows" in path else {**_trial(tid), "periods": [body]},
-            headers=auth,
-        )
+        wrapped = {"flows": [body]} if "flows" in path else {**_trial(tid), "periods": [body]}
+        r = call(client, method, path, token, wrapped)
         assert r.status_code < 500, (path, body, r.data)

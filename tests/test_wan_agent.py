@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from kickass_core import signing
 from kickass_wan.tcpflow import send_flow
 
 AGENT = str(Path(sys.executable).parent / "kickass-agent")
@@ -55,7 +56,11 @@ def _call(
     if body is not None:
         req.data = json.dumps(body).encode()
     if secret:
-        req.add_header("Authorization", f"Bearer {secret}")
+        key = signing.key_from_secret(secret)
+        for name, value in signing.sign(
+            key, signing.AGENT_KEY_ID, req.get_method(), path, req.data or b""
+        ).items():
+            req.add_header(name, value)
     try:
         with urllib.request.urlopen(req, timeout=5) as r:
             return r.status, json.load(r)

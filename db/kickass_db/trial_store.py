@@ -10,12 +10,12 @@ The records' shapes are defined once (``kickass_core.flow_record``); the
 server validates every field before calling here (``kickass_server.schemas``),
 so this module only checks what a database can: ownership, and equality with
 what is already stored. Only a key derived from a runner's token is kept
-(``signing_key``): the token itself never is.
+(``kickass_core.signing.key_from_secret``, which
+verifies its signed requests): the token itself never is.
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import re
 import secrets
@@ -26,6 +26,7 @@ from typing import Any
 
 from kickass_core import flow_record
 from kickass_core.errors import KickassError
+from kickass_core.signing import key_from_secret
 from sqlalchemy import Connection, column, insert, select, table, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
@@ -58,15 +59,6 @@ class Conflict(BadRecord):
     """An id already stored with different content; nothing was replaced."""
 
 
-def signing_key(token: str) -> bytes:
-    """The key a runner signs its requests with, derived from its token."""
-    return hashlib.sha256(token.encode()).digest()
-
-
-# Kept under its old name: the column holds exactly this digest.
-token_hash = signing_key
-
-
 @dataclass
 class FlowsResult:
     """What became of a batch: stored (new or identical repeats), and refused
@@ -80,13 +72,14 @@ class TrialStore(StoreBase):
     # -- runners ----------------------------------------------------------
 
     def add_runner(self, name: str) -> str:
-        """Register a runner; returns its token (shown once, never stored)."""
+        """Register a runner; returns its token (shown once, never stored):
+        ``NAME.SECRET``, so a runner knows the name it signs as from its token."""
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
             raise KickassError(f"bad runner name {name!r}", hint="letters, digits, _ . - only")
-        token = secrets.token_urlsafe(32)
+        token = f"{name}.{secrets.token_urlsafe(32)}"
 
         def work(conn: Connection) -> None:
-            stmt = pg_insert(RunnerRow).values(name=name, token_hash=signing_key(token))
+            stmt = pg_insert(RunnerRow).values(name=name, token_hash=key_from_secret(token))
             stmt = stmt.on_conflict_do_update(
                 index_elements=[RunnerRow.name],
                 set_={"token_hash": stmt.excluded.token_hash, "revoked_at": None},
@@ -110,7 +103,7 @@ class TrialStore(StoreBase):
         """The runner id for ``token``, or None (unknown or revoked)."""
         if not token or len(token) > 256:
             return None
-        digest = signing_key(token)
+        digest = key_from_secret(token)
 
         def work(conn: Connection) -> int | None:
             rows = conn.execute(

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from flask import Flask, Response, jsonify, request
-from kickass_core import strictjson
+from kickass_core import signing, strictjson
 from kickass_db.retry import DatabaseUnavailable
 from pydantic import BaseModel, ValidationError
 from werkzeug.exceptions import HTTPException
@@ -83,6 +83,36 @@ def validate(model: type[M], value: Any, code: str = "bad-request") -> M:
         return model.model_validate(value)
     except ValidationError as exc:
         raise ApiError(400, code, errors_text(exc)) from None
+
+
+def signed_path() -> str:
+    """The path a client signed: the path and, when there is one, its query."""
+    query = request.query_string.decode("latin-1")
+    return request.path + (f"?{query}" if query else "")
+
+
+def signed_runner(store: Any) -> int:
+    """The id of the runner that signed this request (``store``: a TrialStore),
+    or ApiError 401 with the reason (unsigned, unknown, bad, stale, replayed)."""
+    ids: dict[str, int] = {}
+
+    def key_for(name: str) -> bytes | None:
+        found = store.runner_key(name)
+        if found is None:
+            return None
+        ids[name] = found[0]
+        return found[1]
+
+    try:
+        signed = signing.check(
+            request.headers, request.method, signed_path(), request.get_data(cache=True), key_for
+        )
+    except signing.SignatureError as exc:
+        raise ApiError(401, "unauthorized", str(exc)) from None
+    runner = ids[signed.key_id]
+    if store.seen_nonce(runner, signed.nonce, signing.WINDOW_S):
+        raise ApiError(401, "unauthorized", "replayed request (its nonce was seen before)")
+    return runner
 
 
 def install(app: Flask, retry_after: RetryAfter, unavailable: tuple[type[Exception], ...]) -> None:

@@ -1,6 +1,9 @@
 """`/api/v1/trials`: trial runners upload their results here.
 
-Every call is authenticated as a runner (``_runner``). Uploads are idempotent,
+Every call is signed by a runner (``kickass_core.signing``: an HMAC over the
+method, path, time, a nonce and the body's digest, with the key derived from
+the runner's token); the token itself never travels, and a replayed request
+is refused (its nonce is kept in ``request_nonces``). Uploads are idempotent,
 so a runner re-sending its spool after a lost answer is safe, and they answer
 per record, so one bad record never takes its neighbours with it:
 
@@ -24,7 +27,7 @@ from kickass_core import flow_record
 from kickass_db.trial_store import BadRecord, Conflict, TrialStore, UnknownTrial
 from pydantic import ValidationError
 
-from .http import ApiError, Unavailable, parse_body
+from .http import ApiError, Unavailable, parse_body, signed_runner
 from .schemas import FlowRecord, FlowsBody, TrialBody, errors_text
 
 log = logging.getLogger("kickass.trials")
@@ -42,15 +45,16 @@ def _store() -> TrialStore:
     return store
 
 
+@bp.before_request
+def _allow_batches() -> None:
+    # Before the signature check reads the body: a batch of flow records is
+    # larger than the study's requests (the app's cap).
+    request.max_content_length = MAX_BODY_BYTES
+
+
 def _runner() -> int:
-    auth = request.headers.get("Authorization", "")
-    scheme, _, token = auth.partition(" ")
-    runner = None
-    if scheme.lower() == "bearer" and token:
-        runner = _store().authenticate(token.strip())
-    if runner is None:
-        raise ApiError(401, "unauthorized", "a valid runner token is required")
-    return runner
+    """The signing runner's id, or ApiError 401 (unsigned, bad, stale, replayed)."""
+    return signed_runner(_store())
 
 
 def _trial_id(value: str) -> str:
@@ -64,7 +68,7 @@ def put_trial(trial_id: str) -> Response:
     store = _store()
     runner = _runner()
     tid = _trial_id(trial_id)
-    body = parse_body(TrialBody, max_bytes=MAX_BODY_BYTES)
+    body = parse_body(TrialBody)
     if body.trial_id not in (None, tid):
         raise ApiError(400, "bad-request", "trial_id in the body differs from the URL")
     try:
@@ -81,7 +85,7 @@ def put_flows(trial_id: str) -> Response:
     store = _store()
     runner = _runner()
     tid = _trial_id(trial_id)
-    body = parse_body(FlowsBody, max_bytes=MAX_BODY_BYTES)
+    body = parse_body(FlowsBody)
     valid: list[dict[str, Any]] = []
     refused: list[dict[str, Any]] = []
     for index, item in enumerate(body.flows):

@@ -12,7 +12,8 @@ and a small control API on ``--listen`` (HTTP, JSON):
     GET  /v1/health    {"status", "receivers": {...}, "uptime_s"}
     GET  /v1/version   {"agent": version, "name"}
     POST /v1/tokens    {"kind": "tcp"|"kickass", "count": N}  ->  {"tokens": [hex], ...}
-                       needs ``Authorization: Bearer <agent secret>``
+                       signed with the agent secret's key (kickass_core.signing:
+                       the secret never travels, a replayed request is refused)
 
 Flows are refused without a valid, unexpired, unused token. The secret comes
 from ``--secret-file`` or ``KICKASS_AGENT_SECRET``; used tokens are kept in
@@ -22,7 +23,6 @@ from ``--secret-file`` or ``KICKASS_AGENT_SECRET``; used tokens are kept in
 from __future__ import annotations
 
 import argparse
-import hmac
 import json
 import logging
 import os
@@ -36,7 +36,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from kickass_core import config
+from kickass_core import config, signing
 from kickass_core.errors import KickassError
 
 from . import __version__
@@ -72,6 +72,7 @@ class Agent:
         # used for either kind of flow stays used across restarts of both.
         self.used_tokens = state_dir / "used-tokens"
         self.guard = tk.ReplayGuard(secret, state_file=self.used_tokens)
+        self.nonces = signing.NonceCache()
         self.tcp = TcpReceiver(self.guard, bind=(listen[0], tcp_port))
         self.kickass_port = kickass_port
         self.kickass_receiver = kickass_receiver
@@ -162,11 +163,23 @@ class Agent:
         port = self.tcp.address[1] if kind == "tcp" else self.kickass_port
         return {"kind": kind, "tokens": tokens, "port": port, "expires_in_s": self.token_lifetime_s}
 
-    def authorized(self, header: str | None) -> bool:
-        scheme, _, value = (header or "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(
-            value.strip().encode(), self.secret
-        )
+    def authorize(self, headers: Any, method: str, path: str, body: bytes) -> str | None:
+        """None if the request is signed with this agent's key and not a
+        replay; else why it is refused."""
+        key = signing.key_from_secret(self.secret)
+        try:
+            signed = signing.check(
+                headers,
+                method,
+                path,
+                body,
+                lambda kid: key if kid == signing.AGENT_KEY_ID else None,
+            )
+        except signing.SignatureError as exc:
+            return str(exc)
+        if self.nonces.seen(signed.nonce):
+            return "replayed request (its nonce was seen before)"
+        return None
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -194,9 +207,6 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path != "/v1/tokens":
             self._reply(404, {"error": "not-found"})
             return
-        if not self.agent.authorized(self.headers.get("Authorization")):
-            self._reply(401, {"error": "unauthorized", "message": "Bearer <agent secret> needed"})
-            return
         try:
             length = int(self.headers.get("Content-Length") or 0)
         except ValueError:
@@ -204,8 +214,13 @@ class _Handler(BaseHTTPRequestHandler):
         if not 0 <= length <= MAX_BODY:
             self._reply(413, {"error": "too-large"})
             return
+        raw = self.rfile.read(length)
+        refused = self.agent.authorize(self.headers, "POST", self.path, raw)
+        if refused is not None:
+            self._reply(401, {"error": "unauthorized", "message": refused})
+            return
         try:
-            body = json.loads(self.rfile.read(length) or b"{}")
+            body = json.loads(raw or b"{}")
             if not isinstance(body, dict):
                 raise ValueError("expected a JSON object")
             count = body.get("count", 1)

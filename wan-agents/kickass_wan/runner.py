@@ -30,7 +30,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from kickass_core import flow_record
+from kickass_core import flow_record, signing
 from kickass_core.errors import KickassError
 
 from . import __version__
@@ -65,22 +65,28 @@ class AgentRef:
 class AgentClient:
     def __init__(self, agent: AgentRef, timeout_s: float = 10.0) -> None:
         self.agent = agent
+        self.key = signing.key_from_secret(agent.secret)
         self.timeout_s = timeout_s
 
     def _call(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        data = None if body is None else json.dumps(body).encode()
+        method = "GET" if body is None else "POST"
+        base = urllib.parse.urlsplit(self.agent.control_url)
         req = urllib.request.Request(
-            self.agent.control_url.rstrip("/") + path,
-            data=None if body is None else json.dumps(body).encode(),
-            method="GET" if body is None else "POST",
+            self.agent.control_url.rstrip("/") + path, data=data, method=method
         )
-        req.add_header("Authorization", f"Bearer {self.agent.secret}")
+        # Signed with a key derived from the agent secret, which never travels.
+        full = base.path.rstrip("/") + path
+        headers = signing.sign(self.key, signing.AGENT_KEY_ID, method, full, data or b"")
+        for name, value in headers.items():
+            req.add_header(name, value)
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
                 return json.loads(resp.read())
         except urllib.error.HTTPError as exc:
-            hint = "check the agent secret" if exc.code == 401 else None
+            hint = "check the agent secret and both clocks" if exc.code == 401 else None
             raise KickassError(
-                f"agent {self.agent.name}: HTTP {exc.code} on {path}", hint
+                f"agent {self.agent.name}: HTTP {exc.code} on {path}: {_message(exc)}", hint
             ) from None
         except (OSError, ValueError) as exc:
             raise KickassError(
@@ -99,6 +105,16 @@ class AgentClient:
             out += [bytes.fromhex(t) for t in reply["tokens"]]
             port = int(reply["port"])
         return out, port
+
+
+def _message(exc: urllib.error.HTTPError) -> str:
+    try:
+        body = json.loads(exc.read() or b"{}")
+    except ValueError:
+        return ""
+    return (
+        str(body.get("message") or body.get("error") or "")[:200] if isinstance(body, dict) else ""
+    )
 
 
 @dataclass

@@ -16,9 +16,12 @@ from __future__ import annotations
 import json
 import logging
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
+
+from kickass_core import signing
 
 from .spool import Spool
 
@@ -43,14 +46,21 @@ class UploadReport:
 class Uploader:
     def __init__(self, server_url: str, runner_token: str, spool: Spool, timeout_s: float = 10.0):
         self.base = server_url.rstrip("/") + "/api/v1/trials"
-        self.token = runner_token
+        # Requests are signed with a key derived from the token; the token
+        # itself never leaves this host (kickass_core.signing).
+        self.name = signing.runner_name(runner_token)
+        self.key = signing.key_from_secret(runner_token)
         self.spool = spool
         self.timeout_s = timeout_s
 
     def _call(self, method: str, url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        req = urllib.request.Request(url, data=json.dumps(body).encode(), method=method)
+        data = json.dumps(body).encode()
+        req = urllib.request.Request(url, data=data, method=method)
         req.add_header("Content-Type", "application/json")
-        req.add_header("Authorization", f"Bearer {self.token}")
+        parts = urllib.parse.urlsplit(url)
+        path = parts.path + (f"?{parts.query}" if parts.query else "")
+        for name, value in signing.sign(self.key, self.name, method, path, data).items():
+            req.add_header(name, value)
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
                 return resp.status, json.loads(resp.read() or b"{}")
