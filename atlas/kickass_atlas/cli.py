@@ -22,24 +22,20 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import signal
 import sys
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
-from kickass_core import config
 from kickass_core.errors import KickassError
 
+from . import service
 from .campaign import Campaign, Plan
-from .client import DEFAULT_SERVER, AtlasClient, AtlasError, probe_problem
-from .ingest import DEFAULT_CHUNK_S, DEFAULT_SETTLE_S, fetch_campaign
-
-if TYPE_CHECKING:
-    from .store import AtlasStore
+from .client import DEFAULT_SERVER
+from .ingest import DEFAULT_CHUNK_S, DEFAULT_SETTLE_S
+from .service import AtlasSettings
 
 log = logging.getLogger("kickass.atlas")
 SECTION = "atlas"
@@ -161,35 +157,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 # -- settings ---------------------------------------------------------------------
 
 
-def _setting(name: str, flag: Any, default: Any = None) -> Any:
-    return config.resolve(name, flag, default=default, file=config.load_file(None), section=SECTION)
-
-
-def _database_url(args: argparse.Namespace) -> str | None:
-    return _setting("database_url", getattr(args, "database_url", None))
-
-
-def read_key(key_file: Path | None) -> str | None:
-    """The API key: from $KICKASS_ATLAS_KEY, else the key file (flag, environment, config)."""
-    env_key = os.environ.get("KICKASS_ATLAS_KEY", "").strip()
-    if env_key:
-        return env_key
-    path = _setting("atlas_key_file", key_file)
-    return config.read_secret(
-        path, "KICKASS_ATLAS_KEY", "API key", "check --key-file / $KICKASS_ATLAS_KEY_FILE"
+def _settings(args: argparse.Namespace) -> AtlasSettings:
+    return AtlasSettings.resolve(
+        atlas_server=getattr(args, "atlas_server", None),
+        key_file=getattr(args, "key_file", None),
+        ca_bundle=getattr(args, "ca_bundle", None),
+        database_url=getattr(args, "database_url", None),
     )
-
-
-def _client(args: argparse.Namespace) -> AtlasClient:
-    server = _setting("atlas_server", args.atlas_server, DEFAULT_SERVER)
-    ca = _setting("atlas_ca_bundle", args.ca_bundle)
-    return AtlasClient(server=server, key=read_key(args.key_file), verify=ca or True)
-
-
-def _store(args: argparse.Namespace) -> AtlasStore:
-    from .store import AtlasStore  # the database layer only for commands that need it
-
-    return AtlasStore(_database_url(args))
 
 
 def _warn(exc: KickassError) -> None:
@@ -244,7 +218,7 @@ def render_plan(plan: Plan) -> str:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    plan = Campaign.load(args.campaign).plan(all_sizes=args.all_sizes)
+    plan = service.plan(Campaign.load(args.campaign), all_sizes=args.all_sizes)
     if args.json:
         print(json.dumps(plan.to_json(), indent=2))
     else:
@@ -260,73 +234,16 @@ def cmd_create(args: argparse.Namespace) -> int:
     if args.dry_run:
         return cmd_plan(args)
     campaign = Campaign.load(args.campaign)
-    plan = campaign.plan(all_sizes=args.all_sizes)
-    plan.check_budget()
-    client = _client(args)
-    client.require_key("creating measurements")
-    with _store(args) as store:
-        campaign_id = store.upsert_campaign(campaign)
-        existing = {m["key"]: m for m in store.measurements(campaign_id)}
-        split, wholes = plan.measurements[0], plan.measurements[1:]
-        created: list[int] = []
-        now = time.time()
-        if split.key not in existing:
-            if campaign.probes.selector == "ids":
-                _check_probes(client, store, campaign.probes.ids)
-            stop = int(now + campaign.duration_s)
-            definition = split.definition(campaign.description)
-            [msm_id] = client.create([definition], campaign.probes.to_source(), stop_time=stop)
-            store.record_measurement(
-                campaign_id, msm_id, split, definition, datetime.fromtimestamp(stop, UTC)
-            )
-            created.append(msm_id)
-            existing = {m["key"]: m for m in store.measurements(campaign_id)}
-        split_row = existing[split.key]
-        todo = [m for m in wholes if m.key not in existing]
-        if todo:
-            # Whole sizes ping from exactly the split measurement's probes (an
-            # Atlas "msm" source), so the two phases compare probe by probe.
-            split_stop = split_row.get("stop_time")
-            stop = (
-                int(split_stop.timestamp())
-                if split_stop is not None and split_stop.timestamp() > now + 60
-                else int(now + campaign.duration_s)
-            )
-            source = {"type": "msm", "value": split_row["msm_id"], "requested": split.probes}
-            definitions = [m.definition(campaign.description) for m in todo]
-            ids = client.create(definitions, source, stop_time=stop)
-            for m, definition, msm_id in zip(todo, definitions, ids, strict=True):
-                store.record_measurement(
-                    campaign_id, msm_id, m, definition, datetime.fromtimestamp(stop, UTC)
-                )
-                created.append(msm_id)
-        rows = store.measurements(campaign_id)
-        for row in rows:
-            if row["msm_id"] in created:
-                _refresh(client, store, row)
-        rows = store.measurements(campaign_id)
-    out = {
-        "campaign": campaign.name,
-        "created": created,
-        "measurements": [
-            {
-                "key": r["key"],
-                "msm_id": r["msm_id"],
-                "status": r["status_name"],
-                "estimated_credits": r["estimated_credits"],
-                "credits_per_result": r["credits_per_result"],
-            }
-            for r in rows
-        ],
-    }
+    out = service.create(_settings(args), campaign, all_sizes=args.all_sizes, warn=_warn)
     if args.json:
-        print(json.dumps(out, indent=2))
+        print(json.dumps(out.to_json(), indent=2))
     else:
+        created = out.created
         print(
             f"campaign {campaign.name}: created {len(created)} measurements"
             + (f" ({', '.join(map(str, created))})" if created else " (all existed already)")
         )
-        for m in out["measurements"]:
+        for m in out.measurements:
             print(
                 f"  {m['key']:>12}  msm {m['msm_id']}  {m['status'] or '?':<20} "
                 f"~{m['estimated_credits']} credits"
@@ -335,57 +252,14 @@ def cmd_create(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_probes(client: AtlasClient, store: AtlasStore, ids: tuple[int, ...]) -> None:
-    """Explicit probe ids: say which will not produce results before paying."""
-    probes = client.probes(ids)
-    store.upsert_probes(probes)
-    found = {int(p["id"]) for p in probes}
-    usable = 0
-    for p in probes:
-        problem = probe_problem(p)
-        if problem:
-            _warn(KickassError(problem, hint="RIPE Atlas schedules only connected probes"))
-        else:
-            usable += 1
-    for missing in sorted(set(ids) - found):
-        _warn(KickassError(f"probe {missing} is unknown to RIPE Atlas", hint="check probes.ids"))
-    if usable == 0:
-        raise KickassError(
-            "none of the campaign's probes is connected: nothing would be measured",
-            hint="pick connected probes in probes.ids (atlas.ripe.net/probes)",
-        )
-
-
-def _refresh(client: AtlasClient, store: AtlasStore, row: dict[str, Any]) -> AtlasError | None:
-    """Read a measurement's status and credits_per_result back from Atlas.
-    A failed request is warned about here; a status that means trouble
-    (forced stop, no suitable probes, failed) is returned."""
-    try:
-        info = client.measurement(row["msm_id"])
-    except AtlasError as exc:
-        _warn(exc)
-        return None
-    store.update_measurement(
-        row["msm_id"],
-        status_id=info.status_id,
-        status_name=info.status_name,
-        credits_per_result=info.credits_per_result,
-        start_time=info.start_time,
-        stop_time=info.stop_time or row.get("stop_time"),
-    )
-    return info.problem
-
-
 # -- fetch and status -----------------------------------------------------------------
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
     campaign = Campaign.load(args.campaign)
-    client = _client(args)
-    with _store(args) as store:
-        report = fetch_campaign(
-            store, client, campaign, settle_s=args.settle, chunk_s=args.chunk, progress=_progress()
-        )
+    report = service.fetch(
+        _settings(args), campaign, settle_s=args.settle, chunk_s=args.chunk, progress=_progress()
+    )
     for w in report.warnings:
         _warn(w)
     if args.json:
@@ -413,46 +287,11 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     campaign = Campaign.load(args.campaign)
-    problems: list[AtlasError] = []
-    with _store(args) as store:
-        campaign_id = store.campaign_id(campaign.name)
-        if campaign_id is None:
-            raise KickassError(
-                f"campaign {campaign.name!r} is not in the database",
-                hint=f"kickass atlas create {args.campaign}",
-            )
-        if not args.offline:
-            client = _client(args)
-            for row in store.measurements(campaign_id):
-                problem = _refresh(client, store, row)
-                if problem is not None:
-                    problems.append(problem)
-        status = store.status(campaign.name)
-    for p in problems:
-        _warn(p)
-    msms = status["measurements"]
-    spent = sum(m["credits_spent"] or 0 for m in msms)
-    estimated = sum(m["estimated_credits"] or 0 for m in msms)
+    status = service.status(_settings(args), campaign, offline=args.offline, warn=_warn)
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "campaign": campaign.name,
-                    "measurements": [
-                        {k: (_iso(v) if isinstance(v, datetime) else v) for k, v in m.items()}
-                        for m in msms
-                    ],
-                    "credits_spent": spent,
-                    "credits_estimated": estimated,
-                    "credit_budget": campaign.credit_budget,
-                    "verdicts": status["verdicts"],
-                    "replies_logged": status["replies_logged"],
-                },
-                indent=2,
-                default=str,
-            )
-        )
+        print(json.dumps(status.to_json(), indent=2, default=str))
         return 0
+    msms = status.measurements
     print(f"campaign {campaign.name}: {len(msms)} measurements")
     for m in msms:
         fetched = _iso(m["fetched_until"]) or "never"
@@ -462,12 +301,14 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"credits {m['credits_spent']:>7}  fetched until {fetched}"
             + (f"  last error: {m['last_error']}" if m["last_error"] else "")
         )
-    print(f"credits spent {spent} of ~{estimated} planned (budget {campaign.credit_budget})")
-    print(f"replies logged by the responder: {status['replies_logged']}")
-    if status["verdicts"]:
+    print(
+        f"credits spent {status.credits_spent} of ~{status.credits_estimated} planned "
+        f"(budget {campaign.credit_budget})"
+    )
+    print(f"replies logged by the responder: {status.replies_logged}")
+    if status.verdicts:
         print(
-            "probe verdicts: "
-            + ", ".join(f"{k} {v}" for k, v in sorted(status["verdicts"].items()))
+            "probe verdicts: " + ", ".join(f"{k} {v}" for k, v in sorted(status.verdicts.items()))
         )
     return 0
 
@@ -516,7 +357,7 @@ def cmd_responder(args: argparse.Namespace) -> int:
     if not args.no_database:
         from kickass_db.writer import OrderedWriter
 
-        store = _store(args)
+        store = _settings(args).store()
         campaign_id = store.upsert_campaign(campaign)
         run = new_run_id()
         writer = OrderedWriter(

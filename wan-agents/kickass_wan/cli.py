@@ -2,6 +2,10 @@
 
 kickass trials plan --destination A [--destination B] [--pairs N] [--period S] [--seed N] [--json]
     print the interleaved schedule and the workload's flows per period (a dry run)
+kickass trials run [--config FILE] [--agent NAME=URL ...] [...]
+    one round of interleaved trials (service.RoundSettings: flags > the [trials] table of FILE)
+kickass trials upload --server URL
+    re-send spooled results
 kickass trials runners add NAME [--database-url URL]
     register a trial runner with the server's database; prints its upload token once
 """
@@ -11,16 +15,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
+import threading
+from typing import Any
 
 from kickass_core import config
 from kickass_core.errors import KickassError
 
-from .runner import AgentRef, TrialConfig, TrialRunner
 from .schedule import Period, interleaved
+from .service import SECTION, RoundSettings, run_round, uploader
 from .spool import Spool
-from .uploader import Uploader
-from .workload import Workload, period_flows
+from .workload import period_flows
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -47,32 +51,33 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "KICKASS_RUNNER_TOKEN. Progress goes to stderr; --json prints the result to stdout.",
     )
     run.add_argument(
+        "--config",
+        help="TOML file whose [trials] table holds the round's settings (flags override it; "
+        "$KICKASS_CONFIG by default)",
+    )
+    run.add_argument(
         "--agent",
         action="append",
-        required=True,
         metavar="NAME=URL",
-        help="agent name and control URL with an IP literal (repeat)",
+        help="agent name and control URL with an IP literal (repeat; or agents in --config)",
     )
     run.add_argument("--secret-dir", help="directory with one secret file per agent name")
     _schedule_args(run)
-    run.add_argument("--cc", default="cubic", help="TCP congestion control (cubic, reno, bbr...)")
-    run.add_argument("--handshake", choices=["padded", "paper"], default="padded")
+    run.add_argument("--cc", help="TCP congestion control (cubic, reno, bbr...; default cubic)")
+    run.add_argument("--handshake", choices=["padded", "paper"], help="default padded")
     run.add_argument("--access-capacity", type=float, help="edge access link, bit/s (stored)")
     run.add_argument("--router-run-name", help="ka-router telemetry run this trial overlaps")
     run.add_argument("--ka-send", help="path of ka-send (default: next to this program or PATH)")
     run.add_argument("--bind", help="source address for the flows")
     run.add_argument("--server", help="measurement server URL for uploads (none: spool only)")
     run.add_argument("--runner-token-file")
-    run.add_argument(
-        "--spool-dir", default=".kickass/spool", help="results outbox (default %(default)s)"
-    )
+    run.add_argument("--spool-dir", help="results outbox (default .kickass/spool)")
     run.add_argument(
         "--agent-retry",
         type=float,
-        default=30.0,
         metavar="S",
         help="keep asking an unreachable agent for flow tokens this long before skipping a "
-        "period; its flows are recorded as not run (default %(default)s)",
+        "period; its flows are recorded as not run (default 30)",
     )
     run.add_argument("--json", action="store_true")
     run.set_defaults(func=cmd_run)
@@ -95,54 +100,103 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _schedule_args(p: argparse.ArgumentParser) -> None:
     """What decides the periods and their flows: `plan` and `run` take the
     same, so a dry run shows exactly the flows a run will start."""
-    p.add_argument("--pairs", type=int, default=3, help="period pairs (default %(default)s)")
-    p.add_argument(
-        "--period", type=float, default=120.0, help="seconds per period (default %(default)s)"
-    )
-    p.add_argument(
-        "--protocols", default="kickass,tcp", help="periods to run (default %(default)s)"
-    )
-    p.add_argument(
-        "--mean-gap", type=float, default=0.5, help="mean gap between flows, s (default 0.5)"
-    )
-    p.add_argument("--mean-packets", type=float, default=100.0, help="mean flow size (default 100)")
-    p.add_argument("--max-packets", type=int, default=2000, help="largest flow (default 2000)")
-    p.add_argument("--shape", type=float, default=1.8, help="Pareto shape (default 1.8)")
-    p.add_argument("--seed", type=int, default=1, help="seeds the schedule and the flows")
+    p.add_argument("--pairs", type=int, help="period pairs (default 3)")
+    p.add_argument("--period", type=float, help="seconds per period (default 120)")
+    p.add_argument("--protocols", help="periods to run (default kickass,tcp)")
+    p.add_argument("--mean-gap", type=float, help="mean gap between flows, s (default 0.5)")
+    p.add_argument("--mean-packets", type=float, help="mean flow size (default 100)")
+    p.add_argument("--max-packets", type=int, help="largest flow (default 2000)")
+    p.add_argument("--shape", type=float, help="Pareto shape (default 1.8)")
+    p.add_argument("--seed", type=int, help="seeds the schedule and the flows (default 1)")
     p.add_argument(
         "--sender-index",
         type=int,
-        default=0,
         help="runners sharing a --seed run aligned periods; each draws its own flows by index",
     )
 
 
-def _workload(args: argparse.Namespace) -> Workload:
-    try:
-        return Workload(
-            max_packets=args.max_packets,
-            shape=args.shape,
-            mean_packets=args.mean_packets,
-            mean_gap_s=args.mean_gap,
-            seed=args.seed,
+def _given(pairs: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in pairs.items() if v is not None}
+
+
+def _schedule_mapping(args: argparse.Namespace) -> dict[str, Any]:
+    """The schedule flags that were given, as RoundSettings fields."""
+    out = _given(
+        {
+            "pairs": args.pairs,
+            "period_s": args.period,
+            "sender_index": args.sender_index,
+            "protocols": None
+            if args.protocols is None
+            else [p.strip() for p in args.protocols.split(",") if p.strip()],
+        }
+    )
+    workload = _given(
+        {
+            "mean_gap_s": args.mean_gap,
+            "mean_packets": args.mean_packets,
+            "max_packets": args.max_packets,
+            "shape": args.shape,
+            "seed": args.seed,
+        }
+    )
+    if workload:
+        out["workload"] = workload
+    return out
+
+
+def settings_from_args(args: argparse.Namespace) -> RoundSettings:
+    """Flags > the [trials] table of --config (or $KICKASS_CONFIG) > defaults."""
+    data = dict(config.load_file(args.config).get(SECTION, {}))
+    flags = _schedule_mapping(args)
+    if "workload" in flags:
+        flags["workload"] = {**data.get("workload", {}), **flags["workload"]}
+    data.update(flags)
+    if args.agent:
+        agents = []
+        for spec in args.agent:
+            name, sep, url = spec.partition("=")
+            if not sep or not name or not url.startswith("http"):
+                raise KickassError(f"bad --agent {spec!r}", hint="NAME=http://IP:PORT")
+            agents.append({"name": name, "url": url})
+        data["agents"] = agents
+    data.update(
+        _given(
+            {
+                "congestion_control": args.cc,
+                "handshake": args.handshake,
+                "access_capacity_bps": args.access_capacity,
+                "router_run_name": args.router_run_name,
+                "ka_send": args.ka_send,
+                "bind": args.bind,
+                "server": args.server,
+                "runner_token_file": args.runner_token_file,
+                "spool_dir": args.spool_dir,
+                "agent_retry_s": args.agent_retry,
+            }
         )
-    except ValueError as exc:
-        raise KickassError(f"bad workload: {exc}") from None
-
-
-def _protocols(args: argparse.Namespace) -> tuple[str, ...]:
-    return tuple(p.strip() for p in args.protocols.split(",") if p.strip())
+    )
+    if not data.get("agents"):
+        raise KickassError("no agents", hint="--agent NAME=http://IP:PORT, or agents in --config")
+    return RoundSettings.from_mapping(data, "trial settings")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    w = _workload(args)
+    settings = RoundSettings.from_mapping(
+        {
+            **_schedule_mapping(args),
+            "agents": [{"name": d, "url": "http://0"} for d in args.destination],
+        }
+    )
+    w = settings.workload_obj()
+    sender_index = settings.sender_index
     try:
         sched = interleaved(
             args.destination,
-            pairs=args.pairs,
-            period_s=args.period,
-            seed=args.seed,
-            protocols=_protocols(args),
+            pairs=settings.pairs,
+            period_s=settings.period_s,
+            seed=w.seed,
+            protocols=tuple(settings.protocols),
         )
     except ValueError as exc:
         raise KickassError(
@@ -150,7 +204,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         ) from None
     periods = []
     for p in sched:
-        fl = period_flows(w, p.index, p.duration_s, args.sender_index)
+        fl = period_flows(w, p.index, p.duration_s, sender_index)
         periods.append(
             {**p.to_json(), "flows": len(fl), "packets": sum(f.size_packets for f in fl)}
         )
@@ -188,61 +242,9 @@ def cmd_runner_add(args: argparse.Namespace) -> int:
     return 0
 
 
-def _runner_token(path: str | None) -> str:
-    hint = (
-        "pass --runner-token-file or set KICKASS_RUNNER_TOKEN "
-        "(make one on the server: kickass trials runners add NAME)"
-    )
-    token = config.read_secret(path, "KICKASS_RUNNER_TOKEN", "runner token", hint)
-    if not token:
-        raise KickassError("no runner token", hint=hint)
-    return token
-
-
-def _agents(args: argparse.Namespace) -> list[AgentRef]:
-    out = []
-    for spec in args.agent:
-        name, sep, url = spec.partition("=")
-        if not sep or not name or not url.startswith("http"):
-            raise KickassError(f"bad --agent {spec!r}", hint="NAME=http://IP:PORT")
-        secret = config.read_secret(
-            Path(args.secret_dir) / name if args.secret_dir else None,
-            "KICKASS_AGENT_SECRET",
-            f"secret of agent {name}",
-            "--secret-dir DIR (a file per agent name) or KICKASS_AGENT_SECRET",
-        )
-        if not secret:
-            raise KickassError(
-                f"no secret for agent {name}", hint="--secret-dir or KICKASS_AGENT_SECRET"
-            )
-        out.append(AgentRef(name, url, secret))
-    return out
-
-
 def cmd_run(args: argparse.Namespace) -> int:
-    workload = _workload(args)
-    cfg = TrialConfig(
-        agents=_agents(args),
-        pairs=args.pairs,
-        period_s=args.period,
-        workload=workload,
-        congestion_control=args.cc,
-        handshake=args.handshake,
-        access_capacity_bps=args.access_capacity,
-        router_run_name=args.router_run_name,
-        ka_send=args.ka_send,
-        source=args.bind,
-        protocols=_protocols(args),
-        sender_index=args.sender_index,
-        agent_retry_s=args.agent_retry,
-    )
-    if args.agent_retry < 0:
-        raise KickassError("--agent-retry must be >= 0")
-    spool = Spool(args.spool_dir)
-    uploader = (
-        Uploader(args.server, _runner_token(args.runner_token_file), spool) if args.server else None
-    )
-    runner = TrialRunner(cfg, spool, uploader)
+    settings = settings_from_args(args)
+    stop = threading.Event()
 
     def progress(p: Period) -> None:
         print(
@@ -252,10 +254,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
 
     try:
-        result = runner.run(progress=progress)
+        result = run_round(settings, secret_dir=args.secret_dir, progress=progress, stop=stop)
     except KeyboardInterrupt:
-        runner.stop.set()
-        print(f"interrupted: results so far are in {args.spool_dir}", file=sys.stderr)
+        stop.set()
+        print(f"interrupted: results so far are in {settings.spool_dir}", file=sys.stderr)
         return 130
     if args.json:
         print(json.dumps({"version": 1, **result}))
@@ -271,7 +273,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"period {sp['period'] + 1} skipped: {sp['error']}", file=sys.stderr)
         if result["spooled"]:
             print(
-                f"{result['spooled']} results wait in {args.spool_dir}: "
+                f"{result['spooled']} results wait in {settings.spool_dir}: "
                 "run `kickass trials upload` when the server is back",
                 file=sys.stderr,
             )
@@ -280,7 +282,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_upload(args: argparse.Namespace) -> int:
     spool = Spool(args.spool_dir)
-    report = Uploader(args.server, _runner_token(args.runner_token_file), spool).flush()
+    report = uploader(args.server, args.runner_token_file, spool).flush()
     print(
         f"sent {report.sent}, rejected {report.rejected}, still spooled {report.pending}",
         file=sys.stderr,
