@@ -34,6 +34,7 @@ demo: install
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 	cargo fmt --all -- --check
 	cargo clippy --quiet --workspace --all-targets -- -D warnings
 

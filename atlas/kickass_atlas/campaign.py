@@ -1,6 +1,6 @@
 """A RIPE Atlas campaign as data: the YAML file, validated, and the plan it implies.
 
-A campaign is the fragment viability study (DESIGN.md section 3) run from
+A campaign is the fragment viability study (paper §IV-C) run from
 Atlas probes: the probes ping the server's ICMP responder, which answers
 ``whole`` sizes with ordinary replies and 1500-byte requests with replies cut
 at the ``split`` sweep's leading-fragment lengths, one split per reply. So one

@@ -7,7 +7,7 @@ raw IP packets to send and the ``ReplyRecord`` to log. No sockets, clocks or
 database in here: ``icmp_responder.IcmpResponder`` owns those, and the tests
 drive this class on simulated time (as ``probe_core.ProbeCore``).
 
-What it answers (the fragment viability study, DESIGN.md section 3):
+What it answers (the fragment viability study, paper §IV-C):
 
 * on a ``whole`` address, an echo request of up to 1500 bytes gets an
   ordinary, unfragmented reply of the same size;

@@ -6,7 +6,7 @@ number right after, so a probe's identity fits in the first 16 bytes of UDP
 payload: the smallest probe (IP length 44) and the smallest leading fragment
 (24 bytes of IP payload = 8 UDP + 16) both carry it whole.
 
-Flow (DESIGN.md section 4, the QUIC way):
+Flow (ARCHITECTURE.md, "The probe protocol"; the QUIC way):
   client -> server  HELLO      tag + secret cookie from the HTTP API, padded
   server -> client  CHALLENGE  tag + fresh random token, never larger than HELLO
   client -> server  ECHO       tag + token, from the same address:port

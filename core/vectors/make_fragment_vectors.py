@@ -122,7 +122,7 @@ def main() -> None:
     doc = {
         "version": 1,
         "generator": "core/vectors/make_fragment_vectors.py (scapy)",
-        "rule": "DESIGN.md section 3; headers as Linux ip_do_fragment",
+        "rule": "paper section II-A; headers as Linux ip_do_fragment",
         "cases": cases(),
     }
     OUT.write_text(json.dumps(doc, indent=1) + "\n")

@@ -21,7 +21,7 @@ The engine's live state of one study session is a ``ProbeRun`` (the
 database's row of it is ``kickass_db.models.SessionRow``). The HTTP API only
 ever sees a ``RunSnapshot``: a frozen copy.
 
-Handshake (DESIGN.md section 4): HELLO must carry the session's secret
+Handshake (ARCHITECTURE.md, "The probe protocol"): HELLO must carry the session's secret
 cookie; the answer is a CHALLENGE smaller than the HELLO, to the HELLO's
 source; probes start only after the ECHO of that challenge arrives from the
 same address:port. A spoofed HELLO therefore costs its victim one small

@@ -16,7 +16,7 @@ More kinds for the study's known-answer tests (issue 11), by name:
 * ``swapped``: a middlebox with connection tracking (which reassembles)
   forwards onto a VXLAN overlay to the client (MTU 1450): Linux re-cuts the
   datagram by its largest fragment, largest piece first, so a 604 + 916 split
-  arrives as 916 + 604 (DESIGN.md section 7). The client's address is on
+  arrives as 916 + 604 (ARCHITECTURE.md, "Facts of the path"). The client's address is on
   the overlay (100.65.<i>.2) and the probes reach it on ``vx0``.
 * ``wan``: a long path with random loss: ka-linkem (host ``lk<i>``, bridging
   the router's port and the client's at layer 2) adds ``wan_rtt_ms / 2``

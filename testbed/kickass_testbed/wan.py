@@ -1,4 +1,4 @@
-"""`kickass testbed`: the emulated wide-area testbed of DESIGN.md.
+"""`kickass testbed`: the emulated wide-area testbed of paper §IV-A.
 
     s1..sN ──┐                                          ┌── r1..rM
              bridge "lan" ── ka-router ── wan0 ═ ka-linkem ═ bridge ──┘

@@ -1,4 +1,4 @@
-//! The Kick-Ass fragmenter (DESIGN.md section 3, paper II).
+//! The Kick-Ass fragmenter (paper §II-A).
 //!
 //! A departing full-size (1500-byte) packet with DF clear is cut in two so
 //! that the leading fragment carries exactly `L` bytes of IP payload; the

@@ -1,5 +1,5 @@
 //! The per-flow record: what the wide-area trials store for every flow
-//! (DESIGN section 3: protocol, size, flow completion time, time spent in
+//! (paper §IV-B: protocol, size, flow completion time, time spent in
 //! Kick-Ass mode, mode switches, retransmissions), plus RTT and the
 //! advertised rates the flow saw. Serializable as one JSON object.
 
@@ -53,7 +53,7 @@ pub struct ModeSwitch {
     pub reason: SwitchReason,
 }
 
-/// Which opening the flow used (DESIGN: our improvement is the default).
+/// Which opening the flow used (our improvement on paper §III-C2 is the default).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum HandshakeMode {

@@ -43,7 +43,7 @@ pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root for network namespaces"),
 ]
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BINARIES = ("ka-send", "ka-agent-recv", "ka-router", "ka-linkem")
 
 SND, RTR_LAN, RTR_WAN, RCV = "198.18.1.2", "198.18.1.1", "198.18.2.1", "198.18.2.2"

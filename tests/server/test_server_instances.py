@@ -10,78 +10,16 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
-import sys
-import tempfile
-import time
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 
 import kickass_db as db
 import pytest
 from sqlalchemy import create_engine, text
-
-KICKASS = str(Path(sys.executable).parent / "kickass")
+from support.live_server import KICKASS, free_port, server
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the probe engine needs a raw socket")
-
-
-def _free_port(kind: int) -> int:
-    with socket.socket(socket.AF_INET, kind) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def server(database_url: str, probe_port: int, http_port: int) -> Iterator[subprocess.Popen]:
-    journal = tempfile.mkdtemp(prefix="kickass-journal-")
-    proc = subprocess.Popen(
-        [
-            KICKASS,
-            "server",
-            "--listen",
-            f"127.0.0.1:{http_port}",
-            "--probe-bind",
-            "127.0.0.1",
-            "--probe-port",
-            str(probe_port),
-            "--database-url",
-            database_url,
-            "--journal-dir",
-            journal,
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        _wait_http(http_port, proc)
-        yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        shutil.rmtree(journal, ignore_errors=True)
-
-
-def _wait_http(port: int, proc: subprocess.Popen, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited {proc.returncode}: {proc.stderr.read()}")
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/health", timeout=1).read()
-            return
-        except OSError:
-            time.sleep(0.1)
-    raise AssertionError("server did not answer in time")
 
 
 def _new_session(http_port: int) -> str:
@@ -109,8 +47,8 @@ def _state(database_url: str, session_id: str) -> tuple[str, str | None]:
 
 
 def test_restarting_one_server_leaves_the_others_live_session(database_url: str) -> None:
-    a_probe, b_probe = _free_port(socket.SOCK_DGRAM), _free_port(socket.SOCK_DGRAM)
-    a_http, b_http = _free_port(socket.SOCK_STREAM), _free_port(socket.SOCK_STREAM)
+    a_probe, b_probe = free_port(socket.SOCK_DGRAM), free_port(socket.SOCK_DGRAM)
+    a_http, b_http = free_port(socket.SOCK_STREAM), free_port(socket.SOCK_STREAM)
     with server(database_url, a_probe, a_http):
         sid_a = _new_session(a_http)
         with server(database_url, b_probe, b_http):
@@ -128,8 +66,8 @@ def test_restarting_one_server_leaves_the_others_live_session(database_url: str)
 
 
 def test_second_server_on_busy_probe_port_refuses_and_ends_nothing(database_url: str) -> None:
-    probe = _free_port(socket.SOCK_DGRAM)
-    a_http, b_http = _free_port(socket.SOCK_STREAM), _free_port(socket.SOCK_STREAM)
+    probe = free_port(socket.SOCK_DGRAM)
+    a_http, b_http = free_port(socket.SOCK_STREAM), free_port(socket.SOCK_STREAM)
     with server(database_url, probe, a_http):
         sid = _new_session(a_http)
         second = subprocess.run(

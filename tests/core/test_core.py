@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from kickass_core import rate, rtt, verdict, wire
 from kickass_core.plan import PlanError, ProbePlan, expected_max_fragment
 
-VECTORS = Path(__file__).resolve().parents[1] / "core" / "vectors"
+VECTORS = Path(__file__).resolve().parents[2] / "core" / "vectors"
 
 
 def load(name: str) -> dict:

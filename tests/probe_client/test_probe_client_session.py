@@ -27,7 +27,7 @@ from kickass_probe.session import (
 )
 
 VECTORS = json.loads(
-    (Path(__file__).resolve().parents[1] / "core" / "vectors" / "probe_wire.json").read_text()
+    (Path(__file__).resolve().parents[2] / "core" / "vectors" / "probe_wire.json").read_text()
 )["messages"]
 
 TAG = bytes.fromhex("0123456789abcdef")

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import secrets
-from datetime import UTC, datetime, timedelta
 
 import kickass_db as db
 import pytest
-from kickass_core.flow_record import flow_id
 from kickass_db.trial_store import BadRecord, TrialStore
 from sqlalchemy import create_engine, text
-
-T0 = datetime(2026, 11, 22, 12, 0, tzinfo=UTC)
+from support.trial_records import flow as _flow
+from support.trial_records import trial as _trial
 
 
 @pytest.fixture
@@ -19,36 +17,6 @@ def trials(database_url: str):  # noqa: ANN201
     s = TrialStore(database_url)
     yield s
     s.close()
-
-
-def _trial(tid: str, dest: str = "agent-a") -> dict:
-    return {
-        "trial_id": tid,
-        "destination": dest,
-        "access_capacity_bps": 10e6,
-        "parameters": {"workload": {"seed": 1}},
-        "versions": {"ka-transport": "0.1.0"},
-        "started_at": T0.isoformat(),
-        "periods": [
-            {"index": 0, "pair": 0, "protocol": "tcp", "start_s": 0, "duration_s": 120,
-             "congestion_control": "cubic"},
-            {"index": 1, "pair": 0, "protocol": "kickass", "start_s": 120, "duration_s": 120},
-        ],
-    }  # fmt: skip
-
-
-def _flow(tid: str, i: int, proto: str, size: int, fct: float | None, frac: float | None) -> dict:
-    return {
-        "flow_id": flow_id(tid, 0, i),
-        "period_index": 0 if proto == "tcp" else 1,
-        "protocol": proto,
-        "size_bytes": size * 1500,
-        "size_packets": size,
-        "started_at": (T0 + timedelta(seconds=i)).isoformat(),
-        "completed": fct is not None,
-        "fct_ms": fct,
-        "ka_mode_fraction": frac,
-    }
 
 
 def test_uploads_are_idempotent_and_the_summary_is_right(

@@ -26,9 +26,9 @@ import pytest
 import yaml
 from kickass_db.study_store import StudyStore
 from psycopg import sql
-from seed import seed_study, seed_trials
+from support.seed import seed_study, seed_trials
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / "grafana"
 DASHBOARDS = sorted((GRAFANA / "dashboards").glob("*.json"))
 DATASOURCES = GRAFANA / "provisioning" / "datasources" / "postgres.yaml"

@@ -30,7 +30,7 @@ from kickass_testbed.internet import (
     parse_json_output,
     probe_internet,
 )
-from pcap_truth import Capture, probe_truth
+from support.pcap_truth import Capture, probe_truth
 
 pytestmark = [
     pytest.mark.netns,

@@ -16,7 +16,8 @@ from kickass_db.study_store import StudyStore
 from kickass_db.trial_store import TrialStore
 from kickass_server.api import ApiConfig, create_app
 from kickass_server.engine import ProbeEngine
-from test_trials_db import _flow, _trial
+from support.trial_records import flow as _flow
+from support.trial_records import trial as _trial
 
 
 def app_client(database_url: str, trials: TrialStore) -> tuple[FlaskClient, ProbeEngine]:

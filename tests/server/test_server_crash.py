@@ -35,7 +35,7 @@ import pytest
 from kickass_server.probe_core import FLUSH_INTERVAL_S
 from kickass_testbed.pg import EmbeddedPostgres
 from sqlalchemy import create_engine, text
-from test_server_instances import _free_port
+from support.live_server import free_port as _free_port
 
 BIN = Path(sys.executable).parent
 PPS = 300  # the per-address pacing cap the server runs with here

@@ -19,9 +19,9 @@ import nbformat
 import pytest
 from kickass_db.study_store import StudyStore
 from nbclient import NotebookClient
-from seed import seed_study_detailed, seed_trials
+from support.seed import seed_study_detailed, seed_trials
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 VIABILITY = ROOT / "notebooks" / "fragment_viability.ipynb"
 

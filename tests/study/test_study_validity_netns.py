@@ -40,7 +40,7 @@ from kickass_testbed.internet import (
     parse_json_output,
     probe_internet,
 )
-from pcap_truth import Capture, ProbeTruth, probe_truth
+from support.pcap_truth import Capture, ProbeTruth, probe_truth
 
 pytestmark = [
     pytest.mark.netns,

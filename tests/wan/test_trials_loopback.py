@@ -19,7 +19,8 @@ import kickass_db as db
 import pytest
 from kickass_db.trial_store import TrialStore
 from sqlalchemy import create_engine, text
-from test_server_instances import _free_port, server
+from support.live_server import free_port as _free_port
+from support.live_server import server
 from test_wan_agent import SECRET, agent, start_agent
 
 KICKASS = str(Path(sys.executable).parent / "kickass")

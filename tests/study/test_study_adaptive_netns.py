@@ -32,7 +32,7 @@ from kickass_core.plan import ProbePlan
 from kickass_db.study_store import StudyStore
 from kickass_testbed.binaries import rust_binary
 from kickass_testbed.internet import probe_internet
-from pcap_truth import ProbeTruth
+from support.pcap_truth import ProbeTruth
 from test_study_validity_netns import BOUND, run_with_truth, split_truth
 
 pytestmark = [

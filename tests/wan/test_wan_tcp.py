@@ -12,7 +12,7 @@ import pytest
 from kickass_wan import token as tk
 from kickass_wan.tcpflow import ACCEPTED, MAGIC, TcpReceiver, send_flow
 
-VECTORS = Path(__file__).resolve().parents[1] / "wan-agents" / "vectors" / "flow_token.json"
+VECTORS = Path(__file__).resolve().parents[2] / "wan-agents" / "vectors" / "flow_token.json"
 SECRET = b"s" * 32
 
 

@@ -25,7 +25,7 @@ import pytest
 import yaml
 from psycopg import sql
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 ENV_EXAMPLE = ROOT / "docker" / "kickass.env.example"
 DATASOURCES = ROOT / "grafana" / "provisioning" / "datasources" / "postgres.yaml"

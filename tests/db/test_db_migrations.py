@@ -22,7 +22,7 @@ from kickass_db.models import Base
 from kickass_db.study_store import ProbeOutcome, StudyStore
 from sqlalchemy import CheckConstraint, Engine, inspect, text
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # The newest migration file, read from disk (not from Alembic, which is under test).
 _VERSIONS = sorted(p.name.split("_", 1)[0] for p in (REPO / "db/migrations/versions").glob("0*.py"))
 HEAD, PREVIOUS = _VERSIONS[-1], _VERSIONS[-2]

@@ -14,7 +14,7 @@ from kickass_atlas.campaign import (
     sample_sizes,
 )
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "atlas/example-campaign.yaml"
+EXAMPLE = Path(__file__).resolve().parents[2] / "atlas/example-campaign.yaml"
 
 
 def base(**over: Any) -> dict[str, Any]:

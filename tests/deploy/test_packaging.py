@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SETUP = REPO / "tools" / "setup-system.sh"
 ALL_PACKAGES = {
     "iproute2",

@@ -192,7 +192,7 @@ def test_session_reports_after_the_challenge_and_stops_after_done() -> None:
 
 def test_report_wire_format() -> None:
     vectors = json.loads(
-        (Path(__file__).resolve().parents[1] / "core/vectors/probe_wire.json").read_text()
+        (Path(__file__).resolve().parents[2] / "core/vectors/probe_wire.json").read_text()
     )["messages"]
     assert wire.decode(bytes.fromhex(vectors["report"])) == wire.Report(
         TAG, 3, 0x01020304, 123456, 4 << 20, 7, ((10, 20),)
