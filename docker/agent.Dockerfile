@@ -4,6 +4,7 @@
 FROM rust:1-bookworm AS rust
 WORKDIR /src
 COPY Cargo.toml Cargo.lock ./
+COPY core/ ./core/
 COPY router-edge/ ./router-edge/
 COPY wan-agents/ ./wan-agents/
 RUN cargo build --release -p ka-agent --bins

@@ -3,15 +3,17 @@
 #   docker build -f docker/server.Dockerfile -t kickass-server .
 FROM python:3.11-slim-bookworm
 
-# Only what the server needs: the dependency-free core, the database package
-# (its wheel carries the Alembic migrations) and the server package.
+# Only what the server host runs: the dependency-free core, the database
+# package (its wheel carries the Alembic migrations), the server package and
+# the Atlas package (its ICMP responder and ingest run beside the server).
 WORKDIR /app
 COPY core/ ./core/
 COPY server/ ./server/
 COPY db/ ./db/
+COPY atlas/ ./atlas/
 COPY docker/grant_reader.py ./docker/grant_reader.py
-RUN pip install --no-cache-dir ./core ./db ./server \
-    && rm -rf ./core ./db ./server
+RUN pip install --no-cache-dir ./core ./db ./server ./atlas \
+    && rm -rf ./core ./db ./server ./atlas
 
 ENV PYTHONUNBUFFERED=1
 

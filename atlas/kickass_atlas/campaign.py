@@ -285,7 +285,13 @@ class _Parser:
         return value
 
     def integer(
-        self, where: Mapping[str, Any], name: str, label: str, low: int, high: int, default=None
+        self,
+        where: Mapping[str, Any],
+        name: str,
+        label: str,
+        low: int,
+        high: int,
+        default: int | None = None,
     ) -> int:
         value = where.get(name, default)
         if value is None:

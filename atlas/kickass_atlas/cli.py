@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kickass_core.errors import KickassError
 
@@ -37,11 +38,17 @@ from .client import DEFAULT_SERVER
 from .ingest import DEFAULT_CHUNK_S, DEFAULT_SETTLE_S
 from .service import AtlasSettings
 
+if TYPE_CHECKING:
+    from kickass_db.writer import OrderedWriter
+
+    from .responder_core import ReplyRecord
+    from .store import AtlasStore
+
 log = logging.getLogger("kickass.atlas")
 SECTION = "atlas"
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser(
         "atlas",
         help="RIPE Atlas campaigns for the fragment viability study",
@@ -352,7 +359,8 @@ def cmd_responder(args: argparse.Namespace) -> int:
         ),
         now=time.time(),
     )
-    writer = store = None
+    writer: OrderedWriter[list[ReplyRecord]] | None = None
+    store: AtlasStore | None = None
     sink = None
     if not args.no_database:
         from kickass_db.writer import OrderedWriter

@@ -213,6 +213,7 @@ class ResponderCore:
         reply_icmp = b"\0\0" + struct.pack("!H", echo_reply_checksum(request_checksum)) + icmp[4:]
         icmp_id, icmp_seq = struct.unpack_from("!HH", icmp, 4)
         tos = datagram[1]
+        packets: tuple[bytes, ...]
         if phase == SPLIT:
             lead = self._choose_split(src, icmp_id, icmp_seq)
             packets = self._split_packets(tos, dst, src, reply_icmp, lead)

@@ -255,7 +255,12 @@ def fetch(
     client = settings.client()
     with settings.store() as store:
         return fetch_campaign(
-            store, client, campaign, settle_s=settle_s, chunk_s=chunk_s, progress=progress
+            store,
+            client,
+            campaign,
+            settle_s=settle_s,
+            chunk_s=chunk_s,
+            progress=(lambda _msg: None) if progress is None else progress,
         )
 
 

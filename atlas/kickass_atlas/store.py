@@ -404,7 +404,7 @@ class AtlasStore(StoreBase):
                     {"c": campaign},
                 ).mappings()
             ]
-            verdicts = dict(
+            verdicts: dict[str, int] = dict(
                 conn.execute(
                     text(
                         "SELECT verdict, count(*) FROM v_verdicts_by_source "
@@ -449,6 +449,6 @@ def _copy_insert(
             for row in rows:
                 copy.write_row(row)
         cur.execute(f"INSERT INTO {table} ({cols}) SELECT {cols} FROM {tmp} ON CONFLICT DO NOTHING")
-        new = cur.rowcount
+        new: int = cur.rowcount
         cur.execute(f"TRUNCATE {tmp}")
     return new

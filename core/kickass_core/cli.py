@@ -41,7 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _broken(sub: argparse._SubParsersAction, name: str, module: str, exc: Exception) -> None:
+def _broken(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str, module: str, exc: Exception
+) -> None:
     """A subcommand whose module cannot be imported: listed, and an ERROR when run."""
     reason = f"{type(exc).__name__}: {exc}"
     p = sub.add_parser(name, help=f"(unavailable: {module} failed to import)", add_help=False)

@@ -13,7 +13,7 @@ import os
 import tomllib
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from kickass_core.errors import KickassError
 
@@ -81,9 +81,10 @@ def resolve(
     return default
 
 
-def _parse(value: Any, parse: Callable[[str], T] | None, where: str) -> Any:
+def _parse(value: Any, parse: Callable[[str], T] | None, where: str) -> T:
     if parse is None:
-        return value
+        # Without a parser the raw value is taken as the setting's type.
+        return cast(T, value)
     try:
         return parse(value)
     except (TypeError, ValueError) as exc:

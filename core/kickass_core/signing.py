@@ -25,8 +25,9 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 KEY_ID = "X-Kickass-Key-Id"
 TIME = "X-Kickass-Time"
@@ -91,8 +92,15 @@ class Signed:
     time: int
 
 
+class HeaderLookup(Protocol):
+    """A request's headers: a mapping, werkzeug's Headers or http.server's message
+    (all that is used is ``get(name)``, case-insensitive for the latter two)."""
+
+    def get(self, name: str, /) -> str | None: ...
+
+
 def check(
-    headers: Mapping[str, str],
+    headers: HeaderLookup,
     method: str,
     path: str,
     body: bytes,

@@ -213,7 +213,9 @@ def decode(data: bytes) -> Message:
     if k is Kind.REPORT:
         if len(rest) < _REPORT_HEAD.size:
             raise WireError("REPORT is too short")
-        *head, n = _REPORT_HEAD.unpack_from(rest)
+        report_seq, split_limit, frag_memory, frag_high_thresh, refused, n = (
+            _REPORT_HEAD.unpack_from(rest)
+        )
         if n > MAX_REPORT_RANGES or len(rest) != _REPORT_HEAD.size + n * _RANGE.size:
             raise WireError(f"REPORT must carry 0..{MAX_REPORT_RANGES} ranges of 8 bytes")
         ranges = tuple(
@@ -221,7 +223,9 @@ def decode(data: bytes) -> Message:
         )
         if any(a >= b for a, b in ranges):
             raise WireError("REPORT range is empty or reversed")
-        return Report(tag, *head, invalid=ranges)
+        return Report(
+            tag, report_seq, split_limit, frag_memory, frag_high_thresh, refused, invalid=ranges
+        )
     if len(rest):
         raise WireError("DONE carries no body")
     return Done(tag)

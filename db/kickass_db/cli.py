@@ -25,7 +25,7 @@ from . import engine as db
 from . import migrations
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "db",
         help="migrate the measurement database",

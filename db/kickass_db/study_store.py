@@ -20,7 +20,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 from kickass_core.errors import KickassError
 from kickass_core.plan import PHASES
@@ -35,6 +35,7 @@ from kickass_core.study_events import (
 from kickass_core.verdict import VERDICTS, decide, excess
 from sqlalchemy import (
     Connection,
+    Table,
     bindparam,
     func,
     insert,
@@ -56,8 +57,9 @@ _SESSION_ID_RE = re.compile(SESSION_ID_PATTERN.replace("$", r"\Z"))
 
 ORPHAN_END_REASON = "server-restart"
 
-_clients = ClientRow.__table__
-_sessions = SessionRow.__table__
+# Declarative classes with a __tablename__ are mapped to a Table (typed as FromClause).
+_clients = cast(Table, ClientRow.__table__)
+_sessions = cast(Table, SessionRow.__table__)
 
 
 class UnknownSession(KickassError):

@@ -171,7 +171,7 @@ class TelemetryIngest(StoreBase):
         return {"run_id": self.run_id, **self.counts}
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "telemetry",
         help="store ka-router telemetry (NDJSON) in PostgreSQL",

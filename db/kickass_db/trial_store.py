@@ -150,14 +150,14 @@ class TrialStore(StoreBase):
 
         def work(conn: Connection) -> None:
             stmt = pg_insert(TrialRow).values(runner_id=runner_id, **row)
-            stmt = stmt.on_conflict_do_update(
+            upsert = stmt.on_conflict_do_update(
                 index_elements=[TrialRow.trial_id],
                 set_={
                     "finished_at": text("coalesce(excluded.finished_at, trials.finished_at)"),
                 },
                 where=TrialRow.runner_id.is_not_distinct_from(runner_id),
             ).returning(TrialRow.id)
-            pk = conn.execute(stmt).scalar()
+            pk = conn.execute(upsert).scalar()
             if pk is None:
                 raise BadRecord(f"trial {tid} belongs to another runner")
             stored = conn.execute(
@@ -206,7 +206,7 @@ class TrialStore(StoreBase):
             owner, _, _ = flow_record.parse_flow_id(str(f["flow_id"]))
             if owner != trial_id:
                 raise BadRecord(f"flow {f['flow_id']} is not of trial {trial_id}")
-            row = {k: f.get(k) for k in flow_record.FIELD_NAMES}
+            row: dict[str, Any] = {k: f.get(k) for k in flow_record.FIELD_NAMES}
             row["started_at"] = _aware("started_at", row["started_at"])
             rows.append(row)
 
@@ -273,7 +273,8 @@ class TrialStore(StoreBase):
 def _differs(stored: Any, sent: Any) -> bool:
     if isinstance(stored, float) and isinstance(sent, int | float):
         return stored != float(sent)
-    return stored != sent
+    differs: bool = stored != sent
+    return differs
 
 
 def _aware(name: str, value: Any) -> datetime | None:

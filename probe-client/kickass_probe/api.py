@@ -18,7 +18,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeGuard
 
 from kickass_core import strictjson
 from kickass_core.plan import PlanError, PlanTooLarge, ProbePlan, UnsupportedPlan
@@ -446,7 +446,7 @@ def malformed(what: str) -> ProbeError:
     )
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

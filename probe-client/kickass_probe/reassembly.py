@@ -19,9 +19,16 @@ and a conservative estimate takes over):
   are per network namespace and world-readable.
 * ``ReassemblyBudget`` (sans-IO: samples and time in, numbers out) is the
   flow control of the split phase. The client tells the server, in every
-  REPORT (~20 per second), the highest split sequence number it may send:
-  ``highest seq received + 1 + credits`` with
-  ``credits = (BUDGET_FRACTION * high_thresh - memory in use) / cost``,
+  REPORT (~20 per second), how many splits it may have in flight:
+  ``credits = (BUDGET_FRACTION * high_thresh - memory in use) / cost``
+  (``IN_FLIGHT`` mode, which a server confirms at admission: the REPORT's
+  limit is ``first split seq + credits`` and the server keeps at most
+  ``credits`` splits sent and unresolved; a split frees its credit when it
+  is acknowledged *or times out*, so a path that drops every fragment runs
+  the split phase at the pace of its window; a leftover it did leave is in
+  the memory in use, hence in the next credits). With an older server the
+  limit is absolute: ``highest seq received + 1 + credits``, which stalls on
+  a path where no split ever arrives.
   ``cost`` being the memory one unfinished datagram takes (learnt from
   sockstat as memory / queues, never below ``MIN_COST``; ``DEFAULT_COST``
   until learnt). Every split the server may still send is counted as if it
@@ -84,6 +91,9 @@ TRICKLE_MAX_S = 60.0
 # A REPORT names at most this many invalid ranges (the newest); all of them
 # go in the end-of-session report.
 MAX_RANGES_KEPT = 4096
+# The flow-control mode in which credits bound the splits in flight (the
+# session request's reassembly.credit_mode; the server's flow_control).
+IN_FLIGHT = "in-flight"
 
 
 @dataclass(frozen=True)
@@ -228,7 +238,8 @@ class ReassemblyBudget:
     Feed it ``on_sample(sample, highest_seq)`` (highest probe seq received so
     far, -1 before any); read ``split_limit`` (the REPORT's) and
     ``invalid_ranges``. ``window`` is the plan's probes in flight: the margin
-    of an invalid range on either side.
+    of an invalid range on either side. ``in_flight``: the server applies
+    ``IN_FLIGHT`` flow control (the limit is ``first_split_seq + credits``).
     """
 
     limits: Limits
@@ -236,6 +247,7 @@ class ReassemblyBudget:
     total_probes: int
     window: int
     start: Sample | None = None
+    in_flight: bool = False
     cost: float = DEFAULT_COST
     learnt_cost: bool = False
     split_limit: int = 0
@@ -339,12 +351,18 @@ class ReassemblyBudget:
         self.credits = credits
         if in_split:
             c.min_credits = credits if c.min_credits is None else min(c.min_credits, credits)
-        base = max(highest_seq + 1, self.first_split_seq)
-        if trickle:
-            # One more split per report, whether the last one arrived or not
-            # (a refused one would otherwise hold the limit where it is).
-            base = max(base, self.split_limit)
-        self.split_limit = min(self.total_probes, base + credits)
+        if self.in_flight:
+            # A count, not a position: the server resolves splits (acked or
+            # timed out) and keeps at most ``credits`` in flight. A trickle is
+            # one split at a time.
+            self.split_limit = self.first_split_seq + credits
+        else:
+            base = max(highest_seq + 1, self.first_split_seq)
+            if trickle:
+                # One more split per report, whether the last one arrived or
+                # not (a refused one would otherwise hold the limit where it is).
+                base = max(base, self.split_limit)
+            self.split_limit = min(self.total_probes, base + credits)
         added: list[tuple[int, int]] = []
         refused = refused_between(prev, sample) if prev is not None else 0
         if refused:

@@ -148,6 +148,9 @@ class Runner:
             "limits": limits.to_json(),
             "before": before.to_json(),
             "split_credit": reasm.credits_for(limits, before.memory),
+            # The credit bounds splits in flight (reassembly.IN_FLIGHT); a
+            # server that does not say so in its answer gets absolute limits.
+            "credit_mode": reasm.IN_FLIGHT,
         }
         try:
             created = self._create(announced)
@@ -165,7 +168,12 @@ class Runner:
             plan = parse_plan(created["plan"])
             addr = self._call(lambda: resolve_ipv4(host, port), abandon_at=1)
             budget = reasm.ReassemblyBudget(
-                limits, plan.split_from, plan.total_probes, plan.window, start=before
+                limits,
+                plan.split_from,
+                plan.total_probes,
+                plan.window,
+                start=before,
+                in_flight=created.get("flow_control") == reasm.IN_FLIGHT,
             )
             observer = None if psock is None else FragmentObserver(bytes.fromhex(sid), plan)
             shell = UdpShell(

@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kickass_core import wire
 from kickass_core.plan import ProbePlan, expected_max_fragment
@@ -453,7 +454,7 @@ class UdpShell:
             s = self.session
             return s.phase, s.failure, s.counts.copy()
 
-    def reassembly_summary(self) -> dict | None:
+    def reassembly_summary(self) -> dict[str, Any] | None:
         """The budget's summary with a sample taken now ("after")."""
         with self.lock:
             budget = self.session.budget

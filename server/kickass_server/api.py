@@ -87,7 +87,8 @@ class _Services:
 
 
 def _services() -> _Services:
-    return current_app.extensions["kickass"]
+    svc: _Services = current_app.extensions["kickass"]
+    return svc
 
 
 # -- sessions -------------------------------------------------------------------------
@@ -124,6 +125,7 @@ def create_session() -> tuple[Response, int]:
             plan=new.plan.to_json(),
             total_probes=new.plan.total_probes,
             expires_in_s=new.expires_in_s,
+            flow_control=new.flow_control,
         ),
         201,
     )
@@ -205,7 +207,7 @@ def _session_id(value: str) -> str:
 
 
 def _results(svc: _Services, sid: str) -> dict[str, Any]:
-    res = svc.store.session_results(sid)
+    res: dict[str, Any] | None = svc.store.session_results(sid)
     if res is None:
         raise ApiError(404, "not-found", "no such session")
     snap = svc.engine.snapshot(sid)

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 from kickass_core import study_events
 from kickass_core.errors import KickassError
@@ -43,12 +44,16 @@ from kickass_db.writer import OrderedWriter
 from .packets import open_raw_socket
 from .policy import AdmissionDenied, Policy
 from .probe_core import (
+    IN_FLIGHT,
     Action,
     ProbeCore,
     RunSnapshot,
     SendDatagram,
     SendProbe,
 )
+
+if TYPE_CHECKING:
+    from kickass_db.study_store import StudyStore
 
 __all__ = ["AdmissionDenied", "EngineUnavailable", "NewSession", "ProbeEngine"]
 
@@ -73,6 +78,9 @@ class NewSession:
     cookie: str  # hex; only its hash is kept
     plan: ProbePlan
     expires_in_s: int
+    # The split phase's flow control this server applies for the client's
+    # REPORTs ("in-flight"), if the client asked for it.
+    flow_control: str | None = None
 
 
 class EngineUnavailable(KickassError):
@@ -82,7 +90,7 @@ class EngineUnavailable(KickassError):
 class ProbeEngine:
     def __init__(
         self,
-        store,  # noqa: ANN001 - kickass_db.study_store.StudyStore (duck-typed for tests)
+        store: StudyStore,  # duck-typed in tests
         policy: Policy | None = None,
         *,
         bind_host: str = "0.0.0.0",
@@ -226,7 +234,7 @@ class ProbeEngine:
         client_version: str | None = None,
         platform: str | None = None,
         install_id: str | None = None,
-        reassembly: dict | None = None,
+        reassembly: dict[str, Any] | None = None,
     ) -> NewSession:
         """Admit, store, then register a new session.
 
@@ -246,6 +254,7 @@ class ProbeEngine:
                 plan,
                 source_address,
                 split_credit=None if reassembly is None else reassembly.get("split_credit"),
+                credit_mode=None if reassembly is None else reassembly.get("credit_mode"),
             )
         timeout = self.policy.handshake_timeout_s
         try:
@@ -275,7 +284,16 @@ class ProbeEngine:
                 raise EngineUnavailable("the server is shutting down")
             self.core.register(self.clock(), admitted.session_id)
         self._wake()  # its handshake deadline is new
-        return NewSession(admitted.session_id, admitted.cookie.hex(), plan, int(timeout))
+        flow = None
+        if reassembly is not None and reassembly.get("split_credit") is not None:
+            flow = reassembly.get("credit_mode")
+        return NewSession(
+            admitted.session_id,
+            admitted.cookie.hex(),
+            plan,
+            int(timeout),
+            flow_control=flow if flow == IN_FLIGHT else None,
+        )
 
     def end_session(self, session_id: str, cookie_hex: str, wait_s: float = 5.0) -> str:
         """The owner asks to stop. Returns 'ended', 'not-found', 'forbidden' or
@@ -319,10 +337,10 @@ class ProbeEngine:
         with self.lock:
             return self.core.snapshot(session_id)
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, object]:
         with self.lock:
             out = self.core.stats()
-            counters = dict(out["counters"])  # type: ignore[arg-type]
+            counters = dict(cast("dict[str, int]", out["counters"]))
             counters.update(self.io_counters)
         out["counters"] = counters
         out["db_write_backlog"] = self.writer.q.qsize()
@@ -389,7 +407,7 @@ class ProbeEngine:
             if len(batch) < _RECV_BATCH:
                 return
 
-    def _local_ip(self, anc: list, addr: tuple[str, int]) -> str:
+    def _local_ip(self, anc: list[tuple[int, int, bytes]], addr: tuple[str, int]) -> str:
         """Our address the datagram was sent to (replies and probes come from it)."""
         for level, ctype, cdata in anc:
             if level == socket.IPPROTO_IP and ctype == IP_PKTINFO and len(cdata) >= 12:

@@ -50,7 +50,7 @@ class FrontLimits:
     sweep_interval: int = 1
 
 
-class _TimedParser(HTTPRequestParser):
+class _TimedParser(HTTPRequestParser):  # type: ignore[misc]  # waitress is untyped
     """Remembers when a request's first byte arrived."""
 
     def __init__(self, adj: Adjustments) -> None:
@@ -58,11 +58,11 @@ class _TimedParser(HTTPRequestParser):
         self.started = time.monotonic()
 
 
-class _Channel(HTTPChannel):
+class _Channel(HTTPChannel):  # type: ignore[misc]  # waitress is untyped
     parser_class = _TimedParser
 
 
-class FrontServer(TcpWSGIServer):
+class FrontServer(TcpWSGIServer):  # type: ignore[misc]  # waitress is untyped
     channel_class = _Channel
 
     def __init__(self, *args: Any, limits: FrontLimits, **kwargs: Any) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from flask import Flask, Response, jsonify, request
 from kickass_core import signing, strictjson
@@ -20,6 +20,9 @@ from pydantic import BaseModel, ValidationError
 from werkzeug.exceptions import HTTPException
 
 from .schemas import errors_text
+
+if TYPE_CHECKING:
+    from kickass_db.trial_store import TrialStore
 
 log = logging.getLogger("kickass.api")
 
@@ -91,7 +94,7 @@ def signed_path() -> str:
     return request.path + (f"?{query}" if query else "")
 
 
-def signed_runner(store: Any) -> int:
+def signed_runner(store: TrialStore) -> int:
     """The id of the runner that signed this request (``store``: a TrialStore),
     or ApiError 401 with the reason (unsigned, unknown, bad, stale, replayed)."""
     ids: dict[str, int] = {}
@@ -148,7 +151,8 @@ def install(app: Flask, retry_after: RetryAfter, unavailable: tuple[type[Excepti
             message = "the database is unavailable right now; try again shortly"
         return respond(503, "unavailable", message, "unavailable")
 
-    for kind in (DatabaseUnavailable, *unavailable):
+    kinds: tuple[type[Exception], ...] = (DatabaseUnavailable, *unavailable)
+    for kind in kinds:
         app.register_error_handler(kind, _down)
 
     @app.errorhandler(Exception)

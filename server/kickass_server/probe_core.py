@@ -90,6 +90,10 @@ from .policy import Admission, AdmissionDenied, AdmissionTicket, Policy
 from .rtt_estimator import RttEstimator
 from .window import WindowController
 
+# The client's flow-control mode that counts splits in flight (announced as
+# ``reassembly.credit_mode``; older clients send an absolute limit).
+IN_FLIGHT = "in-flight"
+
 # Outcome batches and progress counters go to the database at most this often
 # per run: one statement per batch instead of one per ACK.
 FLUSH_INTERVAL_S = 0.5
@@ -271,8 +275,8 @@ class ProbeRun:
     ack_counts: bytearray = field(default_factory=bytearray)
     # 1 = measured while the client's kernel refused fragments (REPORT ranges)
     invalid: bytearray = field(default_factory=bytearray)
-    sent_at: array = field(default_factory=lambda: array("d"))
-    acked_at: array = field(default_factory=lambda: array("d"))
+    sent_at: array[float] = field(default_factory=lambda: array("d"))
+    acked_at: array[float] = field(default_factory=lambda: array("d"))
     sent: int = 0
     acked: int = 0
     phase_sent: dict[str, int] = field(default_factory=lambda: {WHOLE: 0, SPLIT: 0})
@@ -281,6 +285,11 @@ class ProbeRun:
     phase_invalid: dict[str, int] = field(default_factory=lambda: {WHOLE: 0, SPLIT: 0})
     # Flow control (None: the client sent none): split seqs below this may go.
     split_limit: int | None = None
+    # IN_FLIGHT flow control (the client asked for it at admission): the
+    # REPORT's limit is split_from + credit, and at most ``credit`` splits are
+    # in flight; a split frees its credit when it is resolved, acknowledged or
+    # timed out, so a path that drops every fragment does not stall.
+    credit_mode: str | None = None
     reasm: ReassemblyLog | None = None
     # An adaptive plan's window (None: the plan's window, fixed).
     ctl: WindowController | None = None
@@ -316,11 +325,17 @@ class ProbeRun:
 
     def credit_blocked(self) -> bool:
         """The next probe is a split the client has not given credit for."""
-        return (
-            self.split_limit is not None
-            and self.next_seq >= self.plan.split_from
-            and self.next_seq >= self.split_limit
-        )
+        if self.split_limit is None or self.next_seq < self.plan.split_from:
+            return False
+        if self.credit_mode == IN_FLIGHT:
+            credit = self.split_limit - self.plan.split_from
+            return self.splits_in_flight() >= credit
+        return self.next_seq >= self.split_limit
+
+    def splits_in_flight(self) -> int:
+        """Split probes sent and not yet resolved (at most the window's worth)."""
+        first = self.plan.split_from
+        return sum(1 for seq in self.outstanding if seq >= first)
 
     def snapshot(self) -> RunSnapshot:
         return RunSnapshot(
@@ -432,12 +447,14 @@ class ProbeCore:
         source_address: str,
         *,
         split_credit: int | None = None,
+        credit_mode: str | None = None,
     ) -> Admitted:
         """Admission for a new session (AdmissionDenied if refused). The run
         exists only once ``register``ed, after the database stored it; if
         that fails, ``cancel`` gives the admission back. ``split_credit``:
         the client does flow control of the split phase (REPORTs), and this
-        many splits may go before its first REPORT arrives."""
+        many splits may go before its first REPORT arrives. ``credit_mode``
+        ``IN_FLIGHT``: the credit bounds splits in flight (see ProbeRun)."""
         nbytes = plan_bytes(plan)
         reason = self.admission.check(source_address, nbytes, now)
         if reason:
@@ -464,6 +481,7 @@ class ProbeCore:
             credit = max(0, split_credit)
             run.split_limit = min(plan.total_probes, plan.split_from + credit)
             run.reasm = ReassemblyLog(initial_credit=credit)
+            run.credit_mode = IN_FLIGHT if credit_mode == IN_FLIGHT else None
         self._admitted[run.session_id] = run
         return Admitted(run.session_id, cookie, run.cookie_hash, plan, source_address)
 
@@ -709,7 +727,13 @@ class ProbeCore:
         log.refused = max(log.refused, msg.refused)
         if run.state != PROBING:
             return
-        run.split_limit = min(msg.split_limit, run.plan.total_probes)
+        # In IN_FLIGHT mode the limit is split_from + credit (never capped: the
+        # credit is what counts); else an absolute bound on the next seq.
+        run.split_limit = (
+            msg.split_limit
+            if run.credit_mode == IN_FLIGHT
+            else min(msg.split_limit, run.plan.total_probes)
+        )
         self._credit_wait(now, run)
         self._make_ready(run)
 

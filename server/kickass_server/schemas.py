@@ -192,6 +192,10 @@ class AnnouncedReassembly(Lenient):
     limits: ReassemblyLimits | None = None
     before: ReassemblySample | None = None
     split_credit: Annotated[int, Field(ge=0, le=MAX_SPLIT_CREDIT)] | None = None
+    # "in-flight": the REPORT's limit is split_from + credit and the credit
+    # bounds splits in flight (a split frees it once resolved). Absent: the
+    # limit is an absolute bound (clients before this mode).
+    credit_mode: Literal["in-flight"] | None = None
 
     def to_metadata(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -200,6 +204,8 @@ class AnnouncedReassembly(Lenient):
         }
         if self.split_credit is not None:
             out["split_credit"] = self.split_credit
+        if self.credit_mode is not None:
+            out["credit_mode"] = self.credit_mode
         return out
 
 
@@ -313,7 +319,7 @@ def _flow_annotation(f: flow_record.Field) -> Any:
             AfterValidator(_bounded_json(flow_record.EXTRA_MAX_BYTES)),
         ]
     elif f.choices is not None:
-        base = Literal[f.choices]  # type: ignore[valid-type]
+        base = Literal[f.choices]
     else:
         base = Annotated[
             str,

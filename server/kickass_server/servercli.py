@@ -9,6 +9,7 @@ import signal
 import socket
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from kickass_core import config
 from kickass_core.errors import KickassError
@@ -72,7 +73,7 @@ SETTINGS: tuple[tuple[str, object, Callable[[str], object] | None], ...] = (
 )
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "server",
         help="run the measurement server (HTTP API + probe engine)",
@@ -129,7 +130,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
     """The effective settings (flag > environment > file > default), validated."""
     file = config.load_file(getattr(args, "config", None))
-    out = {}
+    out: dict[str, Any] = {}
     for name, default, parse in SETTINGS:
         flag = getattr(args, name, None)
         if flag is not None and parse is not None:

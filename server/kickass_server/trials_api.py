@@ -39,7 +39,7 @@ MAX_BODY_BYTES = 256 * 1024
 
 
 def _store() -> TrialStore:
-    store = current_app.extensions["kickass"].trials
+    store: TrialStore | None = current_app.extensions["kickass"].trials
     if store is None:
         raise Unavailable("this server takes no trial uploads")
     return store
@@ -96,10 +96,12 @@ def put_flows(trial_id: str) -> Response:
         except ValidationError as exc:
             refused.append(_refusal(index, fid, "bad-flow", errors_text(exc)))
             continue
-        if flow_record.parse_flow_id(rec.flow_id)[0] != tid:
+        # FlowRecord's fields are made at run time (create_model): read them from the dump.
+        record = rec.model_dump()
+        if flow_record.parse_flow_id(record["flow_id"])[0] != tid:
             refused.append(_refusal(index, fid, "bad-flow", f"not a flow of trial {tid}"))
             continue
-        valid.append({"_index": index, **rec.model_dump()})
+        valid.append({"_index": index, **record})
     try:
         result = store.put_flows(
             runner, tid, [{k: v for k, v in f.items() if k != "_index"} for f in valid]

@@ -17,16 +17,20 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import kickass_db as db
 from kickass_core.errors import KickassError
 from kickass_core.verdict import pool
 
-from .internet import CLIENT_KINDS, probe_internet
+from .internet import CLIENT_KINDS, ProbeInternet, probe_internet
 from .netns import require_root
 from .topology import cleanup_on_signals
+
+if TYPE_CHECKING:
+    from kickass_db.study_store import StudyStore
 
 DEMO_PLAN = {"repetitions": 30, "step": 16, "window": 16}
 EXPECTED = {
@@ -51,7 +55,7 @@ def plan_args(args: argparse.Namespace) -> list[str]:
 
 
 @contextlib.contextmanager
-def database(keep_dir: Path | None):  # noqa: ANN201
+def database(keep_dir: Path | None) -> Iterator[tuple[str, str]]:
     url = os.environ.get("KICKASS_DATABASE_URL")
     if url:
         yield url, "KICKASS_DATABASE_URL"
@@ -62,7 +66,7 @@ def database(keep_dir: Path | None):  # noqa: ANN201
         yield url, "embedded PostgreSQL" + (f" in {keep_dir}" if keep_dir else "")
 
 
-def _progress(store, net) -> dict[str, tuple[int, int, str]]:  # noqa: ANN001
+def _progress(store: StudyStore, net: ProbeInternet) -> dict[str, tuple[int, int, str]]:
     """client kind -> (sent, total, state), in one query on the sessions table
     (its heartbeat counters), matched through the client's public address."""
     from sqlalchemy import text
@@ -89,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     # The results table is the demo's output: stdout, unless --json owns it.
     out_console = console if args.json else Console(width=None if sys.stdout.isatty() else 110)
     kinds = args.clients or list(CLIENT_KINDS)
-    results: dict[str, dict] = {}
+    results: dict[str, dict[str, Any]] = {}
     codes: dict[str, int] = {}
     # Client outputs and server log; removed also when interrupted.
     with (
@@ -202,9 +206,11 @@ def run(args: argparse.Namespace) -> int:
     return 1 if bad or len(summary) != len(kinds) or trial_bad else 0
 
 
-def _second_act(args: argparse.Namespace, url: str, console: Any, out_console: Any) -> dict:
+def _second_act(
+    args: argparse.Namespace, url: str, console: Any, out_console: Any
+) -> dict[str, Any]:
     """Act two: an interleaved Kick-Ass vs TCP trial through the emulated edge router."""
-    from .trial_store import TrialSpec, render_summary, run_trial
+    from .trials import TrialSpec, render_summary, run_trial
     from .wan import TestbedConfig
 
     config = TestbedConfig(senders=1, receivers=1, capacity="10mbit", rtt_ms=100.0)
@@ -229,7 +235,7 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:.1%}"
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "demo",
         help="run the fragment-viability study on a namespace internet (needs root)",

@@ -25,6 +25,7 @@ RCV = "198.18.2.2"
 
 
 def edge_path(*, linkem: bool = False, processes: tuple[Process, ...] = ()) -> Topology:
+    wan: tuple[Link, ...]
     if linkem:
         wan = (
             Link(End("rtr", "wan", (f"{RTR_WAN}/24",)), End("lk", "la", ipv6=False)),

@@ -27,6 +27,11 @@ More kinds for the study's known-answer tests (issue 11), by name:
   bottleneck: a volunteer's slow access link. ka-linkem writes its counters
   (JSON lines, a->b is towards the client) to ``lk<i>-stats.jsonl`` in the
   log directory.
+* ``wanfragdrop``, ``wanhalffrag``, ``wanleadsmall``: the ``wan`` path with a
+  middlebox in the router: every fragment dropped; each fragment dropped
+  with probability 1/2; only leading fragments (offset 0, MF set) shorter
+  than ``SMALL_FRAGMENT_LEN`` dropped. Beside a ``wan`` client at the same
+  RTT, they compare a fragment-intolerant path with a clean one.
 
 ``study_internet`` is the spec; ``probe_internet`` builds it (topology.build)
 with the measurement server running and yields a ``ProbeInternet`` to run
@@ -71,7 +76,16 @@ HTTP_PORT = 8080
 PROBE_PORT = 9000
 
 CLIENT_KINDS = ("clean", "fragdrop", "lossy", "natted")
-EXTRA_KINDS = ("smallfrag", "duplicating", "smallmtu", "swapped", "wan")
+# The "wan" path's middleboxes (nft rules in the router, {iface}: the client's port).
+WAN_MIDDLEBOXES = {
+    "wan": None,
+    "wanfragdrop": 'oifname "{iface}" ip frag-off & 0x3fff != 0 drop',
+    "wanhalffrag": 'oifname "{iface}" ip frag-off & 0x3fff != 0 numgen random mod 2 == 0 drop',
+    "wanleadsmall": (
+        'oifname "{iface}" ip frag-off & 0x3fff == 0x2000 ip length < {small} drop'
+    ),
+}
+EXTRA_KINDS = ("smallfrag", "duplicating", "smallmtu", "swapped", *WAN_MIDDLEBOXES)
 DEFAULT_LOSS_PERCENT = 5
 # The "wan" kind: the path of issue 11 part 4's measurements.
 DEFAULT_WAN_RTT_MS = 100.0
@@ -187,7 +201,10 @@ def study_internet(
                 )
             )
             continue
-        if place.kind == "wan":
+        if place.kind in WAN_MIDDLEBOXES:
+            rule = WAN_MIDDLEBOXES[place.kind]
+            if rule is not None:
+                nft.append(_middlebox(rule.format(iface=iface, small=SMALL_FRAGMENT_LEN)))
             lk = f"lk{i}"
             rtr_mac, cl_mac = f"02:4b:41:{i:02x}:00:01", f"02:4b:41:{i:02x}:00:02"
             hosts += [Host(lk), Host(cl)]
@@ -352,7 +369,7 @@ class ProbeInternet:
             **kwargs,
         )
 
-    def popen_client(self, kind: str, args: Sequence[str], **kwargs: Any) -> subprocess.Popen:
+    def popen_client(self, kind: str, args: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
         return self.clients[kind].ns.popen(self.client_cmd(args), **kwargs)
 
 
@@ -412,9 +429,10 @@ def _vxlan_overlay(built: Built, i: int, client_host: str) -> None:
         ns.run(["ethtool", "-K", "vx0", "gro", "off", "gso", "off", "tso", "off"], check=False)
 
 
-def parse_json_output(proc: subprocess.CompletedProcess[str]) -> dict:
+def parse_json_output(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:
     try:
-        return json.loads(proc.stdout)
+        out: dict[str, Any] = json.loads(proc.stdout)
+        return out
     except json.JSONDecodeError as exc:
         raise AssertionError(
             f"client printed no JSON (exit {proc.returncode}):\nstdout={proc.stdout[-2000:]}\n"

@@ -104,7 +104,7 @@ class Netns:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._procs: list[subprocess.Popen[bytes]] = []
+        self._procs: list[subprocess.Popen[Any]] = []
         self._created = False
 
     def create(self) -> Netns:
@@ -147,13 +147,12 @@ class Netns:
 
     def popen(
         self, cmd: Sequence[str], *, cpus: Collection[int] | None = None, **kwargs: Any
-    ) -> subprocess.Popen[bytes]:
+    ) -> subprocess.Popen[Any]:
         """Start a long-running process inside, in its own session (so a stop
         signal reaches its children); killed when the namespace goes."""
         kwargs.setdefault("start_new_session", True)
-        p: subprocess.Popen[bytes] = subprocess.Popen(
-            self.cmd(cmd), preexec_fn=_pin(cpus), **kwargs
-        )
+        # Bytes or text: ``kwargs`` decide (text=True, encoding=...).
+        p: subprocess.Popen[Any] = subprocess.Popen(self.cmd(cmd), preexec_fn=_pin(cpus), **kwargs)
         self._procs.append(p)
         return p
 
@@ -172,7 +171,7 @@ class Netns:
         return in_netns(self.name)
 
 
-def kill(p: subprocess.Popen[bytes], grace: float = 2.0) -> None:
+def kill(p: subprocess.Popen[Any], grace: float = 2.0) -> None:
     """SIGTERM the process group, SIGKILL after ``grace`` seconds."""
     if p.poll() is not None:
         return

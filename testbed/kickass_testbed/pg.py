@@ -26,6 +26,7 @@ with warnings.catch_warnings():
     # pgserver only uses that directory when the socket path is too long.
     warnings.simplefilter("ignore")
     import pgserver
+    from pgserver.postgres_server import PostgresServer, get_server
     from pgserver.utils import PostmasterInfo
 
 
@@ -47,7 +48,7 @@ class EmbeddedPostgres:
             self.data_dir.parent.mkdir(parents=True, exist_ok=True)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                self._server = pgserver.get_server(self.data_dir, cleanup_mode="stop")
+                self._server = get_server(self.data_dir, cleanup_mode="stop")
             # We stop it ourselves, deterministically; pgserver's own atexit
             # hook would run again at interpreter exit.
             atexit.unregister(self._server._cleanup)
@@ -64,7 +65,7 @@ class EmbeddedPostgres:
         finally:
             # pgserver skips the stop (and keeps a stale handle) when its pid
             # list names another process, e.g. left by a crashed run.
-            pgserver.PostgresServer._instances.pop(self.data_dir, None)
+            PostgresServer._instances.pop(self.data_dir, None)
             self._force_stop()
 
     def _force_stop(self) -> None:
@@ -72,14 +73,16 @@ class EmbeddedPostgres:
         if info is None or not info.is_running():
             return
         try:
-            pgserver.pg_ctl(
+            # pgserver makes one function per PostgreSQL program at import (setattr).
+            pgserver.pg_ctl(  # type: ignore[attr-defined]
                 ["-w", "-m", "fast", "stop"],
                 pgdata=self.data_dir,
                 user=self._system_user,
                 timeout=30,
             )
         except (subprocess.CalledProcessError, subprocess.TimeoutExpired):
-            info.process.kill()
+            # pgserver sets ``process`` after __init__ (typed None there); is_running() saw it.
+            info.process.kill()  # type: ignore[attr-defined]
 
     def __enter__(self) -> EmbeddedPostgres:
         self.start()

@@ -249,7 +249,9 @@ def _runner_token(database_url: str) -> str:
         store.close()
 
 
-def _stored(database_url: str, trial_ids: list[str]) -> tuple[list[dict], list[dict]]:
+def _stored(
+    database_url: str, trial_ids: list[str]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     engine = create_engine(db.sqlalchemy_url(database_url))
     try:
         with engine.connect() as conn:
@@ -294,7 +296,7 @@ def render_summary(summary: list[dict[str, Any]], flows: list[dict[str, Any]]) -
             f"{row['size_bucket']:<20} {row['protocol']:<8} {row['flows']:>5} "
             f"{ms(row['fct_ms_mean']):>10} {ms(row['fct_ms_p95']):>10} {speed:>8} {ka:>8}"
         )
-    by = {}
+    by: dict[str, list[float]] = {}
     for f in flows:
         if f["fct_ms"] is not None:
             by.setdefault(f["protocol"], []).append(f["fct_ms"])

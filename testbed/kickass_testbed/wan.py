@@ -23,6 +23,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kickass_core.errors import KickassError
 
@@ -57,7 +58,7 @@ class TestbedInfo:
     far_ns: str
     router_lan: str = "lan"
     router_wan: str = "wan0"
-    config: dict = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
 
 
 def sender_address(i: int) -> str:
@@ -119,7 +120,7 @@ class Testbed:
         self.prefix = built.prefix
         self.log_dir = built.log_dir
         self.database_url = database_url
-        self.ingest_summary: dict | None = None
+        self.ingest_summary: dict[str, Any] | None = None
         self.info = TestbedInfo(
             self.prefix,
             {built.ns_name(f"s{i}"): sender_address(i) for i in range(1, config.senders + 1)},
@@ -154,7 +155,7 @@ class Testbed:
             ingest.flush()
             self.ingest_summary = {"run_id": ingest.run_id, **ingest.counts}
 
-    def telemetry(self) -> list[dict]:
+    def telemetry(self) -> list[dict[str, Any]]:
         path = self.log_dir / "router-telemetry.ndjson"
         if not path.exists():
             return []
@@ -229,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
     return rc
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "testbed",
         help="build the emulated wide-area testbed, run a command in it, tear it down",

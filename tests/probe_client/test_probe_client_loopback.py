@@ -382,7 +382,8 @@ def test_happy_path_json(make_peer: Any, capsys: pytest.CaptureFixture[str]) -> 
     assert set(body) == {"plan", "client_version", "platform", "install_id", "reassembly"}
     assert body["install_id"] is None
     # The reassembly memory (announced in the notice): limits, counters, credit.
-    assert set(body["reassembly"]) == {"limits", "before", "split_credit"}
+    assert set(body["reassembly"]) == {"limits", "before", "split_credit", "credit_mode"}
+    assert body["reassembly"]["credit_mode"] == "in-flight"  # a protocol mode, not data
     assert "reassembly limits and counters" in err
     # By default the server adapts the window (issue 11 part 4).
     assert body["plan"] == {"repetitions": 100, "step": 8, "window": "auto"}

@@ -77,7 +77,7 @@ class Agent:
         self.kickass_port = kickass_port
         self.kickass_receiver = kickass_receiver
         self.kickass_restarts = 0
-        self._proc: subprocess.Popen | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
         self._stop = threading.Event()
         handler = type("Handler", (_Handler,), {"agent": self})
         self.http = ThreadingHTTPServer(listen, handler)

@@ -27,13 +27,18 @@ from .spool import Spool
 from .workload import period_flows
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser(
         "trials",
         help="wide-area Kick-Ass vs TCP trials (schedule, runners)",
         description="Interleaved Kick-Ass and TCP trials towards remote receivers (paper IV).",
     )
-    parser.set_defaults(func=lambda _a: (parser.print_help(), 2)[1])
+
+    def usage(_args: argparse.Namespace) -> int:
+        parser.print_help()
+        return 2
+
+    parser.set_defaults(func=usage)
     tsub = parser.add_subparsers(dest="trials_command", metavar="TRIALS_COMMAND")
 
     p = tsub.add_parser("plan", help="print the interleaved schedule and its flows (dry run)")
@@ -90,7 +95,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     r = tsub.add_parser("runners", help="manage the runners allowed to upload results")
     rsub = r.add_subparsers(dest="runners_command", metavar="RUNNERS_COMMAND")
-    r.set_defaults(func=lambda _a: (r.print_help(), 2)[1])
+
+    def runners_usage(_args: argparse.Namespace) -> int:
+        r.print_help()
+        return 2
+
+    r.set_defaults(func=runners_usage)
     a = rsub.add_parser("add", help="register a runner (or renew its token); prints the token")
     a.add_argument("name")
     a.add_argument("--database-url", help="postgresql:// URL (env KICKASS_DATABASE_URL)")
@@ -202,7 +212,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise KickassError(
             f"bad trial plan: {exc}", hint="see: kickass trials plan --help"
         ) from None
-    periods = []
+    periods: list[dict[str, Any]] = []
     for p in sched:
         fl = period_flows(w, p.index, p.duration_s, sender_index)
         periods.append(
@@ -214,10 +224,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     print(f"{'#':>3} {'pair':>4} {'destination':<16} {'protocol':<8} {'start':>8} {'flows':>6} "
           f"{'packets':>8}")  # fmt: skip
-    for p in periods:
+    for row in periods:
         print(
-            f"{p['index']:>3} {p['pair']:>4} {p['destination']:<16} {p['protocol']:<8} "
-            f"{p['start_s']:>7.0f}s {p['flows']:>6} {p['packets']:>8}"
+            f"{row['index']:>3} {row['pair']:>4} {row['destination']:<16} {row['protocol']:<8} "
+            f"{row['start_s']:>7.0f}s {row['flows']:>6} {row['packets']:>8}"
         )
     total = sum(p["duration_s"] for p in periods)
     print(f"{len(periods)} periods, {total / 60:.1f} min in all", file=sys.stderr)

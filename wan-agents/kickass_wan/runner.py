@@ -82,7 +82,8 @@ class AgentClient:
             req.add_header(name, value)
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                return json.loads(resp.read())
+                reply: dict[str, Any] = json.loads(resp.read())
+                return reply
         except urllib.error.HTTPError as exc:
             hint = "check the agent secret and both clocks" if exc.code == 401 else None
             raise KickassError(
@@ -239,7 +240,11 @@ class TrialRunner:
         }
 
     def _trial_record(
-        self, agent: AgentRef, trial_ids: dict[str, str], schedule: list[Period], versions: dict
+        self,
+        agent: AgentRef,
+        trial_ids: dict[str, str],
+        schedule: list[Period],
+        versions: dict[str, Any],
     ) -> dict[str, Any]:
         cfg = self.cfg
         mine = [p for p in schedule if p.destination == agent.name]

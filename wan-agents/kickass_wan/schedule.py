@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import asdict, dataclass
+from typing import Any
 
 KICKASS = "kickass"
 TCP = "tcp"
@@ -25,7 +26,7 @@ class Period:
     start_s: float
     duration_s: float
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 
 from kickass_core import config
 from kickass_core.errors import KickassError
@@ -63,7 +63,7 @@ class ScheduleSettings(_Model):
     sender_index: Annotated[int, Field(ge=0, le=1_000_000)] = 0
 
     @classmethod
-    def from_mapping(cls, data: Mapping[str, Any], where: str = "trial settings") -> Any:
+    def from_mapping(cls, data: Mapping[str, Any], where: str = "trial settings") -> Self:
         """Validated settings, or KickassError naming the field that is wrong."""
         try:
             return cls.model_validate(dict(data))

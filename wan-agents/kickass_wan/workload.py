@@ -12,6 +12,7 @@ import math
 import random
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from typing import Any
 
 PACKET_BYTES = 1500
 # Application bytes a full 1500-byte Kick-Ass DATA datagram carries (ka-transport:
@@ -39,7 +40,7 @@ class Workload:
         if self.mean_gap_s <= 0:
             raise ValueError("mean_gap_s must be positive")
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
     def scale(self) -> float:
