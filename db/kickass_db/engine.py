@@ -48,6 +48,7 @@ def sqlalchemy_url(url: str | URL) -> URL:
             "the measurement database is PostgreSQL",
             hint=URL_HINT,
         )
+    _check_query(parsed)
     parsed = parsed.set(drivername=DRIVER)
     # libpq also accepts the socket directory percent-encoded in the host
     # part (postgresql://%2Frun%2Fpostgresql/db); SQLAlchemy would take it as
@@ -62,6 +63,24 @@ def sqlalchemy_url(url: str | URL) -> URL:
             query={**parsed.query, "host": unquote(parsed.host)},
         )
     return parsed
+
+
+def _check_query(parsed: URL) -> None:
+    """Refuse query parameters the driver would fail on at the first connect
+    with a traceback (a port that is not a number, a bad timeout)."""
+    for key, numbers in (("port", True), ("connect_timeout", False)):
+        raw = parsed.query.get(key)
+        values = [raw] if isinstance(raw, str) else list(raw or ())
+        for value in values:
+            parts = value.split(",") if numbers else [value]
+            for part in parts:
+                ok = part.strip().isdigit() and (not numbers or 0 < int(part) < 65536)
+                if not ok:
+                    raise KickassError(
+                        f"bad {key}={part!r} in the database URL {_mask(str(parsed))}",
+                        hint="a port is a number 1-65535 (several: 5432,5433); "
+                        "connect_timeout is whole seconds. " + URL_HINT,
+                    )
 
 
 def describe_url(url: str | URL) -> str:

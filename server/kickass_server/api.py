@@ -30,10 +30,10 @@ from kickass_core.errors import KickassError
 from kickass_core.plan import PlanError
 from kickass_core.states import CREATED, FINAL_STATES, LIVE_STATES
 
-from . import __version__, http, trials_api
+from . import __version__, http, schemas, trials_api
 from .client_report import ReportError, parse_report
 from .engine import AdmissionDenied, EngineUnavailable, ProbeEngine
-from .http import ApiError, RateLimited, parse_body
+from .http import ApiError, RateLimited, accepts, parse_body
 from .schemas import ClientReportBody, PlanRequest, SessionRequest
 
 log = logging.getLogger("kickass.api")
@@ -97,6 +97,7 @@ sessions = Blueprint("sessions", __name__, url_prefix=f"{API_PREFIX}/sessions")
 
 
 @sessions.post("")
+@accepts(SessionRequest, schemas.session_example)
 def create_session() -> tuple[Response, int]:
     svc = _services()
     body = parse_body(SessionRequest, max_depth=svc.config.max_json_depth)
@@ -142,6 +143,7 @@ def get_session(session_id: str) -> Response:
 
 
 @sessions.post("/<session_id>/end")
+@accepts(None)
 def end_session(session_id: str) -> Response:
     svc = _services()
     sid = _session_id(session_id)
@@ -158,6 +160,7 @@ def end_session(session_id: str) -> Response:
 
 
 @sessions.post("/<session_id>/report")
+@accepts(ClientReportBody, schemas.report_example)
 def report_session(session_id: str) -> Response:
     """The client's end-of-session report (header ``X-Kickass-Cookie``): its
     reassembly memory before, during and after the split phase, the ranges it

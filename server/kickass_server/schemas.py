@@ -345,3 +345,79 @@ def errors_text(exc: Any, limit: int = 3) -> str:
         parts.append(f"{where}: {err.get('msg', 'invalid')}"[:160])
     more = exc.error_count() - len(parts)
     return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
+
+
+# -- valid examples (the property test over every endpoint mutates them) ----------------
+
+
+def session_example(_args: dict[str, str]) -> dict[str, Any]:
+    return {
+        "plan": {"repetitions": 1, "step": 512, "window": "auto"},
+        "client_version": "kickass-probe 0.1.0",
+        "platform": "Linux-6.1-x86_64",
+        "install_id": "0123456789abcdef",
+        "reassembly": {
+            "limits": {"high_thresh": 4194304, "low_thresh": 3145728, "time_s": 30},
+            "before": {"reqds": 0, "oks": 0, "fails": 0, "timeouts": 0, "overlaps": 0,
+                       "memory": 0, "queues": 0},
+            "split_credit": 512,
+            "credit_mode": "in-flight",
+        },
+    }  # fmt: skip
+
+
+def report_example(_args: dict[str, str]) -> dict[str, Any]:
+    return {
+        "reassembly": {"after": {"fails": 0, "memory": 0}, "budget": {"fraction": 0.5}},
+        "invalid_ranges": [[0, 1]],
+        "fragment_observation": {"summary": {"split_observed": 0}},
+    }
+
+
+def trial_example(args: dict[str, str]) -> dict[str, Any]:
+    return {
+        "trial_id": args["trial_id"],
+        "destination": "far-1",
+        "access_capacity_bps": 10e6,
+        "router_run_name": "edge-1",
+        "parameters": {"pairs": 1, "workload": {"seed": 1}},
+        "versions": {"kickass-wan": "0.1.0"},
+        "started_at": "2026-11-25T12:00:00+00:00",
+        "finished_at": None,
+        "periods": [
+            {"index": 0, "pair": 0, "protocol": "tcp", "start_s": 0.0, "duration_s": 120.0,
+             "congestion_control": "cubic"},
+            {"index": 1, "pair": 0, "protocol": "kickass", "start_s": 120.0, "duration_s": 120.0},
+        ],
+    }  # fmt: skip
+
+
+def flows_example(args: dict[str, str]) -> dict[str, Any]:
+    return {
+        "flows": [
+            {
+                "flow_id": flow_record.flow_id(args["trial_id"], 0, 0),
+                "period_index": 0,
+                "protocol": "kickass",
+                "congestion_control": None,
+                "handshake": "padded",
+                "size_bytes": 144000,
+                "size_packets": 100,
+                "started_at": "2026-11-25T12:00:01+00:00",
+                "completed": True,
+                "fct_ms": 312.5,
+                "ka_mode_ms": 312.5,
+                "ka_mode_fraction": 1.0,
+                "mode_switches": 0,
+                "retransmissions": 0,
+                "srtt_ms": 101.2,
+                "min_rtt_ms": 100.1,
+                "advertised_rate_min_bps": 9.7e6,
+                "advertised_rate_max_bps": 1.0e7,
+                "advertised_rate_last_bps": 9.9e6,
+                "advertised_rates_seen": 31,
+                "error": None,
+                "extra": {"rto_count": 0, "datagrams_sent": 104},
+            }
+        ]
+    }

@@ -27,7 +27,8 @@ from kickass_core import flow_record
 from kickass_db.trial_store import BadRecord, Conflict, TrialStore, UnknownTrial
 from pydantic import ValidationError
 
-from .http import ApiError, Unavailable, parse_body, signed_runner
+from . import schemas
+from .http import ApiError, Unavailable, accepts, parse_body, signed_runner
 from .schemas import FlowRecord, FlowsBody, TrialBody, errors_text
 
 log = logging.getLogger("kickass.trials")
@@ -64,6 +65,7 @@ def _trial_id(value: str) -> str:
 
 
 @bp.put("/<trial_id>")
+@accepts(TrialBody, schemas.trial_example)
 def put_trial(trial_id: str) -> Response:
     store = _store()
     runner = _runner()
@@ -81,6 +83,7 @@ def put_trial(trial_id: str) -> Response:
 
 
 @bp.post("/<trial_id>/flows")
+@accepts(FlowsBody, schemas.flows_example)
 def put_flows(trial_id: str) -> Response:
     store = _store()
     runner = _runner()

@@ -142,3 +142,18 @@ def test_cli_without_any_url_explains(
     monkeypatch.delenv(db.ENV_DATABASE_URL, raising=False)
     assert cli.main(["db", "current"]) == 2
     assert "ERROR: no database URL given" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "query", ["port=nope", "port=5432,x", "port=70000", "port=0", "connect_timeout=soon"]
+)
+def test_bad_url_parameters_are_errors_not_tracebacks(
+    query: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kickass_core import cli
+
+    url = f"postgresql://u:hunter2@127.0.0.1:5432/x?{query}"
+    assert cli.main(["db", "upgrade", "--database-url", url]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ERROR: bad ") and "\nhint: " in err, err
+    assert "hunter2" not in err and "Traceback" not in err

@@ -34,10 +34,11 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from kickass_core import config, signing
+from kickass_core import config, signing, strictjson
 from kickass_core.errors import KickassError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from . import __version__
 from . import token as tk
@@ -182,6 +183,15 @@ class Agent:
         return None
 
 
+class TokenRequest(BaseModel):
+    """``POST /v1/tokens``: strict types, unknown fields refused."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+    kind: Literal["tcp", "kickass"]
+    count: Annotated[int, Field(ge=1, le=MAX_TOKENS_PER_CALL)] = 1
+
+
 class _Handler(BaseHTTPRequestHandler):
     agent: Agent
     server_version = f"kickass-agent/{__version__}"
@@ -220,15 +230,16 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(401, {"error": "unauthorized", "message": refused})
             return
         try:
-            body = json.loads(raw or b"{}")
-            if not isinstance(body, dict):
-                raise ValueError("expected a JSON object")
-            count = body.get("count", 1)
-            if not isinstance(count, int) or isinstance(count, bool):
-                raise ValueError("count must be an integer")
-            self._reply(200, self.agent.issue(str(body.get("kind")), count))
-        except (ValueError, UnicodeDecodeError) as exc:
-            self._reply(400, {"error": "bad-request", "message": str(exc)})
+            req = TokenRequest.model_validate(strictjson.loads(raw or b"{}"))
+        except ValidationError as exc:
+            first = exc.errors(include_url=False, include_input=False)[0]
+            where = ".".join(str(p) for p in first.get("loc", ())) or "body"
+            self._reply(400, {"error": "bad-request", "message": f"{where}: {first['msg']}"})
+            return
+        except ValueError as exc:  # not JSON, not UTF-8, NaN, too deep
+            self._reply(400, {"error": "bad-request", "message": str(exc)[:200]})
+            return
+        self._reply(200, self.agent.issue(req.kind, req.count))
 
     def log_message(self, fmt: str, *args: Any) -> None:
         log.debug("%s " + fmt, self.client_address[0], *args)

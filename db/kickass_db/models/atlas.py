@@ -1,4 +1,4 @@
-"""The RIPE Atlas tables (migration 0006) as typed models on the one ``Base``.
+"""The RIPE Atlas tables (migrations 0006 and 0009) as typed models on the one ``Base``.
 
 Written only by ``kickass_atlas.store``; read through the views
 (``v_atlas_*``, ``v_*_by_source``). Like models.py, these describe the schema
@@ -29,6 +29,7 @@ from sqlalchemy import (
     UniqueConstraint,
     Uuid,
     func,
+    text,
 )
 from sqlalchemy.dialects.postgresql import INET, JSONB
 from sqlalchemy.orm import Mapped, mapped_column
@@ -39,8 +40,11 @@ from ..base import Base, check_in
 # outcomes no drop rate counts (the request never reached the responder, or
 # the probe could not send it).
 ATLAS_OUTCOMES = ("acked", "lost", "late", "unanswered", "error")
-# How an Atlas result was joined to the reply log (kickass_atlas.ingest).
-JOIN_STATUSES = ("exact", "ambiguous", "inconsistent", "no-log", "aggregate")
+# How an Atlas result was joined to the reply log (kickass_atlas.ingest);
+# "invalid" (0009): one of our results that could not be read or joined.
+JOIN_STATUSES = ("exact", "ambiguous", "inconsistent", "no-log", "aggregate", "invalid")
+# Where a stored result came from (0009): the results API or `kickass atlas import`.
+RESULT_ORIGINS = ("fetch", "import")
 
 
 class AtlasCampaignRow(Base):
@@ -134,13 +138,21 @@ class AtlasReplyLogRow(Base):
     # whole: the reply's IP length; split: the leading fragment's IP length.
     ip_len: Mapped[int] = mapped_column(SmallInteger)
     sent_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    # 0009: the probe firmware re-uses a sequence number after a lost reply;
+    # each re-send (new data, same sequence) is a new attempt and a new reply.
+    attempt: Mapped[int] = mapped_column(SmallInteger, server_default="0")
+    # 0009: a byte-identical copy of a request already answered (same split again).
+    duplicate: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
 
 
 class AtlasResultRow(Base):
     """One Atlas result (one ping of one probe), raw JSON kept as served."""
 
     __tablename__ = "atlas_results"
-    __table_args__ = (CheckConstraint(check_in("join_status", JOIN_STATUSES), name="join_status"),)
+    __table_args__ = (
+        CheckConstraint(check_in("join_status", JOIN_STATUSES), name="join_status"),
+        CheckConstraint(check_in("origin", RESULT_ORIGINS), name="origin"),
+    )
 
     msm_id: Mapped[int] = mapped_column(
         BigInteger, ForeignKey("atlas_measurements.msm_id", ondelete="CASCADE"), primary_key=True
@@ -158,6 +170,11 @@ class AtlasResultRow(Base):
     join_status: Mapped[str] = mapped_column(Text)
     raw: Mapped[dict[str, Any]] = mapped_column(JSONB)
     fetched_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    # 0009: Atlas's stored_timestamp (probes upload late), the origin, and why
+    # an "invalid" result could not be joined.
+    stored_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    origin: Mapped[str] = mapped_column(Text, server_default="fetch")
+    join_error: Mapped[str | None] = mapped_column(Text)
 
 
 class AtlasOutcomeRow(Base):
@@ -188,6 +205,8 @@ class AtlasOutcomeRow(Base):
     icmp_seq: Mapped[int | None] = mapped_column(Integer)
     replied_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     error: Mapped[str | None] = mapped_column(Text)
+    # 0009: which logged attempt of its sequence number the reply answered.
+    attempt: Mapped[int | None] = mapped_column(SmallInteger)
 
 
 class AtlasVerdictRow(Base):

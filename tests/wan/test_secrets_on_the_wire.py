@@ -1,0 +1,132 @@
+"""No secret on the wire (issue 16): a real trial round on loopback, runner to
+agent and runner to server, captured with tcpdump. The capture holds the
+requests the round makes and neither the agent secret nor the runner token,
+raw, hex or base64; the same search finds a secret planted in plain text (the
+positive control); and a captured signed request, replayed byte for byte
+within its time window, is refused."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from kickass_db.trial_store import TrialStore
+from scapy.layers.inet import IP, TCP
+from scapy.utils import rdpcap
+from support.live_server import free_port, server
+from test_wan_agent import SECRET, agent
+
+KICKASS = str(Path(sys.executable).parent / "kickass")
+
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="the server's probe engine and tcpdump need root"),
+    pytest.mark.skipif(not shutil.which("tcpdump"), reason="needs tcpdump"),
+]
+
+
+def _forms(secret: str) -> list[bytes]:
+    raw = secret.encode()
+    return [
+        raw,
+        raw.hex().encode(),
+        raw.hex().upper().encode(),
+        base64.b64encode(raw),
+        base64.urlsafe_b64encode(raw),
+        base64.b64encode(raw).rstrip(b"="),
+    ]
+
+
+def _streams(pcap: Path, port: int) -> list[bytes]:
+    """The client-to-server bytes of every TCP connection to ``port``, in order."""
+    chunks: dict[tuple[int, int], dict[int, bytes]] = defaultdict(dict)
+    for pkt in rdpcap(str(pcap)):
+        if IP in pkt and TCP in pkt and pkt[TCP].dport == port and bytes(pkt[TCP].payload):
+            chunks[(pkt[TCP].sport, pkt[TCP].dport)][pkt[TCP].seq] = bytes(pkt[TCP].payload)
+    return [b"".join(v for _, v in sorted(c.items())) for c in chunks.values()]
+
+
+def _request_lines(streams: list[bytes]) -> list[str]:
+    return sorted(s.split(b"\r\n", 1)[0].decode("latin-1") for s in streams if s)
+
+
+def test_a_trial_round_sends_no_secret_and_a_replay_is_refused(
+    database_url: str, tmp_path: Path
+) -> None:
+    store = TrialStore(database_url)
+    token = store.add_runner("wire-1")
+    store.close()
+    token_file = tmp_path / "runner-token"
+    token_file.write_text(token)
+    http = free_port(socket.SOCK_STREAM)
+    pcap = tmp_path / "wire.pcap"
+    planted = "PLANTED-" + os.urandom(12).hex()
+    with agent(tmp_path / "agent") as (agent_port, _), server(
+        database_url, free_port(socket.SOCK_DGRAM), http
+    ):
+        dump = subprocess.Popen(
+            ["tcpdump", "-i", "lo", "-U", "-s", "0", "-w", str(pcap),
+             f"tcp port {agent_port} or tcp port {http}"],
+            stderr=subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            time.sleep(1.0)  # tcpdump listening
+            run = subprocess.run(
+                [KICKASS, "trials", "run", "--agent", f"far-1=http://127.0.0.1:{agent_port}",
+                 "--protocols", "tcp", "--pairs", "1", "--period", "1.5", "--mean-gap", "0.2",
+                 "--max-packets", "50", "--mean-packets", "10", "--seed", "3",
+                 "--server", f"http://127.0.0.1:{http}", "--runner-token-file", str(token_file),
+                 "--spool-dir", str(tmp_path / "spool"), "--json"],
+                env={**os.environ, "KICKASS_AGENT_SECRET": SECRET},
+                capture_output=True, text=True, timeout=120,
+            )  # fmt: skip
+            assert run.returncode == 0, run.stderr
+            result = json.loads(run.stdout)
+            # The positive control: a secret sent the way none of ours is.
+            with socket.create_connection(("127.0.0.1", http), timeout=5) as s:
+                s.sendall(
+                    f"GET /api/v1/health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {planted}"
+                    "\r\nConnection: close\r\n\r\n".encode()
+                )
+                s.recv(4096)
+            time.sleep(0.5)
+        finally:
+            dump.terminate()
+            dump.wait(10)
+        capture = pcap.read_bytes()
+        assert any(f in capture for f in _forms(planted)), "the search cannot see plain text"
+        for name, secret in (("agent secret", SECRET), ("runner token", token)):
+            for form in _forms(secret):
+                assert form not in capture, f"the {name} is on the wire ({form[:12]!r}...)"
+        # The requests of the round, and only those (one period of TCP flows
+        # under 100: one token request, one batch of flows; the trial twice,
+        # at its start and with its end time).
+        flows = len(result["summary"]["far-1"]["tcp"]) + result["failed_flows"]
+        assert 0 < flows < 100, result
+        to_agent = _request_lines(_streams(pcap, agent_port))
+        to_server = _request_lines(_streams(pcap, http))
+        assert to_agent == ["GET /v1/health HTTP/1.1", "POST /v1/tokens HTTP/1.1"], to_agent
+        tid = result["trials"]["far-1"]
+        assert [ln for ln in to_server if "/trials/" in ln] == [
+            f"POST /api/v1/trials/{tid}/flows HTTP/1.1",
+            f"PUT /api/v1/trials/{tid} HTTP/1.1",
+            f"PUT /api/v1/trials/{tid} HTTP/1.1",
+        ], to_server
+        # A captured upload, replayed byte for byte within its window: refused.
+        (upload,) = [s for s in _streams(pcap, http) if b"/flows HTTP/1.1" in s.split(b"\r\n")[0]]
+        with socket.create_connection(("127.0.0.1", http), timeout=5) as s:
+            s.sendall(upload)
+            answer = b""
+            while chunk := s.recv(65536):
+                answer += chunk
+        status = answer.split(b"\r\n", 1)[0]
+        assert b" 401 " in status, answer[:300]
+        assert b"replayed" in answer, answer[-300:]
