@@ -1,0 +1,198 @@
+"""The platform's statistics, in one place: notebooks, the report, the
+volunteer's page, the dashboards' rollups and the benchmarks all call these,
+so a number is the same wherever it is shown.
+
+* Drop rates with Wilson score intervals (good at small counts and at 0 and 1).
+* The verdict's test, its power and the excess over the two-fragment bound:
+  imported from ``kickass_core.verdict`` (the rule lives with the verdict).
+* Flow sizes in the paper's buckets; FCT summaries with completion rates
+  (a failed flow is censored, never silently dropped).
+* The trials' speedup, defined on *matched* flows: the same flow (same pair,
+  same index: the same size and start offset) under each of two arms. Per
+  size bucket, the geometric mean of FCT(baseline) / FCT(Kick-Ass) over the
+  pairs where both completed, with a percentile bootstrap interval that
+  resamples the matched pairs (seeded: the interval is reproducible).
+* Empirical CDFs (time in Kick-Ass mode).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+from kickass_core.verdict import (  # noqa: F401 - re-exported: the one rule, imported not moved
+    Excess,
+    Verdict,
+    decide,
+    detectable_excess,
+    drop_rate,
+    excess,
+    two_fragment_bound,
+)
+
+Z95 = 1.959963984540054
+SIZE_BUCKETS = ("1-10", "11-100", "101-1000", "1001+")
+BOOTSTRAP_RESAMPLES = 2000
+BOOTSTRAP_SEED = 20261125
+# The paper's numbers, shown beside ours wherever ours are.
+PAPER = {
+    "clients": 405,
+    "countries": 62,
+    "intolerant_share": 0.083,
+    "max_split_to_whole": 2.0,
+    "speedup_low": 1.2,
+    "speedup_high": 4.0,
+}
+
+
+# -- drop rates ----------------------------------------------------------------------------
+
+
+def wilson(k: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson score interval for ``k`` events in ``n`` trials (NaN for n = 0)."""
+    if n <= 0:
+        return (math.nan, math.nan)
+    p = k / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z / denom * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+@dataclass(frozen=True)
+class Rate:
+    """A drop rate with its 95% Wilson interval."""
+
+    sent: int
+    lost: int
+    rate: float
+    low: float
+    high: float
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def drop(sent: int, acked: int) -> Rate:
+    """The drop rate of ``sent`` probes of which ``acked`` came back."""
+    lost = max(0, sent - acked)
+    low, high = wilson(lost, sent)
+    return Rate(sent, lost, lost / sent if sent else math.nan, low, high)
+
+
+def with_intervals(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Rows with ``sent``/``acked`` (a view's) plus ``drop_low``/``drop_high``."""
+    out = []
+    for r in rows:
+        sent, acked = int(r.get("sent") or 0), int(r.get("acked") or 0)
+        rate = drop(sent, acked)
+        out.append({**r, "drop_low": rate.low, "drop_high": rate.high})
+    return out
+
+
+def share(k: int, n: int) -> Rate:
+    """A share (e.g. of fragment-intolerant clients) with its Wilson interval."""
+    low, high = wilson(k, n)
+    return Rate(n, k, k / n if n else math.nan, low, high)
+
+
+# -- flows ---------------------------------------------------------------------------------
+
+
+def size_bucket(size_packets: int) -> str:
+    """The paper's flow-size buckets, in 1500-byte packets (as the views bucket them)."""
+    if size_packets <= 10:
+        return SIZE_BUCKETS[0]
+    if size_packets <= 100:
+        return SIZE_BUCKETS[1]
+    if size_packets <= 1000:
+        return SIZE_BUCKETS[2]
+    return SIZE_BUCKETS[3]
+
+
+@dataclass(frozen=True)
+class FctSummary:
+    flows: int
+    completed: int
+    completion_rate: float
+    mean_ms: float | None
+    p50_ms: float | None
+    p95_ms: float | None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def fct_summary(fct_ms: Sequence[float | None]) -> FctSummary:
+    """FCTs of flows, ``None`` for one that did not complete (censored: it
+    counts in ``flows`` and lowers ``completion_rate``, never in the means)."""
+    done = np.array([x for x in fct_ms if x is not None], dtype=float)
+    n = len(fct_ms)
+    if done.size == 0:
+        return FctSummary(n, 0, 0.0 if n else math.nan, None, None, None)
+    return FctSummary(
+        n,
+        int(done.size),
+        done.size / n,
+        float(done.mean()),
+        float(np.percentile(done, 50)),
+        float(np.percentile(done, 95)),
+    )
+
+
+@dataclass(frozen=True)
+class Speedup:
+    """Baseline FCT over Kick-Ass FCT on matched flows (> 1: Kick-Ass faster)."""
+
+    matched: int  # pairs where both arms completed
+    pairs: int  # pairs in all
+    estimate: float | None  # geometric mean of the ratios
+    low: float | None  # 95% percentile bootstrap interval
+    high: float | None
+    completion_kickass: float | None
+    completion_baseline: float | None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def speedup(
+    pairs: Sequence[tuple[float | None, float | None]],
+    *,
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    seed: int = BOOTSTRAP_SEED,
+) -> Speedup:
+    """``pairs``: (FCT under Kick-Ass, FCT under the baseline) of each matched
+    flow, None where that arm did not complete. A pair with a failure on
+    either side leaves the ratio (both halves) and shows in the completion
+    rates."""
+    n = len(pairs)
+    if n == 0:
+        return Speedup(0, 0, None, None, None, None, None)
+    ka_done = sum(1 for k, _ in pairs if k is not None)
+    base_done = sum(1 for _, b in pairs if b is not None)
+    both = np.array(
+        [(k, b) for k, b in pairs if k is not None and b is not None and k > 0 and b > 0],
+        dtype=float,
+    )
+    if both.size == 0:
+        return Speedup(0, n, None, None, None, ka_done / n, base_done / n)
+    logs = np.log(both[:, 1]) - np.log(both[:, 0])
+    est = float(np.exp(logs.mean()))
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(logs), size=(resamples, len(logs)))
+    means = logs[idx].mean(axis=1)
+    low, high = np.exp(np.percentile(means, [2.5, 97.5]))
+    return Speedup(len(logs), n, est, float(low), float(high), ka_done / n, base_done / n)
+
+
+def ecdf(values: Iterable[float]) -> tuple[list[float], list[float]]:
+    """Sorted values and the share of values at or below each."""
+    xs = np.sort(np.array([v for v in values if v is not None and not math.isnan(v)], dtype=float))
+    if xs.size == 0:
+        return [], []
+    ys = np.arange(1, xs.size + 1) / xs.size
+    return xs.tolist(), ys.tolist()
