@@ -14,7 +14,8 @@ import argparse
 import importlib
 import os
 import sys
-from importlib.metadata import entry_points
+from collections.abc import Iterable
+from importlib.metadata import EntryPoint, entry_points
 
 from kickass_core.errors import KickassError
 
@@ -31,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"kickass {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for ep in sorted(entry_points(group=GROUP), key=lambda e: e.name):
+    for ep in sorted(_commands(), key=lambda e: e.name):
         try:
             module = importlib.import_module(ep.value)
         except Exception as exc:  # noqa: BLE001 - one broken package must not hide the others
@@ -39,6 +40,14 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         module.add_parser(sub)
     return parser
+
+
+def _commands() -> Iterable[EntryPoint]:
+    """The entry points of the ``kickass.commands`` group."""
+    if sys.version_info >= (3, 10):
+        return entry_points(group=GROUP)
+    # Python 3.9: entry_points() takes no selection and returns a dict by group.
+    return entry_points().get(GROUP, ())  # pragma: no cover
 
 
 def _broken(

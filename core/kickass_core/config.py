@@ -10,12 +10,26 @@ client can share this module.
 from __future__ import annotations
 
 import os
-import tomllib
+import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import ModuleType
 from typing import Any, TypeVar, cast
 
 from kickass_core.errors import KickassError
+
+# TOML is in the standard library from Python 3.11 (tomllib). Core also runs on
+# 3.9 and 3.10 (the volunteer's one-file client, which needs no configuration
+# file): there the same parser is used if the tomli package is installed, and
+# a configuration file is otherwise a clear error (load_file).
+_toml: ModuleType | None
+if sys.version_info >= (3, 11):
+    import tomllib as _toml
+else:  # pragma: no cover - Python 3.9/3.10
+    try:
+        import tomli as _toml
+    except ImportError:
+        _toml = None
 
 ENV_PREFIX = "KICKASS_"
 ENV_CONFIG = "KICKASS_CONFIG"
@@ -34,14 +48,21 @@ def load_file(path: str | Path | None) -> dict[str, Any]:
         if not path:
             return {}
     p = Path(path)
+    if _toml is None:
+        raise KickassError(
+            f"cannot read configuration file {p}: this Python "
+            f"({sys.version_info[0]}.{sys.version_info[1]}) has no TOML parser",
+            hint=f"use Python 3.11 or newer, install tomli, or unset {ENV_CONFIG} and pass "
+            "the settings as flags or KICKASS_* environment variables",
+        )
     try:
         with p.open("rb") as f:
-            data = tomllib.load(f)
+            data: dict[str, Any] = _toml.load(f)
     except FileNotFoundError as exc:
         raise KickassError(
             f"configuration file {p} not found", hint=f"check {ENV_CONFIG} or --config"
         ) from exc
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+    except (OSError, _toml.TOMLDecodeError) as exc:
         raise KickassError(f"cannot read configuration file {p}: {exc}") from exc
     # One table per command is allowed ([server], [agent]); flat keys serve all.
     return data

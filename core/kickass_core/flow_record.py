@@ -40,6 +40,8 @@ RATE_BPS_MAX = 1e12
 DURATION_MS_MAX = 1e9
 SIZE_BYTES_MAX = 2**40  # 1 TiB: the workload's largest flow is 2000 x 1440 bytes
 ERROR_MAX_CHARS = 2000
+# The smallest normal float32: a ``real`` column takes 0 or at least this much.
+REAL_MIN = 1.1754943508222875e-38
 EXTRA_MAX_KEYS = 32
 EXTRA_MAX_BYTES = 4096  # as compact JSON
 
@@ -48,6 +50,8 @@ EXTRA_MAX_BYTES = 4096  # as compact JSON
 TRIAL_ID_RE = re.compile(r"^[0-9a-f]{32}$")
 FLOW_ID_RE = re.compile(r"^([0-9a-f]{32})-([0-9]{1,15})$")
 CONGESTION_CONTROL_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+# An arm's name (kickass_wan.schedule): "kickass", "kickass:paper", "tcp:cubic+50ms#2"...
+ARM_RE = re.compile(r"^[a-z][a-z0-9_:+.#-]{0,63}$")
 # C0 controls, DEL and lone surrogates: PostgreSQL text takes no NUL, UTF-8
 # no surrogates, and none of them belongs in a flow's error message.
 BAD_TEXT_RE = re.compile("[\x00-\x1f\x7f\ud800-\udfff]")
@@ -66,11 +70,16 @@ class Field:
     choices: tuple[str, ...] | None = None
     pattern: str | None = None
     max_len: int | None = None
+    # Stored in a 4-byte ``real`` column: a nonzero value must be a normal
+    # float32 (PostgreSQL refuses what would underflow to a subnormal).
+    real: bool = False
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name, "kind": self.kind}
         for key in ("nullable", "required"):
             out[key] = getattr(self, key)
+        if self.real:
+            out["real"] = True
         for key in ("minimum", "maximum", "choices", "pattern", "max_len"):
             value = getattr(self, key)
             if value is not None:
@@ -91,11 +100,11 @@ FIELDS: tuple[Field, ...] = (
     Field("completed", "bool", nullable=False, required=True),
     Field("fct_ms", "float", minimum=0.0, maximum=DURATION_MS_MAX),
     Field("ka_mode_ms", "float", minimum=0.0, maximum=DURATION_MS_MAX),
-    Field("ka_mode_fraction", "float", minimum=0.0, maximum=1.0),
+    Field("ka_mode_fraction", "float", minimum=0.0, maximum=1.0, real=True),
     Field("mode_switches", "int", minimum=0, maximum=INT32_MAX),
     Field("retransmissions", "int", minimum=0, maximum=INT32_MAX),
-    Field("srtt_ms", "float", minimum=0.0, maximum=DURATION_MS_MAX),
-    Field("min_rtt_ms", "float", minimum=0.0, maximum=DURATION_MS_MAX),
+    Field("srtt_ms", "float", minimum=0.0, maximum=DURATION_MS_MAX, real=True),
+    Field("min_rtt_ms", "float", minimum=0.0, maximum=DURATION_MS_MAX, real=True),
     Field("advertised_rate_min_bps", "float", minimum=0.0, maximum=RATE_BPS_MAX),
     Field("advertised_rate_max_bps", "float", minimum=0.0, maximum=RATE_BPS_MAX),
     Field("advertised_rate_last_bps", "float", minimum=0.0, maximum=RATE_BPS_MAX),
@@ -105,6 +114,16 @@ FIELDS: tuple[Field, ...] = (
     # switches with their reasons...): at most EXTRA_MAX_KEYS keys and
     # EXTRA_MAX_BYTES of JSON.
     Field("extra", "object", max_len=EXTRA_MAX_KEYS),
+    # The paired design (migration 0010): the pair of periods the flow belongs
+    # to (its twin under the other arm has the same pair and index), the arm
+    # its period ran, how long it waited for a concurrency slot after it was
+    # due (its fct_ms counts from when it was due, this wait included), and
+    # the protocol the transport negotiated (a Kick-Ass period's flow that
+    # fell back to TCP from the start says "tcp").
+    Field("pair", "int", minimum=0, maximum=INT32_MAX),
+    Field("arm", "str", pattern=ARM_RE.pattern),
+    Field("queued_ms", "float", minimum=0.0, maximum=DURATION_MS_MAX),
+    Field("negotiated_protocol", "str", choices=PROTOCOLS),
 )
 FIELD_NAMES = tuple(f.name for f in FIELDS)
 BY_NAME = {f.name: f for f in FIELDS}
@@ -153,7 +172,9 @@ def from_transport(record: Mapping[str, Any], error: str | None = None) -> dict[
     """The measured part of a flow record from ka-transport's FlowRecord
     (nanoseconds and bytes/ms become milliseconds and bit/s)."""
     rates = record.get("advertised_rates") or {}
+    negotiated = record.get("protocol")
     return {
+        "negotiated_protocol": negotiated if negotiated in PROTOCOLS else None,
         "completed": bool(record.get("completed")) and not error,
         "handshake": record.get("handshake_mode"),
         "fct_ms": _ms(record.get("fct_ns")),
@@ -199,6 +220,11 @@ def check(record: Mapping[str, Any]) -> None:
         _check_value(f, record[f.name])
 
 
+def real_ok(value: float) -> bool:
+    """Whether ``value`` fits a ``real`` column (0, or a normal float32 magnitude)."""
+    return value == 0 or abs(value) >= REAL_MIN
+
+
 def _check_value(f: Field, value: Any) -> None:
     if value is None:
         if not f.nullable:
@@ -219,6 +245,8 @@ def _check_value(f: Field, value: Any) -> None:
             f.maximum is not None and value > f.maximum
         ):
             raise FlowRecordError(f.name, f"must lie within [{f.minimum}, {f.maximum}]")
+        if f.real and value != 0 and abs(value) < REAL_MIN:
+            raise FlowRecordError(f.name, f"too small for its column (0, or at least {REAL_MIN})")
     elif f.kind in ("str", "time"):
         if not isinstance(value, str):
             raise FlowRecordError(f.name, "must be a string")

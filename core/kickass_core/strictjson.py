@@ -11,9 +11,27 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+from collections.abc import Callable
 from typing import Any
 
 MAX_DEPTH = 32
+# CPython 3.11 (and 3.9.14+, 3.10.7+) refuse to convert integer literals of
+# more than 4300 digits (quadratic time: CVE-2020-10735). An older 3.9 or
+# 3.10, which the volunteer's one-file client may run on, does not: there the
+# parser gets the same bound, so a hostile reply cannot stall it either.
+INT_MAX_DIGITS = 4300
+
+
+def _bounded_int(literal: str) -> int:
+    if len(literal.lstrip("-")) > INT_MAX_DIGITS:
+        raise ValueError(f"integer of more than {INT_MAX_DIGITS} digits")
+    return int(literal)
+
+
+_PARSE_INT: Callable[[str], int] | None = (
+    None if hasattr(sys, "get_int_max_str_digits") else _bounded_int
+)
 
 
 def nesting_depth(text: str, limit: int) -> int:
@@ -58,6 +76,8 @@ def loads(raw: str | bytes, max_depth: int = MAX_DEPTH) -> Any:
     if nesting_depth(text, max_depth) > max_depth:
         raise ValueError(f"JSON nested deeper than {max_depth} levels")
     try:
-        return json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
+        return json.loads(
+            text, parse_constant=_no_constant, parse_float=_finite_float, parse_int=_PARSE_INT
+        )
     except RecursionError:
         raise ValueError("JSON nested too deeply") from None

@@ -15,10 +15,16 @@ reading and the monotonic reading taken with it) before submitting it.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime, timedelta
-from typing import Any, NamedTuple
+from datetime import datetime, timedelta, timezone
+from typing import Any, NamedTuple, Union
+
+# ``slots=True`` where the dataclass decorator knows it (Python 3.10+); core
+# also runs on 3.9 (the volunteer's one-file client), where the records are
+# the same without __slots__.
+_SLOTS: dict[str, bool] = {"slots": True} if sys.version_info >= (3, 10) else {}
 
 
 class OutcomeEntry(NamedTuple):
@@ -36,7 +42,7 @@ class OutcomeEntry(NamedTuple):
     reassembly_invalid: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **_SLOTS)
 class ClockAnchor:
     """A wall-clock time (Unix seconds) and the monotonic reading taken with it."""
 
@@ -44,10 +50,10 @@ class ClockAnchor:
     mono: float
 
     def utc(self, mono: float) -> datetime:
-        return datetime.fromtimestamp(self.unix, UTC) - timedelta(seconds=self.mono - mono)
+        return datetime.fromtimestamp(self.unix, timezone.utc) - timedelta(seconds=self.mono - mono)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **_SLOTS)
 class RunProbing:
     """The client proved its address; probing starts."""
 
@@ -57,7 +63,7 @@ class RunProbing:
     rtt_ms: float | None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **_SLOTS)
 class OutcomeBatch:
     """Outcomes to upsert. A seq may appear again in a later batch (late or
     duplicate ACK): each entry is the whole row, and the last word wins.
@@ -71,7 +77,7 @@ class OutcomeBatch:
         return replace(self, anchor=anchor)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **_SLOTS)
 class Heartbeat:
     """Progress counters for pollers."""
 
@@ -80,7 +86,7 @@ class Heartbeat:
     acked: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **_SLOTS)
 class RunFinished:
     """The run reached a final state."""
 
@@ -96,7 +102,9 @@ class RunFinished:
     window: Mapping[str, object] | None = None
 
 
-StudyEvent = RunProbing | OutcomeBatch | Heartbeat | RunFinished
+# typing.Union, not ``|``: a type alias is evaluated at run time, and ``|``
+# between classes needs Python 3.10.
+StudyEvent = Union[RunProbing, OutcomeBatch, Heartbeat, RunFinished]
 
 # The journal's type tags: part of the on-disk format, never renamed.
 _TAGS: dict[type, str] = {

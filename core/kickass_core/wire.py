@@ -28,6 +28,7 @@ from __future__ import annotations
 import enum
 import struct
 from dataclasses import dataclass
+from typing import Union
 
 MAGIC = b"KA"
 WIRE_VERSION = 1
@@ -176,7 +177,9 @@ class Done:
         return _PREFIX.pack(MAGIC, Kind.DONE, WIRE_VERSION, self.session_tag)
 
 
-Message = Hello | Challenge | Echo | ProbeHeader | Ack | Report | Done
+# typing.Union, not ``|``: a type alias is evaluated at run time, and ``|``
+# between classes needs Python 3.10 (the volunteer client runs on 3.9).
+Message = Union[Hello, Challenge, Echo, ProbeHeader, Ack, Report, Done]
 
 
 def decode(data: bytes) -> Message:

@@ -30,7 +30,7 @@ from kickass_core.signing import key_from_secret
 from sqlalchemy import Connection, column, insert, select, table, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
-from .models.trials import RunnerRow, TrialPeriodRow, TrialRow
+from .models.trials import FlowRow, RunnerRow, TrialPeriodRow, TrialRow
 from .tx import StoreBase
 
 # The trial row's fields a re-sent trial must repeat exactly (finished_at may
@@ -42,8 +42,18 @@ _TRIAL_IDENTITY = (
     "parameters",
     "versions",
     "started_at",
+    "environment",
 )
-_PERIOD_FIELDS = ("pair", "protocol", "congestion_control", "start_offset_s", "duration_s")
+_PERIOD_FIELDS = (
+    "pair",
+    "protocol",
+    "congestion_control",
+    "start_offset_s",
+    "duration_s",
+    "arm",
+    "handshake",
+    "handicap_ms",
+)
 _FLOW_COLUMNS = ("trial_pk", *flow_record.FIELD_NAMES)
 
 
@@ -176,17 +186,34 @@ class TrialStore(StoreBase):
                     for r in conn.execute(
                         select(
                             TrialPeriodRow.period_index,
+                            TrialPeriodRow.actual_start_offset_s,
                             *(getattr(TrialPeriodRow, k) for k in _PERIOD_FIELDS),
                         ).where(TrialPeriodRow.trial_pk == pk)
                     )
                 }
                 for p in periods:
                     old = have.get(p["period_index"])
-                    if old is not None and any(
-                        _differs(a, p[k]) for a, k in zip(old, _PERIOD_FIELDS, strict=True)
-                    ):
+                    if old is None:
+                        continue
+                    actual, fields = old[0], old[1:]
+                    if any(_differs(a, p[k]) for a, k in zip(fields, _PERIOD_FIELDS, strict=True)):
                         raise Conflict(
                             f"trial {tid}: period {p['period_index']} was stored differently"
+                        )
+                    # When it really started arrives later, as finished_at does.
+                    new_actual = p.get("actual_start_offset_s")
+                    if actual is None and new_actual is not None:
+                        conn.execute(
+                            update(TrialPeriodRow)
+                            .where(
+                                TrialPeriodRow.trial_pk == pk,
+                                TrialPeriodRow.period_index == p["period_index"],
+                            )
+                            .values(actual_start_offset_s=new_actual)
+                        )
+                    elif new_actual is not None and _differs(actual, new_actual):
+                        raise Conflict(
+                            f"trial {tid}: period {p['period_index']} started at another time"
                         )
 
         self.run(work)
@@ -233,7 +260,9 @@ class TrialStore(StoreBase):
                     f"SELECT {cols} FROM flows WITH NO DATA"
                 )
             )
-            incoming = table("incoming_flows", *(column(c) for c in _FLOW_COLUMNS))
+            # Typed as the flows columns are (extra is jsonb).
+            types = FlowRow.__table__.c
+            incoming = table("incoming_flows", *(column(c, types[c].type) for c in _FLOW_COLUMNS))
             conn.execute(insert(incoming), [{"trial_pk": pk, **r} for r in rows])
             conn.execute(
                 text(
@@ -307,6 +336,7 @@ def _trial_rows(trial: Mapping[str, Any]) -> tuple[dict[str, Any], list[dict[str
         "versions": trial.get("versions") or {},
         "started_at": started,
         "finished_at": _aware("finished_at", trial.get("finished_at")),
+        "environment": trial.get("environment") or {},
     }
     periods = [
         {
@@ -316,6 +346,12 @@ def _trial_rows(trial: Mapping[str, Any]) -> tuple[dict[str, Any], list[dict[str
             "congestion_control": p.get("congestion_control"),
             "start_offset_s": float(p["start_s"]),
             "duration_s": float(p["duration_s"]),
+            "arm": p.get("arm"),
+            "handshake": p.get("handshake"),
+            "handicap_ms": None if p.get("handicap_ms") is None else float(p["handicap_ms"]),
+            "actual_start_offset_s": None
+            if p.get("actual_start_s") is None
+            else float(p["actual_start_s"]),
         }
         for p in trial.get("periods") or ()
     ]

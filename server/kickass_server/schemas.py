@@ -274,6 +274,12 @@ class TrialPeriod(Strict):
     congestion_control: CongestionControl | None = None
     # Written by older runners beside the schedule: the destination's name.
     destination: Text(255) | None = None  # type: ignore[valid-type]
+    # 0010: what the period ran, and when it really started (seconds from the
+    # trial's start; known once the period began, re-sent with the trial's end).
+    arm: Annotated[str, StringConstraints(pattern=flow_record.ARM_RE.pattern)] | None = None
+    handshake: Literal["padded", "paper"] | None = None
+    handicap_ms: Annotated[float, Field(ge=0, le=1e6, allow_inf_nan=False)] | None = None
+    actual_start_s: Annotated[float, Field(ge=0, le=1e8, allow_inf_nan=False)] | None = None
 
 
 class TrialBody(Strict):
@@ -294,6 +300,8 @@ class TrialBody(Strict):
     periods: Annotated[list[TrialPeriod], Field(max_length=MAX_PERIODS)] = Field(
         default_factory=list
     )
+    # 0010: both ends' environment record (kickass_wan.environment), free-form.
+    environment: JsonObject(64 * 1024) = Field(default_factory=dict)  # type: ignore[valid-type]
 
 
 class FlowsBody(Strict):
@@ -303,11 +311,19 @@ class FlowsBody(Strict):
     flows: Annotated[list[Any], Field(max_length=MAX_FLOWS_PER_CALL)]
 
 
+def _real(value: float) -> float:
+    if not flow_record.real_ok(value):
+        raise ValueError(f"too small for its column (0, or at least {flow_record.REAL_MIN})")
+    return value
+
+
 def _flow_annotation(f: flow_record.Field) -> Any:
     if f.kind == "int":
         base: Any = Annotated[int, Field(ge=f.minimum, le=f.maximum)]
     elif f.kind == "float":
         base = Annotated[float, Field(ge=f.minimum, le=f.maximum, allow_inf_nan=False)]
+        if f.real:
+            base = Annotated[base, AfterValidator(_real)]
     elif f.kind == "bool":
         base = bool
     elif f.kind == "time":

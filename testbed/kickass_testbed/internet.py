@@ -81,9 +81,7 @@ WAN_MIDDLEBOXES = {
     "wan": None,
     "wanfragdrop": 'oifname "{iface}" ip frag-off & 0x3fff != 0 drop',
     "wanhalffrag": 'oifname "{iface}" ip frag-off & 0x3fff != 0 numgen random mod 2 == 0 drop',
-    "wanleadsmall": (
-        'oifname "{iface}" ip frag-off & 0x3fff == 0x2000 ip length < {small} drop'
-    ),
+    "wanleadsmall": ('oifname "{iface}" ip frag-off & 0x3fff == 0x2000 ip length < {small} drop'),
 }
 EXTRA_KINDS = ("smallfrag", "duplicating", "smallmtu", "swapped", *WAN_MIDDLEBOXES)
 DEFAULT_LOSS_PERCENT = 5

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import kickass_db as db
+from kickass_analysis.rollups import RollupStore
 from kickass_core.errors import KickassError
 from sqlalchemy import create_engine, text
 
@@ -45,6 +46,13 @@ class TrialSpec:
     protocols: str = "kickass,tcp"
     cc: str = "cubic"
     handshake: str = "padded"
+    # What the periods of a pair run (kickass_wan.schedule.parse_arms), e.g.
+    # "kickass,tcp:cubic,tcp:bbr" or an A/A "tcp:cubic,tcp:cubic"; None: protocols.
+    arms: str | None = None
+    gap_s: float = 5.0
+    flow_timeout_s: float = 60.0
+    max_concurrent: int = 256
+    literal_range: bool = False
     extra_args: list[str] = field(default_factory=list)
 
 
@@ -55,6 +63,9 @@ class TrialOutcome:
     flows: list[dict[str, Any]]
     telemetry: list[dict[str, Any]]
     router_run_name: str
+    # v_trial_speedups of these trials (the rollup refreshed after the run).
+    speedups: list[dict[str, Any]] = field(default_factory=list)
+    periods: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _bin(name: str) -> str:
@@ -142,6 +153,10 @@ def run_trial(
                     "--max-packets", str(spec.max_packets), "--seed", str(spec.seed),
                     "--sender-index", str(n),
                     "--protocols", spec.protocols, "--cc", spec.cc, "--handshake", spec.handshake,
+                    *(("--arms", spec.arms) if spec.arms else ()),
+                    "--gap", str(spec.gap_s), "--flow-timeout", str(spec.flow_timeout_s),
+                    "--max-concurrent", str(spec.max_concurrent),
+                    *(("--literal-range",) if spec.literal_range else ()),
                     "--access-capacity", str(rate_bps(testbed_config.capacity)),
                     "--router-run-name", tb.prefix,
                     "--ka-send", str(rust_binary("ka-send")),
@@ -161,7 +176,10 @@ def run_trial(
                 )
             if during is not None:
                 during(tb)
-            limit = timeout_s or spec.pairs * 2 * spec.period_s * testbed_config.receivers + 120
+            arms = len(spec.arms.split(",")) if spec.arms else len(spec.protocols.split(","))
+            limit = timeout_s or (
+                spec.pairs * arms * (spec.period_s + spec.gap_s) * testbed_config.receivers + 120
+            )
             results = []
             for p in procs:
                 try:
@@ -188,9 +206,15 @@ def run_trial(
                     )
             telemetry = tb.telemetry()
             prefix = tb.prefix
-        summary, flows = _stored(database_url, [t for r in results for t in r["trials"].values()])
+        trial_ids = [t for r in results for t in r["trials"].values()]
+        summary, flows = _stored(database_url, trial_ids)
         merged = {"runs": results, "failed_flows": sum(r["failed_flows"] for r in results)}
-        return TrialOutcome(merged, summary, flows, telemetry, prefix)
+        with RollupStore(database_url) as rollups:
+            rollups.refresh_speedups()
+            speedups = rollups.speedups(trial_ids)
+        return TrialOutcome(
+            merged, summary, flows, telemetry, prefix, speedups, _periods(database_url, trial_ids)
+        )
     finally:
         if own_work and not keep_logs:
             shutil.rmtree(work, ignore_errors=True)
@@ -258,7 +282,9 @@ def _stored(
             flows = [
                 dict(r)
                 for r in conn.execute(
-                    text("SELECT * FROM flow_results WHERE trial_id = ANY(:t) ORDER BY started_at"),
+                    text(
+                        "SELECT * FROM v_flow_results WHERE trial_id = ANY(:t) ORDER BY started_at"
+                    ),
                     {"t": trial_ids},
                 ).mappings()
             ]
@@ -266,7 +292,7 @@ def _stored(
                 dict(r)
                 for r in conn.execute(
                     text(
-                        "SELECT * FROM flow_summary WHERE destination IN "
+                        "SELECT * FROM v_flow_summary WHERE destination IN "
                         "(SELECT destination FROM trials WHERE trial_id = ANY(:t)) "
                         "ORDER BY destination, size_bucket, protocol"
                     ),
@@ -276,6 +302,52 @@ def _stored(
         return summary, flows
     finally:
         engine.dispose()
+
+
+def _periods(database_url: str, trial_ids: list[str]) -> list[dict[str, Any]]:
+    engine = create_engine(db.sqlalchemy_url(database_url))
+    try:
+        with engine.connect() as conn:
+            return [
+                dict(r)
+                for r in conn.execute(
+                    text(
+                        "SELECT * FROM v_trial_periods WHERE trial_id = ANY(:t) "
+                        "ORDER BY trial_id, period_index"
+                    ),
+                    {"t": trial_ids},
+                ).mappings()
+            ]
+    finally:
+        engine.dispose()
+
+
+def render_speedups(speedups: list[dict[str, Any]]) -> str:
+    """The paired speedup per size bucket with its 95% interval and both arms'
+    completion rates (one trial's rows of v_trial_speedups)."""
+    order = {"1-10": 0, "11-100": 1, "101-1000": 2, "1001+": 3, "all": 4}
+    lines = [
+        f"{'flow size (packets)':<20} {'arm vs baseline':<24} {'matched':>8} {'speedup':>8} "
+        f"{'95% interval':>15} {'completed':>17}"
+    ]
+    for r in sorted(
+        speedups, key=lambda r: (r["arm"], r["baseline_arm"], order.get(r["size_bucket"], 9))
+    ):
+        if r["speedup"] is None:
+            est, ci = "-", ""
+        else:
+            est = f"{r['speedup']:.2f}x"
+            ci = f"[{r['speedup_low']:.2f}, {r['speedup_high']:.2f}]"
+        done = (
+            f"{(r['completion_arm'] or 0):.0%} / {(r['completion_baseline'] or 0):.0%}"
+            if r["pairs"]
+            else ""
+        )
+        lines.append(
+            f"{r['size_bucket']:<20} {r['arm'] + ' vs ' + r['baseline_arm']:<24} "
+            f"{r['matched']:>4}/{r['pairs']:<3} {est:>8} {ci:>15} {done:>17}"
+        )
+    return "\n".join(lines)
 
 
 def render_summary(summary: list[dict[str, Any]], flows: list[dict[str, Any]]) -> str:

@@ -34,8 +34,12 @@ ATLAS_TABLES = {
     "atlas_outcomes", "atlas_verdicts",
 }  # fmt: skip
 SIGNING_TABLES = {"request_nonces"}  # 0008
-TABLES = STUDY_TABLES | ROUTER_TABLES | TRIAL_TABLES | ATLAS_TABLES | SIGNING_TABLES
-TRIAL_VIEWS = {"flow_results", "flow_summary", "v_flow_results", "v_flow_summary"}
+PAIRED_TABLES = {"trial_speedups"}  # 0010
+TABLES = STUDY_TABLES | ROUTER_TABLES | TRIAL_TABLES | ATLAS_TABLES | SIGNING_TABLES | PAIRED_TABLES
+# 0010 kept one name per view: the non-v_ aliases of 0005 exist only before it.
+OLD_TRIAL_ALIASES = {"flow_results", "flow_summary"}
+PAIRED_VIEWS = {"v_trial_periods", "v_trial_speedups"}  # 0010
+TRIAL_VIEWS = {"v_flow_results", "v_flow_summary"} | PAIRED_VIEWS
 ATLAS_VIEWS = {
     "v_atlas_whole_drop", "v_atlas_split_drop", "v_size_drop_by_source",
     "v_split_drop_by_source", "v_verdicts_by_source", "v_atlas_measurements",
@@ -90,25 +94,31 @@ VIEW_COLUMNS = {
         # 0004: the new names, added at the end (views add, never drop)
         "router_kind", "marking_mode",
     ],
-    "flow_results": [
-        "trial_id", "destination", "protocol", "congestion_control", "access_capacity_bps",
-        "size_packets", "fct_ms", "ka_mode_fraction", "mode_switches", "retransmissions",
-        "started_at", "flow_id", "period_index", "handshake", "size_bytes", "completed",
-        "srtt_ms", "min_rtt_ms", "advertised_rate_last_bps", "error", "size_bucket",
-    ],
-    "flow_summary": [
-        "destination", "access_capacity_bps", "protocol", "size_bucket", "flows", "completed",
-        "fct_ms_mean", "fct_ms_p50", "fct_ms_p95", "ka_mode_fraction_mean", "speedup",
-    ],
     "v_flow_results": [
         "trial_id", "destination", "protocol", "congestion_control", "access_capacity_bps",
         "size_packets", "fct_ms", "ka_mode_fraction", "mode_switches", "retransmissions",
         "started_at", "flow_id", "period_index", "handshake", "size_bytes", "completed",
         "srtt_ms", "min_rtt_ms", "advertised_rate_last_bps", "error", "size_bucket",
+        # 0010: the paired design
+        "pair", "arm", "queued_ms", "negotiated_protocol", "ka_mode_ms",
+        "advertised_rate_min_bps", "advertised_rate_max_bps", "advertised_rates_seen",
+        "handicap_ms", "period_actual_start_s", "router_run_name", "flow_index",
     ],
     "v_flow_summary": [
         "destination", "access_capacity_bps", "protocol", "size_bucket", "flows", "completed",
         "fct_ms_mean", "fct_ms_p50", "fct_ms_p95", "ka_mode_fraction_mean", "speedup",
+        "arm", "completion_rate",  # 0010
+    ],
+    "v_trial_periods": [
+        "trial_id", "destination", "router_run_name", "trial_started_at", "period_index",
+        "pair", "protocol", "arm", "congestion_control", "handshake", "handicap_ms",
+        "start_offset_s", "duration_s", "actual_start_offset_s", "start_deviation_s",
+        "period_started_at",
+    ],
+    "v_trial_speedups": [
+        "scope", "key", "destination", "access_capacity_bps", "arm", "baseline_arm",
+        "size_bucket", "pairs", "matched", "speedup", "speedup_low", "speedup_high",
+        "completion_arm", "completion_baseline", "workload", "computed_at",
     ],
     # 0006: RIPE Atlas beside the volunteers (db/README.md, "RIPE Atlas")
     "v_atlas_whole_drop": [
@@ -138,6 +148,7 @@ VIEW_COLUMNS = {
         "probes_requested", "status_id", "status_name", "estimated_credits",
         "credits_per_result", "results_fetched", "credits_spent", "fetched_until",
         "last_fetch_at", "last_error", "created_at", "start_time", "stop_time",
+        "results_late", "rechecked_until", "results_invalid",  # 0009
     ],
 }  # fmt: skip
 
@@ -166,12 +177,15 @@ def test_upgrade_downgrade_upgrade(empty_database_url: str) -> None:
     url = empty_database_url
     assert kickass("db", "upgrade", "--database-url", url) == 0
     assert schema(url) == (TABLES, set(VIEW_COLUMNS))
+    before_0010 = set(VIEW_COLUMNS) - PAIRED_VIEWS | OLD_TRIAL_ALIASES
+    assert kickass("db", "downgrade", "0009", "--database-url", url) == 0
+    assert schema(url) == (TABLES - PAIRED_TABLES, before_0010)
     assert kickass("db", "downgrade", "0007", "--database-url", url) == 0
-    assert schema(url) == (TABLES - SIGNING_TABLES, set(VIEW_COLUMNS))
+    assert schema(url) == (TABLES - SIGNING_TABLES - PAIRED_TABLES, before_0010)
     assert kickass("db", "downgrade", "0005", "--database-url", url) == 0
     assert schema(url) == (
-        TABLES - ATLAS_TABLES - SIGNING_TABLES,
-        set(VIEW_COLUMNS) - ATLAS_VIEWS,
+        TABLES - ATLAS_TABLES - SIGNING_TABLES - PAIRED_TABLES,
+        before_0010 - ATLAS_VIEWS,
     )
     assert kickass("db", "downgrade", "0004", "--database-url", url) == 0
     assert schema(url) == (

@@ -1,4 +1,4 @@
-"""Trial results in PostgreSQL: idempotent uploads and the flow_results / flow_summary views."""
+"""Trial results in PostgreSQL: idempotent uploads and the v_flow_results / v_flow_summary views."""
 
 from __future__ import annotations
 
@@ -35,10 +35,10 @@ def test_uploads_are_idempotent_and_the_summary_is_right(
     trials.put_flows(runner, tid, flows[:4])  # a re-sent batch stores nothing twice
     engine = create_engine(db.sqlalchemy_url(database_url))
     with engine.connect() as conn:
-        assert conn.execute(text("SELECT count(*) FROM flow_results")).scalar() == 7
+        assert conn.execute(text("SELECT count(*) FROM v_flow_results")).scalar() == 7
         rows = {
             (r.protocol, r.size_bucket): r
-            for r in conn.execute(text("SELECT * FROM flow_summary")).mappings()
+            for r in conn.execute(text("SELECT * FROM v_flow_summary")).mappings()
         }
     engine.dispose()
     ka, tcp = rows[("kickass", "11-100")], rows[("tcp", "11-100")]

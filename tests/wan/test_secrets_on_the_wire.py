@@ -69,8 +69,9 @@ def test_a_trial_round_sends_no_secret_and_a_replay_is_refused(
     http = free_port(socket.SOCK_STREAM)
     pcap = tmp_path / "wire.pcap"
     planted = "PLANTED-" + os.urandom(12).hex()
-    with agent(tmp_path / "agent") as (agent_port, _), server(
-        database_url, free_port(socket.SOCK_DGRAM), http
+    with (
+        agent(tmp_path / "agent") as (agent_port, _),
+        server(database_url, free_port(socket.SOCK_DGRAM), http),
     ):
         dump = subprocess.Popen(
             ["tcpdump", "-i", "lo", "-U", "-s", "0", "-w", str(pcap),
@@ -109,7 +110,7 @@ def test_a_trial_round_sends_no_secret_and_a_replay_is_refused(
         # The requests of the round, and only those (one period of TCP flows
         # under 100: one token request, one batch of flows; the trial twice,
         # at its start and with its end time).
-        flows = len(result["summary"]["far-1"]["tcp"]) + result["failed_flows"]
+        flows = len(result["summary"]["far-1"]["tcp:cubic"]) + result["failed_flows"]
         assert 0 < flows < 100, result
         to_agent = _request_lines(_streams(pcap, agent_port))
         to_server = _request_lines(_streams(pcap, http))

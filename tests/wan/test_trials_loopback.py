@@ -2,7 +2,7 @@
 
 Kick-Ass periods need the emulated edge router and live in the namespace
 tests; here the TCP baseline exercises the runner, the spool and the uploads:
-every flow lands in flow_results exactly once, also when the server was away
+every flow lands in v_flow_results exactly once, also when the server was away
 during the trial and the results were re-sent later.
 """
 
@@ -46,9 +46,9 @@ def _stored(database_url: str) -> tuple[int, int]:
     engine = create_engine(db.sqlalchemy_url(database_url))
     try:
         with engine.connect() as conn:
-            n = conn.execute(text("SELECT count(*) FROM flow_results")).scalar()
+            n = conn.execute(text("SELECT count(*) FROM v_flow_results")).scalar()
             distinct = conn.execute(
-                text("SELECT count(DISTINCT flow_id) FROM flow_results")
+                text("SELECT count(DISTINCT flow_id) FROM v_flow_results")
             ).scalar()
             return n, distinct
     finally:
@@ -68,13 +68,13 @@ def test_trial_results_reach_the_database_once_even_through_an_outage(
     with agent(tmp_path / "agent") as (agent_port, _):
         with server(database_url, _free_port(socket.SOCK_DGRAM), http):
             first = _trial(agent_port, url, token_file, spool)
-        flows_first = len(first["summary"]["far-1"]["tcp"])
+        flows_first = len(first["summary"]["far-1"]["tcp:cubic"])
         assert flows_first > 5 and first["failed_flows"] == 0
         assert first["spooled"] == 0
         assert _stored(database_url) == (flows_first, flows_first)
         # The server is down for the whole second trial: everything waits in the spool.
         second = _trial(agent_port, url, token_file, spool)
-    flows_second = len(second["summary"]["far-1"]["tcp"])
+    flows_second = len(second["summary"]["far-1"]["tcp:cubic"])
     assert second["spooled"] == flows_second + 1  # its flows and its trial
     with server(database_url, _free_port(socket.SOCK_DGRAM), http):
         for _ in range(2):  # a second upload finds nothing left and doubles nothing

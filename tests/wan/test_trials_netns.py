@@ -44,8 +44,8 @@ from kickass_testbed.wan import TestbedConfig as Config
 from kickass_testbed.wan import receiver_address, sender_address
 from kickass_testbed.wan import testbed as wan_testbed  # not test*: pytest would collect it
 from kickass_wan.runner import AgentClient, AgentRef
-from kickass_wan.schedule import interleaved
-from kickass_wan.workload import Workload, period_flows
+from kickass_wan.schedule import Arm, interleaved
+from kickass_wan.workload import Workload, pair_flows
 from sqlalchemy import create_engine, text
 
 if TYPE_CHECKING:  # imported by name, pytest would try to collect it
@@ -129,7 +129,7 @@ def _protocol(out: TrialOutcome, protocol: str) -> list[dict]:
 
 
 def _details(database_url: str, flow_ids: Sequence[str]) -> dict[str, dict]:
-    """Columns flow_results does not show (ka_mode_ms, extra: the first mode switches)."""
+    """Columns v_flow_results does not show (ka_mode_ms, extra: the first mode switches)."""
     engine = create_engine(db.sqlalchemy_url(database_url))
     try:
         with engine.connect() as conn:
@@ -926,7 +926,7 @@ def test_agent_restart_and_server_outage_lose_and_duplicate_no_flow_record(
 
 def _scheduled_flows(database_url: str, trial_id: str) -> dict[str, int]:
     """Flows per protocol the trial's stored parameters schedule, in period
-    order (the runner's own `period_flows`)."""
+    order (the runner's own `pair_flows`: both periods of a pair alike)."""
     engine = create_engine(db.sqlalchemy_url(database_url))
     try:
         with engine.connect() as conn:
@@ -936,14 +936,14 @@ def _scheduled_flows(database_url: str, trial_id: str) -> dict[str, int]:
     finally:
         engine.dispose()
     workload = Workload(**params["workload"])
+    arms = tuple(Arm(**a) for a in params["arms"])
     schedule = interleaved(
         ["far-1"],
         pairs=params["pairs"],
         period_s=params["period_s"],
+        gap_s=params["gap_s"],
         seed=workload.seed,
-        protocols=tuple(params["protocols"]),
+        arms=arms,
     )
     sender = params.get("sender_index", 0)
-    return {
-        p.protocol: len(period_flows(workload, p.index, p.duration_s, sender)) for p in schedule
-    }
+    return {p.protocol: len(pair_flows(workload, p.pair, p.duration_s, sender)) for p in schedule}

@@ -11,6 +11,7 @@ and a small control API on ``--listen`` (HTTP, JSON):
 
     GET  /v1/health    {"status", "receivers": {...}, "uptime_s"}
     GET  /v1/version   {"agent": version, "name"}
+    GET  /v1/environment  this host's kernel, TCP settings, routes (signed)
     POST /v1/tokens    {"kind": "tcp"|"kickass", "count": N}  ->  {"tokens": [hex], ...}
                        signed with the agent secret's key (kickass_core.signing:
                        the secret never travels, a replayed request is refused)
@@ -40,13 +41,15 @@ from kickass_core import config, signing, strictjson
 from kickass_core.errors import KickassError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from . import __version__
+from . import __version__, environment
 from . import token as tk
 from .tcpflow import TcpReceiver
 
 log = logging.getLogger("kickass.agent")
 
 MAX_TOKENS_PER_CALL = 200
+# Flows of each kind in progress at once (the trial runner's default cap too).
+DEFAULT_MAX_FLOWS = 256
 MAX_BODY = 4096
 
 
@@ -61,6 +64,7 @@ class Agent:
         kickass_port: int | None,
         kickass_receiver: str | None,
         token_lifetime_s: float = 600.0,
+        max_flows: int = DEFAULT_MAX_FLOWS,
     ) -> None:
         if len(secret) < 16:
             raise KickassError("the agent secret is too short", hint="use at least 16 bytes")
@@ -74,7 +78,10 @@ class Agent:
         self.used_tokens = state_dir / "used-tokens"
         self.guard = tk.ReplayGuard(secret, state_file=self.used_tokens)
         self.nonces = signing.NonceCache()
-        self.tcp = TcpReceiver(self.guard, bind=(listen[0], tcp_port))
+        # The same cap for both kinds of flow: a comparison that admits more
+        # Kick-Ass than TCP flows at once would not treat them alike.
+        self.max_flows = max_flows
+        self.tcp = TcpReceiver(self.guard, bind=(listen[0], tcp_port), max_flows=max_flows)
         self.kickass_port = kickass_port
         self.kickass_receiver = kickass_receiver
         self.kickass_restarts = 0
@@ -125,6 +132,8 @@ class Agent:
                 str(self.kickass_port),
                 "--state-file",
                 str(self.used_tokens),
+                "--max-flows",
+                str(self.max_flows),
             ]
             self._proc = subprocess.Popen(cmd, env=env)
             started = time.monotonic()
@@ -148,6 +157,15 @@ class Agent:
             "name": self.name,
             "uptime_s": round(time.monotonic() - self.started, 1),
             "receivers": {"tcp": {"port": self.tcp.address[1], **self.tcp.counts}, "kickass": ka},
+        }
+
+    def environment(self) -> dict[str, Any]:
+        """This host's environment record (kickass_wan.environment), with the
+        agent's own settings; ``recorded_at`` lets the runner measure the
+        clock offset."""
+        return {
+            **environment.local(),
+            "agent": {"version": __version__, "name": self.name, "max_flows": self.max_flows},
         }
 
     def issue(self, kind: str, count: int) -> dict[str, Any]:
@@ -210,6 +228,13 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(200, self.agent.health())
         elif self.path == "/v1/version":
             self._reply(200, {"agent": __version__, "name": self.agent.name})
+        elif self.path == "/v1/environment":
+            # Signed: a host's kernel and settings are a runner's business.
+            refused = self.agent.authorize(self.headers, "GET", self.path, b"")
+            if refused is not None:
+                self._reply(401, {"error": "unauthorized", "message": refused})
+                return
+            self._reply(200, self.agent.environment())
         else:
             self._reply(404, {"error": "not-found"})
 
@@ -278,6 +303,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--state-dir", help="where used tokens are kept (default /var/lib/kickass-agent)"
     )
+    p.add_argument(
+        "--max-flows",
+        type=int,
+        help="flows of each kind (TCP, Kick-Ass) in progress at once "
+        f"(default {DEFAULT_MAX_FLOWS})",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--version", action="version", version=f"kickass-agent {__version__}")
     return p
@@ -318,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
             state_dir=Path(get("state_dir", "/var/lib/kickass-agent")),
             listen=(host or "0.0.0.0", int(port)),
             tcp_port=int(get("tcp_port", 8701, int)),
+            max_flows=int(get("max_flows", DEFAULT_MAX_FLOWS, int)),
             kickass_port=int(get("kickass_port", 8702, int)),
             kickass_receiver=receiver,
         )

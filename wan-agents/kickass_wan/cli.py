@@ -22,9 +22,9 @@ from kickass_core import config
 from kickass_core.errors import KickassError
 
 from .schedule import Period, interleaved
-from .service import SECTION, RoundSettings, run_round, uploader
+from .service import SECTION, RoundSettings, ScheduleSettings, run_round, uploader
 from .spool import Spool
-from .workload import period_flows
+from .workload import pair_flows
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -78,6 +78,23 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     run.add_argument("--runner-token-file")
     run.add_argument("--spool-dir", help="results outbox (default .kickass/spool)")
     run.add_argument(
+        "--flow-timeout",
+        type=float,
+        help="both protocols: a flow fails this long after it was due (default 60)",
+    )
+    run.add_argument(
+        "--max-concurrent",
+        type=int,
+        help="both protocols: flows in progress at once; later ones wait, their wait "
+        "counted in their completion time (default 256)",
+    )
+    run.add_argument(
+        "--tcp-metrics",
+        choices=["disable", "leave"],
+        help="the TCP metrics cache (ssthresh kept per destination): disable it for the "
+        "trial (default; needs root) or leave it",
+    )
+    run.add_argument(
         "--agent-retry",
         type=float,
         metavar="S",
@@ -113,6 +130,23 @@ def _schedule_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pairs", type=int, help="period pairs (default 3)")
     p.add_argument("--period", type=float, help="seconds per period (default 120)")
     p.add_argument("--protocols", help="periods to run (default kickass,tcp)")
+    p.add_argument(
+        "--arms",
+        help="what the periods of a pair run, comma-separated: kickass[:padded|paper], "
+        "tcp[:cubic|reno|bbr], each optionally +<ms>ms (a handicap); e.g. "
+        "kickass,tcp:cubic,tcp:reno,tcp:bbr; an A/A calibration: tcp:cubic,tcp:cubic "
+        "(default: kickass and TCP with --cc)",
+    )
+    p.add_argument(
+        "--gap", type=float, help="seconds between periods for flows to end (default 10)"
+    )
+    p.add_argument(
+        "--literal-range",
+        action="store_true",
+        default=None,
+        help="the paper's 1..2000 packets taken literally (Pareto scale 1; mean ~3) "
+        "instead of the mean of 100 (no flow under 46 packets)",
+    )
     p.add_argument("--mean-gap", type=float, help="mean gap between flows, s (default 0.5)")
     p.add_argument("--mean-packets", type=float, help="mean flow size (default 100)")
     p.add_argument("--max-packets", type=int, help="largest flow (default 2000)")
@@ -136,6 +170,8 @@ def _schedule_mapping(args: argparse.Namespace) -> dict[str, Any]:
             "pairs": args.pairs,
             "period_s": args.period,
             "sender_index": args.sender_index,
+            "gap_s": args.gap,
+            "arms": None if args.arms is None else [a for a in args.arms.split(",") if a.strip()],
             "protocols": None
             if args.protocols is None
             else [p.strip() for p in args.protocols.split(",") if p.strip()],
@@ -148,6 +184,7 @@ def _schedule_mapping(args: argparse.Namespace) -> dict[str, Any]:
             "max_packets": args.max_packets,
             "shape": args.shape,
             "seed": args.seed,
+            "literal_range": args.literal_range,
         }
     )
     if workload:
@@ -183,6 +220,9 @@ def settings_from_args(args: argparse.Namespace) -> RoundSettings:
                 "runner_token_file": args.runner_token_file,
                 "spool_dir": args.spool_dir,
                 "agent_retry_s": args.agent_retry,
+                "flow_timeout_s": args.flow_timeout,
+                "max_concurrent": args.max_concurrent,
+                "tcp_metrics": args.tcp_metrics,
             }
         )
     )
@@ -192,12 +232,7 @@ def settings_from_args(args: argparse.Namespace) -> RoundSettings:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    settings = RoundSettings.from_mapping(
-        {
-            **_schedule_mapping(args),
-            "agents": [{"name": d, "url": "http://0"} for d in args.destination],
-        }
-    )
+    settings = ScheduleSettings.from_mapping(_schedule_mapping(args))
     w = settings.workload_obj()
     sender_index = settings.sender_index
     try:
@@ -205,16 +240,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
             args.destination,
             pairs=settings.pairs,
             period_s=settings.period_s,
+            gap_s=settings.gap_s,
             seed=w.seed,
-            protocols=tuple(settings.protocols),
+            arms=settings.arm_objs(getattr(args, "cc", None) or "cubic", "padded"),
         )
     except ValueError as exc:
         raise KickassError(
             f"bad trial plan: {exc}", hint="see: kickass trials plan --help"
         ) from None
+    dest_index = {d: i for i, d in enumerate(args.destination)}
     periods: list[dict[str, Any]] = []
     for p in sched:
-        fl = period_flows(w, p.index, p.duration_s, sender_index)
+        fl = pair_flows(w, p.pair, p.duration_s, sender_index, dest_index[p.destination])
         periods.append(
             {**p.to_json(), "flows": len(fl), "packets": sum(f.size_packets for f in fl)}
         )
@@ -222,14 +259,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         json.dump({"version": 1, "workload": w.to_json(), "periods": periods}, sys.stdout)
         print()
         return 0
-    print(f"{'#':>3} {'pair':>4} {'destination':<16} {'protocol':<8} {'start':>8} {'flows':>6} "
+    print(f"{'#':>3} {'pair':>4} {'destination':<16} {'arm':<14} {'start':>8} {'flows':>6} "
           f"{'packets':>8}")  # fmt: skip
     for row in periods:
         print(
-            f"{row['index']:>3} {row['pair']:>4} {row['destination']:<16} {row['protocol']:<8} "
+            f"{row['index']:>3} {row['pair']:>4} {row['destination']:<16} {row['arm']:<14} "
             f"{row['start_s']:>7.0f}s {row['flows']:>6} {row['packets']:>8}"
         )
-    total = sum(p["duration_s"] for p in periods)
+    total = sum(p["duration_s"] for p in periods) + settings.gap_s * max(0, len(periods) - 1)
     print(f"{len(periods)} periods, {total / 60:.1f} min in all", file=sys.stderr)
     return 0
 

@@ -1,14 +1,27 @@
-"""`kickass trials run`: interleaved Kick-Ass and TCP periods towards remote agents.
+"""`kickass trials run`: interleaved periods of Kick-Ass and TCP towards remote agents.
 
-For each destination agent, the schedule (``schedule.interleaved``) alternates
-periods of Kick-Ass flows and TCP flows, in an order drawn per pair. In each
-period on-off senders start flows at the workload's exponential gaps with its
-Pareto sizes (``workload.flows``, seeded per period), open loop: a slow flow
-does not delay the next one. Kick-Ass flows run in one ``ka-send`` process per
-period; TCP flows are kernel TCP sockets (``tcpflow``). Every flow's record is
-spooled to disk as soon as it finishes and uploaded to the server with the
-runner's token; what the server cannot take now stays spooled for
-`kickass trials upload`.
+For each destination agent, the schedule (``schedule.interleaved``) holds
+pairs of periods, one per arm (Kick-Ass; TCP with CUBIC, Reno or BBR), in an
+order drawn per pair. Both periods of a pair replay the same flows
+(``workload.pair_flows``: sizes and start offsets), so every flow is matched
+with itself under the other arm. Each period starts at its scheduled time
+(the drift is measured and stored); on-off senders start flows at the
+workload's exponential gaps, open loop: a slow flow does not delay the next.
+
+Both protocols are treated alike: at most ``max_concurrent`` flows in
+progress at once (a flow due while that many run waits, and its wait is
+stored as ``queued_ms``); each flow's clock starts when it is due, so its
+completion time includes its wait; one timeout from the time it is due, cut
+short at the end of its period plus ``gap_s``; a flow that does not complete
+is stored as such (censored), never dropped. Kick-Ass flows run in one
+``ka-send`` process per period; TCP flows are kernel TCP sockets
+(``tcpflow``). The TCP metrics cache is disabled for the trial where the
+runner may (``environment.MetricsCache``), and the environment of both ends
+is stored with the trial.
+
+Every flow's record is spooled to disk as soon as it finishes and uploaded to
+the server (signed requests); what the server cannot take now stays spooled
+for `kickass trials upload`.
 """
 
 from __future__ import annotations
@@ -24,7 +37,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -33,19 +46,19 @@ from typing import Any
 from kickass_core import flow_record, signing
 from kickass_core.errors import KickassError
 
-from . import __version__
-from .schedule import KICKASS, Period, interleaved
+from . import __version__, environment
+from .schedule import KICKASS, Arm, Period, default_arms, interleaved
 from .spool import Spool
 from .tcpflow import send_flow
 from .uploader import Uploader
-from .workload import Flow, Workload, period_flows
+from .workload import Flow, Workload, pair_flows
 
 log = logging.getLogger("kickass.trials")
 
-# A flow that has not finished this long after its period ended is given up.
-FLOW_GRACE_S = 60.0
 # First wait before asking an unreachable agent for tokens again (doubling).
 TOKEN_RETRY_FIRST_S = 0.5
+# A period that starts later than this after its scheduled time is reported.
+LATE_START_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -98,6 +111,18 @@ class AgentClient:
     def health(self) -> dict[str, Any]:
         return self._call("/v1/health")
 
+    def environment(self) -> dict[str, Any]:
+        """The agent's own environment record, and the clock offset between
+        us (its clock minus ours, with the round trip's half as the bound)."""
+        before = time.time()
+        env = self._call("/v1/environment")
+        after = time.time()
+        agent_time = env.get("recorded_at")
+        if isinstance(agent_time, int | float):
+            env["clock_offset_s"] = round(agent_time - (before + after) / 2, 6)
+            env["clock_offset_bound_s"] = round((after - before) / 2, 6)
+        return env
+
     def tokens(self, kind: str, count: int) -> tuple[list[bytes], int]:
         out: list[bytes] = []
         port = 0
@@ -123,6 +148,8 @@ class TrialConfig:
     agents: list[AgentRef]
     pairs: int = 3
     period_s: float = 120.0
+    # Between periods: the time the flows of one have to end before the next.
+    gap_s: float = 10.0
     workload: Workload = field(default_factory=Workload)
     congestion_control: str = "cubic"
     handshake: str = "padded"
@@ -131,22 +158,41 @@ class TrialConfig:
     ka_send: str | None = None
     source: str | None = None
     protocols: tuple[str, ...] = ("kickass", "tcp")
+    # What the periods of a pair run (None: Kick-Ass and TCP, from protocols,
+    # congestion_control and handshake).
+    arms: tuple[Arm, ...] | None = None
     # Several runners sharing a seed keep the same period order (aligned
     # periods across senders) but draw their own flows.
     sender_index: int = 0
     # How long a period keeps asking an unreachable agent for flow tokens
     # before it is skipped (its flows recorded as not run).
     agent_retry_s: float = 30.0
+    # Both protocols: a flow fails this long after it was due, and at most
+    # this many are in progress at once.
+    flow_timeout_s: float = 60.0
+    max_concurrent: int = 256
+    # The TCP metrics cache: "disable" for the trial, or "leave" it.
+    tcp_metrics: str = "disable"
+
+    def the_arms(self) -> tuple[Arm, ...]:
+        if self.arms is not None:
+            return self.arms
+        return default_arms(self.protocols, self.congestion_control, self.handshake)
 
     def parameters(self) -> dict[str, Any]:
         return {
             "pairs": self.pairs,
             "period_s": self.period_s,
+            "gap_s": self.gap_s,
             "workload": self.workload.to_json(),
             "congestion_control": self.congestion_control,
             "handshake": self.handshake,
             "protocols": list(self.protocols),
+            "arms": [a.to_json() for a in self.the_arms()],
             "sender_index": self.sender_index,
+            "flow_timeout_s": self.flow_timeout_s,
+            "max_concurrent": self.max_concurrent,
+            "paired": True,
         }
 
 
@@ -161,16 +207,28 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
+@dataclass
+class _Slot:
+    """One period as it happened: when it started, relative to the trial."""
+
+    scheduled_s: float
+    actual_s: float | None = None
+
+
 class TrialRunner:
     def __init__(self, cfg: TrialConfig, spool: Spool, uploader: Uploader | None) -> None:
         self.cfg = cfg
         self.spool = spool
         self.uploader = uploader
         self.stop = threading.Event()
+        # destination -> arm -> FCTs of completed flows
         self.summary: dict[str, dict[str, list[float]]] = {}
         self.failed = 0
         self.skipped_periods: list[dict[str, Any]] = []
+        self.late_periods: list[dict[str, Any]] = []
         self._started = ""
+        self._slots: dict[int, _Slot] = {}
+        self._environment: dict[str, Any] = {}
 
     # -- the whole trial --------------------------------------------------
 
@@ -178,15 +236,22 @@ class TrialRunner:
         cfg = self.cfg
         clients = {a.name: AgentClient(a) for a in cfg.agents}
         versions: dict[str, Any] = {"kickass-wan": __version__}
+        agents_env: dict[str, Any] = {}
         for name, client in clients.items():
             versions[f"agent:{name}"] = client.health().get("name", name)
+            try:
+                agents_env[name] = client.environment()
+            except KickassError as exc:
+                agents_env[name] = {"unavailable": exc.message}
         try:
+            arms = cfg.the_arms()
             schedule = interleaved(
                 [a.name for a in cfg.agents],
                 pairs=cfg.pairs,
                 period_s=cfg.period_s,
+                gap_s=cfg.gap_s,
                 seed=cfg.workload.seed,
-                protocols=cfg.protocols,
+                arms=arms,
             )
         except ValueError as exc:
             raise KickassError(f"bad trial schedule: {exc}") from None
@@ -198,42 +263,70 @@ class TrialRunner:
                 hint="run `make install` or pass --ka-send",
             )
         trial_ids = {a.name: secrets.token_hex(16) for a in cfg.agents}
-        self._started = _now().isoformat()
-        # Each destination's trial stores its own periods, numbered from 0.
-        local: dict[int, int] = {}
-        for agent in cfg.agents:
-            mine = [p for p in schedule if p.destination == agent.name]
-            local.update({p.index: i for i, p in enumerate(mine)})
-        for agent in cfg.agents:
-            self.spool.put(
-                "trial",
-                trial_ids[agent.name],
-                self._trial_record(agent, trial_ids, schedule, versions),
-            )
-        self._upload()
-        for period in schedule:
-            if self.stop.is_set():
-                break
-            if progress:
-                progress(period)
-            self._run_period(
-                period,
-                local[period.index],
-                clients[period.destination],
-                trial_ids[period.destination],
-                ka_send,
-            )
+        dest_index = {a.name: i for i, a in enumerate(cfg.agents)}
+        with environment.MetricsCache(cfg.tcp_metrics) as metrics:
+            self._environment = {
+                "runner": environment.local([a.host for a in cfg.agents], ka_send),
+                "agents": agents_env,
+                "tcp_metrics_cache": metrics.record,
+            }
+            self._started = _now().isoformat()
+            # Each destination's trial stores its own periods, numbered from 0.
+            local: dict[int, int] = {}
+            for agent in cfg.agents:
+                mine = [p for p in schedule if p.destination == agent.name]
+                local.update({p.index: i for i, p in enumerate(mine)})
+            self._slots = {p.index: _Slot(p.start_s) for p in schedule}
+            for agent in cfg.agents:
+                self.spool.put(
+                    "trial",
+                    trial_ids[agent.name],
+                    self._trial_record(agent, trial_ids, schedule, versions),
+                )
             self._upload()
-        for agent in cfg.agents:
-            rec = self._trial_record(agent, trial_ids, schedule, versions)
-            rec["finished_at"] = _now().isoformat()
-            self.spool.put("trial", trial_ids[agent.name], rec)
-        report = self._upload()
+            t0 = time.monotonic()
+            for period in schedule:
+                if self.stop.is_set():
+                    break
+                # Keep the schedule: wait for the period's time (the last
+                # period's flows were cut at its end plus gap_s).
+                wait = t0 + period.start_s - time.monotonic()
+                if wait > 0 and self.stop.wait(wait):
+                    break
+                actual = time.monotonic() - t0
+                self._slots[period.index].actual_s = round(actual, 4)
+                if actual - period.start_s > LATE_START_S:
+                    self.late_periods.append(
+                        {"period": period.index, "late_s": round(actual - period.start_s, 3)}
+                    )
+                if progress:
+                    progress(period)
+                self._run_period(
+                    period,
+                    local[period.index],
+                    clients[period.destination],
+                    trial_ids[period.destination],
+                    ka_send,
+                    dest_index[period.destination],
+                    deadline=t0 + period.start_s + period.duration_s + cfg.gap_s,
+                )
+                self._upload()
+            for agent in cfg.agents:
+                rec = self._trial_record(agent, trial_ids, schedule, versions)
+                rec["finished_at"] = _now().isoformat()
+                self.spool.put("trial", trial_ids[agent.name], rec)
+            report = self._upload()
         return {
             "trials": trial_ids,
             "summary": self.summary,
             "failed_flows": self.failed,
             "skipped_periods": self.skipped_periods,
+            "late_periods": self.late_periods,
+            "period_starts": {
+                str(i): {"scheduled_s": s.scheduled_s, "actual_s": s.actual_s}
+                for i, s in sorted(self._slots.items())
+            },
+            "tcp_metrics_cache": self._environment.get("tcp_metrics_cache"),
             "spooled": self.spool.count(),
             "rejected": self.spool.rejected(),
             "upload_errors": report.errors[-5:] if report else [],
@@ -255,12 +348,23 @@ class TrialRunner:
             "router_run_name": cfg.router_run_name,
             "parameters": cfg.parameters(),
             "versions": versions,
+            "environment": {
+                **{k: v for k, v in self._environment.items() if k != "agents"},
+                "agent": self._environment.get("agents", {}).get(agent.name),
+            },
             "started_at": self._started,
             "periods": [
                 {
-                    **p.to_json(),
                     "index": i,
-                    "congestion_control": None if p.protocol == KICKASS else cfg.congestion_control,
+                    "pair": p.pair,
+                    "protocol": p.protocol,
+                    "arm": p.arm,
+                    "congestion_control": p.congestion_control,
+                    "handshake": p.handshake,
+                    "handicap_ms": p.handicap_ms,
+                    "start_s": p.start_s,
+                    "duration_s": p.duration_s,
+                    "actual_start_s": self._slots[p.index].actual_s,
                 }
                 for i, p in enumerate(mine)
             ],
@@ -283,14 +387,20 @@ class TrialRunner:
         client: AgentClient,
         trial_id: str,
         ka_send: str | None,
+        destination_index: int,
+        *,
+        deadline: float,
     ) -> None:
         cfg = self.cfg
-        fl = period_flows(cfg.workload, period.index, period.duration_s, cfg.sender_index)
+        fl = pair_flows(
+            cfg.workload, period.pair, period.duration_s, cfg.sender_index, destination_index
+        )
+        started = _now()
+        begun = time.monotonic()
         if not fl:
-            time.sleep(period.duration_s)
+            self.stop.wait(max(0.0, deadline - time.monotonic()))
             return
         kind = "kickass" if period.protocol == KICKASS else "tcp"
-        started = _now()
         try:
             tokens, port = self._tokens(client, kind, len(fl))
         except KickassError as exc:
@@ -306,16 +416,19 @@ class TrialRunner:
                     trial_id, local_index, period, f, {"completed": False, "error": why}, started
                 )
             # The slot still passes, so periods stay aligned with other runners'.
-            self.stop.wait(max(0.0, period.duration_s - (_now() - started).total_seconds()))
+            self.stop.wait(max(0.0, deadline - time.monotonic()))
             return
         addr = (client.agent.host, port)
         if period.protocol == KICKASS:
-            results = self._kickass_period(fl, tokens, addr, ka_send, trial_id)
+            results = self._kickass_period(
+                fl, tokens, addr, ka_send, trial_id, period, begun, deadline
+            )
         else:
-            results = self._tcp_period(fl, tokens, addr, period)
+            results = self._tcp_period(fl, tokens, addr, period, begun, deadline)
         for f in fl:
             rec = results.get(f.index) or {"completed": False, "error": "no result from the sender"}
             self._record(trial_id, local_index, period, f, rec, started)
+        # Whatever ended early, the next period starts at its own time.
 
     def _tokens(self, client: AgentClient, kind: str, count: int) -> tuple[list[bytes], int]:
         """Flow tokens, retried with doubling waits for ``agent_retry_s``: an
@@ -335,30 +448,46 @@ class TrialRunner:
                 wait *= 2
 
     def _tcp_period(
-        self, fl: list[Flow], tokens: list[bytes], addr: tuple[str, int], period: Period
+        self,
+        fl: list[Flow],
+        tokens: list[bytes],
+        addr: tuple[str, int],
+        period: Period,
+        begun: float,
+        deadline: float,
     ) -> dict[int, dict[str, Any]]:
+        """Kernel TCP flows, each started when due (plus the arm's handicap)
+        on one of ``max_concurrent`` workers; its clock runs from when it was due."""
+        cfg = self.cfg
+        handicap = period.handicap_ms / 1000.0
+        cc = period.congestion_control or cfg.congestion_control
+
+        def one(f: Flow, tok: bytes, due: float) -> dict[str, Any]:
+            start = time.monotonic()
+            queued = max(0.0, start - due)
+            end_by = min(due + cfg.flow_timeout_s, deadline)
+            if start >= end_by:
+                return {"completed": False, "queued_ms": None,
+                        "error": f"timeout: waited {queued:.1f} s for one of the "
+                        f"{cfg.max_concurrent} concurrent flows and never started"}  # fmt: skip
+            r = send_flow(addr, tok, f.size_bytes, cc, end_by - start, cfg.source).to_json()
+            r["queued_ms"] = round(queued * 1000.0, 3)
+            if r.get("fct_ms") is not None:
+                # From when it was due: the arm's handicap and the wait included.
+                r["fct_ms"] = r["fct_ms"] + (handicap + queued) * 1000.0
+            return r
+
         results: dict[int, dict[str, Any]] = {}
-        t0 = time.monotonic()
-        with ThreadPoolExecutor(max_workers=min(128, len(fl))) as pool:
-            futures = {}
+        futures: dict[int, Future[dict[str, Any]]] = {}
+        with ThreadPoolExecutor(max_workers=min(cfg.max_concurrent, len(fl))) as pool:
             for f, tok in zip(fl, tokens, strict=False):
-                delay = t0 + f.start_s - time.monotonic()
+                due = begun + f.start_s
+                delay = due + handicap - time.monotonic()
                 if delay > 0 and self.stop.wait(delay):
                     break
-                futures[f.index] = pool.submit(
-                    send_flow,
-                    addr,
-                    tok,
-                    f.size_bytes,
-                    self.cfg.congestion_control,
-                    period.duration_s + FLOW_GRACE_S,
-                    self.cfg.source,
-                )
-            rest = t0 + period.duration_s - time.monotonic()
-            if rest > 0:
-                self.stop.wait(rest)
+                futures[f.index] = pool.submit(one, f, tok, due + handicap)
             for index, fut in futures.items():
-                results[index] = fut.result().to_json()
+                results[index] = fut.result()
         return results
 
     def _kickass_period(
@@ -368,24 +497,33 @@ class TrialRunner:
         addr: tuple[str, int],
         ka_send: str | None,
         trial_id: str,
+        period: Period,
+        begun: float,
+        deadline: float,
     ) -> dict[int, dict[str, Any]]:
+        """ka-send runs the period's schedule with the same cap and timeout as
+        the TCP flows; it is stopped at the period's deadline."""
         assert ka_send is not None
+        cfg = self.cfg
+        handicap = period.handicap_ms / 1000.0
         cmd = [
             ka_send,
-            "--agent",
-            f"{addr[0]}:{addr[1]}",
-            "--schedule",
-            "-",
-            "--handshake",
-            self.cfg.handshake,
-        ]
-        if self.cfg.source:
-            cmd += ["--bind", self.cfg.source]
+            "--agent", f"{addr[0]}:{addr[1]}",
+            "--schedule", "-",
+            "--handshake", period.handshake or cfg.handshake,
+            "--timeout", f"{cfg.flow_timeout_s:g}",
+            "--max-concurrent", str(cfg.max_concurrent),
+        ]  # fmt: skip
+        if cfg.source:
+            cmd += ["--bind", cfg.source]
+        spawned = time.monotonic()
+        # ka-send counts start offsets from its own start: from this moment.
+        lag = spawned - begun
         lines = [
             json.dumps(
                 {
                     "flow_id": f"{trial_id}-{f.index}",
-                    "start_s": f.start_s,
+                    "start_s": max(0.0, f.start_s + handicap - lag),
                     "size_bytes": f.size_bytes,
                     "token_hex": tok.hex(),
                 }
@@ -397,7 +535,9 @@ class TrialRunner:
         proc.stdin.write("\n".join(lines) + "\n")
         proc.stdin.close()
         results: dict[int, dict[str, Any]] = {}
-        timer = threading.Timer(max(f.start_s for f in fl) + FLOW_GRACE_S + 10, proc.kill)
+        # At the deadline ka-send is asked to stop: flows still running end
+        # "interrupted", as TCP flows end at their timeout.
+        timer = threading.Timer(max(0.0, deadline - time.monotonic()), proc.terminate)
         timer.start()
         try:
             for line in proc.stdout:
@@ -407,12 +547,24 @@ class TrialRunner:
                 except (ValueError, KeyError, IndexError):
                     log.warning("ka-send printed something unexpected: %.200s", line)
                     continue
-                results[index] = flow_record.from_transport(
-                    out.get("record") or {}, out.get("error")
-                )
+                rec = flow_record.from_transport(out.get("record") or {}, out.get("error"))
+                queued_ns = out.get("queued_ns")
+                late = max(0.0, lag - (fl[index].start_s + handicap)) if index < len(fl) else 0.0
+                if isinstance(queued_ns, int):
+                    queued = queued_ns / 1e9 + late
+                    rec["queued_ms"] = round(queued * 1000.0, 3)
+                    if rec.get("fct_ms") is not None:
+                        rec["fct_ms"] = rec["fct_ms"] + (handicap + queued) * 1000.0
+                if rec.get("error") == "interrupted":
+                    rec["error"] = "not completed by the end of its period (cut at the deadline)"
+                results[index] = rec
         finally:
             timer.cancel()
-            proc.wait()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         return results
 
     def _record(
@@ -428,15 +580,25 @@ class TrialRunner:
         planned = {
             "flow_id": fid,
             "period_index": local_index,
+            "pair": period.pair,
+            "arm": period.arm,
             "protocol": period.protocol,
-            "congestion_control": None
-            if period.protocol == KICKASS
-            else self.cfg.congestion_control,
+            "congestion_control": period.congestion_control,
             "size_bytes": f.size_bytes,
             "size_packets": f.size_packets,
+            # When it was due (its clock's start; the handicap is the arm's).
             "started_at": datetime.fromtimestamp(started.timestamp() + f.start_s, UTC).isoformat(),
         }
         measured = {k: v for k, v in rec.items() if k in flow_record.FIELD_NAMES}
+        if period.protocol == KICKASS:
+            # What the transport negotiated: a flow that fell back to TCP from
+            # the start ran as TCP, though its period was a Kick-Ass one.
+            measured["negotiated_protocol"] = rec.get("negotiated_protocol")
+        else:
+            measured["negotiated_protocol"] = "tcp"
+            cc_in_effect = rec.get("cc_in_effect")
+            if cc_in_effect:
+                measured["extra"] = {**(measured.get("extra") or {}), "cc_in_effect": cc_in_effect}
         row = {**measured, **planned, "completed": bool(rec.get("completed"))}
         try:
             flow_record.check(row)
@@ -446,7 +608,7 @@ class TrialRunner:
         row["trial_id"] = trial_id
         self.spool.put("flow", fid, row)
         if row["completed"] and row.get("fct_ms") is not None:
-            self.summary.setdefault(period.destination, {}).setdefault(period.protocol, []).append(
+            self.summary.setdefault(period.destination, {}).setdefault(period.arm, []).append(
                 row["fct_ms"]
             )
         else:

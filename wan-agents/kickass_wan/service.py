@@ -20,7 +20,7 @@ from kickass_core.errors import KickassError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .runner import AgentRef, TrialConfig, TrialRunner
-from .schedule import PROTOCOLS, Period
+from .schedule import PROTOCOLS, Arm, Period, default_arms, parse_arms
 from .spool import Spool
 from .uploader import Uploader
 from .workload import Workload
@@ -48,6 +48,9 @@ class WorkloadSetting(_Model):
     max_packets: Annotated[int, Field(ge=1, le=1_000_000)] = 2000
     shape: Annotated[float, Field(gt=1, le=10)] = 1.8
     seed: Annotated[int, Field(ge=0, le=2**63 - 1)] = 1
+    # The paper's 1..2000 taken literally (the Pareto scale at the minimum,
+    # so short flows occur) instead of the mean of 100 (workload.py).
+    literal_range: bool = False
 
 
 class ScheduleSettings(_Model):
@@ -61,6 +64,14 @@ class ScheduleSettings(_Model):
     )
     workload: WorkloadSetting = Field(default_factory=WorkloadSetting)
     sender_index: Annotated[int, Field(ge=0, le=1_000_000)] = 0
+    # What the periods of a pair run (schedule.parse_arms): e.g. ["kickass",
+    # "tcp:cubic", "tcp:reno", "tcp:bbr"]; an A/A calibration ["tcp:cubic",
+    # "tcp:cubic"]. None: Kick-Ass and TCP (protocols, congestion_control).
+    arms: (
+        Annotated[list[Annotated[str, Field(max_length=64)]], Field(min_length=1, max_length=8)]
+        | None
+    ) = None
+    gap_s: Annotated[float, Field(ge=0, le=3600)] = 10.0
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], where: str = "trial settings") -> Self:
@@ -75,9 +86,29 @@ class ScheduleSettings(_Model):
                 hint="see wan-agents/README.md, 'Trial settings'",
             ) from None
 
+    def arm_objs(
+        self, congestion_control: str = "cubic", handshake: str = "padded"
+    ) -> tuple[Arm, ...]:
+        try:
+            if self.arms is not None:
+                return parse_arms(
+                    self.arms, congestion_control=congestion_control, handshake=handshake
+                )
+            return default_arms(tuple(self.protocols), congestion_control, handshake)
+        except ValueError as exc:
+            raise KickassError(f"trial settings: arms: {exc}") from None
+
     def workload_obj(self) -> Workload:
         w = self.workload
         try:
+            if w.literal_range:
+                return Workload.literal(
+                    min_packets=w.min_packets,
+                    max_packets=w.max_packets,
+                    shape=w.shape,
+                    mean_gap_s=w.mean_gap_s,
+                    seed=w.seed,
+                )
             return Workload(
                 min_packets=w.min_packets,
                 max_packets=w.max_packets,
@@ -101,6 +132,11 @@ class RoundSettings(ScheduleSettings):
     router_run_name: str | None = None
     ka_send: str | None = None
     bind: str | None = None
+    # Both protocols alike: the timeout from when a flow is due, the flows in
+    # progress at once, and the TCP metrics cache ("disable" for the trial).
+    flow_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 60.0
+    max_concurrent: Annotated[int, Field(ge=1, le=100_000)] = 256
+    tcp_metrics: Literal["disable", "leave"] = "disable"
     agent_retry_s: Annotated[float, Field(ge=0, le=3600)] = 30.0
     # Where the results go: the spool always, the server when one is named.
     spool_dir: str = ".kickass/spool"
@@ -138,8 +174,13 @@ class RoundSettings(ScheduleSettings):
             ka_send=self.ka_send,
             source=self.bind,
             protocols=tuple(self.protocols),
+            arms=self.arm_objs(self.congestion_control, self.handshake),
             sender_index=self.sender_index,
             agent_retry_s=self.agent_retry_s,
+            gap_s=self.gap_s,
+            flow_timeout_s=self.flow_timeout_s,
+            max_concurrent=self.max_concurrent,
+            tcp_metrics=self.tcp_metrics,
         )
 
 

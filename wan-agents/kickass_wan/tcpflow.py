@@ -48,6 +48,8 @@ class TcpFlowResult:
     srtt_ms: float | None
     min_rtt_ms: float | None
     error: str | None = None
+    # The congestion control the socket really ran (TCP_CONGESTION after connect).
+    cc_in_effect: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -102,6 +104,9 @@ def send_flow(
         try:
             sock.connect(addr)
             connected = True
+            with contextlib.suppress(OSError):
+                raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16)
+                result.cc_in_effect = raw.split(b"\0", 1)[0].decode("ascii", "replace")
             sock.sendall(_HEADER.pack(MAGIC, token, size_bytes))
             left = size_bytes
             while left:

@@ -1,9 +1,17 @@
 """The paper's workload (section IV-A): on-off senders, exponential gaps, Pareto flow sizes.
 
-Flow sizes are bounded Pareto in packets of 1500 bytes: 1..2000 packets, shape
-~1.8, scale chosen so the mean is ~100 packets. Everything is drawn from one
-seeded generator, so a trial's flows are reproducible from its stored
-parameters alone.
+Flow sizes are bounded Pareto in packets of 1500 bytes, shape ~1.8, scale
+chosen so the mean is ~100 packets, clamped to [min, max]. Read the bounds
+with care: with mean 100 and shape 1.8 the Pareto's scale is 45.7 packets, so
+no flow is shorter than 46 packets although the range is written 1..2000 (a
+defensible reading of the paper, which gives the range, the mean and the
+shape; every result shown says so). ``Workload.literal()`` is the paper's
+range taken literally instead: the scale set to ``min_packets`` (1), the
+mean then what the shape gives.
+
+Everything is drawn from one seeded generator per stream, so a trial's flows
+are reproducible from its stored parameters alone, and both periods of a
+pair replay the same flows (``pair_flows``).
 """
 
 from __future__ import annotations
@@ -11,7 +19,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 PACKET_BYTES = 1500
@@ -29,6 +37,9 @@ class Workload:
     mean_packets: float = 100.0
     mean_gap_s: float = 0.5
     seed: int = 1
+    # None: the scale that gives ``mean_packets``; else the Pareto scale
+    # itself (``literal()``: the paper's range taken literally).
+    scale_packets: float | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_packets <= self.max_packets:
@@ -43,8 +54,20 @@ class Workload:
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def literal(cls, **kw: Any) -> Workload:
+        """The paper's 1..2000 packets taken literally: the Pareto scale at the
+        minimum (1 packet), so small flows occur; the mean follows from the
+        shape instead of being 100."""
+        w = replace(cls(**kw), scale_packets=None)
+        lo, hi = float(w.min_packets), float(w.max_packets)
+        return replace(w, scale_packets=lo, mean_packets=_truncated_mean(lo, w.shape, lo, hi))
+
     def scale(self) -> float:
-        """Pareto scale x_m giving the configured mean once truncated to [min, max]."""
+        """Pareto scale x_m giving the configured mean once truncated to [min, max]
+        (or ``scale_packets`` when set)."""
+        if self.scale_packets is not None:
+            return self.scale_packets
         lo, hi = float(self.min_packets), float(self.max_packets)
         # The truncated mean grows with x_m: bisect.
         a, b = 1e-6, self.mean_packets
@@ -85,16 +108,20 @@ class Flow:
         return self.size_packets * APP_BYTES_PER_PACKET
 
 
-# Each sender's flows come from its own random streams: period index + this x sender index.
+# Each sender's flows come from its own random streams: the pair's stream + this x sender index.
 SENDER_STREAM_STRIDE = 100_000
+DESTINATION_STREAM_STRIDE = 1_000
 
 
-def period_flows(
-    w: Workload, period_index: int, duration_s: float, sender_index: int = 0
+def pair_flows(
+    w: Workload, pair: int, duration_s: float, sender_index: int = 0, destination_index: int = 0
 ) -> list[Flow]:
-    """The flows sender ``sender_index`` starts in period ``period_index``:
-    the one definition the runner, the dry run and the tests share."""
-    return list(flows(w, duration_s, stream=period_index + SENDER_STREAM_STRIDE * sender_index))
+    """The flows sender ``sender_index`` starts in every period of pair
+    ``pair`` towards destination ``destination_index``: each arm of the pair
+    replays exactly these (sizes and start offsets). The one definition the
+    runner, the dry run and the tests share."""
+    stream = pair + DESTINATION_STREAM_STRIDE * destination_index
+    return list(flows(w, duration_s, stream=stream + SENDER_STREAM_STRIDE * sender_index))
 
 
 def flows(w: Workload, duration_s: float, stream: int = 0) -> Iterator[Flow]:

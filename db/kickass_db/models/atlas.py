@@ -95,6 +95,10 @@ class AtlasMeasurementRow(Base):
     results_fetched: Mapped[int] = mapped_column(Integer, server_default="0")
     last_fetch_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     last_error: Mapped[str | None] = mapped_column(Text)
+    # 0009, late uploads: every window before this was read a second time,
+    # late_horizon after its time; the results only that second read found.
+    rechecked_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    results_late: Mapped[int] = mapped_column(Integer, server_default="0")
 
 
 class AtlasProbeRow(Base):

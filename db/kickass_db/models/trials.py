@@ -25,6 +25,7 @@ from sqlalchemy import (
     LargeBinary,
     Text,
     func,
+    text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column
@@ -84,6 +85,8 @@ class TrialRow(Base):
     received_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), server_default=func.now()
     )
+    # 0010: both ends' environment (kickass_wan.environment).
+    environment: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
 
 
 class TrialPeriodRow(Base):
@@ -99,6 +102,11 @@ class TrialPeriodRow(Base):
     congestion_control: Mapped[str | None] = mapped_column(Text)
     start_offset_s: Mapped[float] = mapped_column(Float)
     duration_s: Mapped[float] = mapped_column(Float)
+    # 0010: what the period ran, and when it really started.
+    arm: Mapped[str | None] = mapped_column(Text)
+    handshake: Mapped[str | None] = mapped_column(Text)
+    handicap_ms: Mapped[float | None] = mapped_column(Float)
+    actual_start_offset_s: Mapped[float | None] = mapped_column(Float)
 
 
 class FlowRow(Base):
@@ -107,12 +115,14 @@ class FlowRow(Base):
     __tablename__ = "flows"
     __table_args__ = (
         CheckConstraint(check_in("protocol", PROTOCOLS), name="protocol"),
+        CheckConstraint(check_in("negotiated_protocol", PROTOCOLS), name="negotiated_protocol"),
         CheckConstraint("size_packets >= 1 AND size_bytes >= 1", name="size"),
         CheckConstraint(
             "ka_mode_fraction IS NULL OR (ka_mode_fraction >= 0 AND ka_mode_fraction <= 1)",
             name="ka_mode_fraction",
         ),
         Index(None, "trial_pk", "period_index"),
+        Index(None, "trial_pk", "pair"),
     )
 
     id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
@@ -140,3 +150,35 @@ class FlowRow(Base):
     advertised_rates_seen: Mapped[int | None] = mapped_column(Integer)
     error: Mapped[str | None] = mapped_column(Text)
     extra: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    # 0010: the paired design (kickass_core.flow_record).
+    pair: Mapped[int | None] = mapped_column(Integer)
+    arm: Mapped[str | None] = mapped_column(Text)
+    queued_ms: Mapped[float | None] = mapped_column(Float)
+    negotiated_protocol: Mapped[str | None] = mapped_column(Text)
+
+
+class TrialSpeedupRow(Base):
+    """The speedup on matched flows, per size bucket, per trial or pooled
+    (computed by kickass_analysis.rollups in the scheduled refresh)."""
+
+    __tablename__ = "trial_speedups"
+    __table_args__ = (CheckConstraint("scope IN ('trial', 'pooled')", name="scope"),)
+
+    scope: Mapped[str] = mapped_column(Text, primary_key=True)
+    key: Mapped[str] = mapped_column(Text, primary_key=True)
+    destination: Mapped[str] = mapped_column(Text)
+    access_capacity_bps: Mapped[float | None] = mapped_column(Float)
+    arm: Mapped[str] = mapped_column(Text, primary_key=True)
+    baseline_arm: Mapped[str] = mapped_column(Text, primary_key=True)
+    size_bucket: Mapped[str] = mapped_column(Text, primary_key=True)
+    pairs: Mapped[int] = mapped_column(Integer)
+    matched: Mapped[int] = mapped_column(Integer)
+    speedup: Mapped[float | None] = mapped_column(Float)
+    speedup_low: Mapped[float | None] = mapped_column(Float)
+    speedup_high: Mapped[float | None] = mapped_column(Float)
+    completion_arm: Mapped[float | None] = mapped_column(Float)
+    completion_baseline: Mapped[float | None] = mapped_column(Float)
+    workload: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    computed_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.now()
+    )

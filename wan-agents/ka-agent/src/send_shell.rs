@@ -44,10 +44,15 @@ pub struct SendOptions {
     pub agent: SocketAddrV4,
     pub bind: Ipv4Addr,
     pub cfg: Config,
-    /// Per flow, from its start.
+    /// Per flow, from the time it is due (its queueing included): a flow
+    /// not completed by then fails, whether it started or still waits.
     pub timeout: Nanos,
     /// After completion, how long the FIN exchange may take.
     pub linger: Nanos,
+    /// Flows in progress at once; a flow due while this many run waits, and
+    /// its waiting time is reported (`queued_ns`). The trial runner gives
+    /// its TCP flows the same cap, so both protocols are treated alike.
+    pub max_concurrent: usize,
 }
 
 /// How one flow ended, as printed.
@@ -56,6 +61,10 @@ pub struct FlowResult {
     pub flow_id: String,
     pub record: Option<FlowRecord>,
     pub error: Option<String>,
+    /// From the time the flow was due to the time it started (waiting for a
+    /// concurrency slot); None if it never started. The flow's completion
+    /// time counted from when it was due is `queued_ns + record.fct_ns`.
+    pub queued_ns: Option<Nanos>,
 }
 
 impl FlowResult {
@@ -129,6 +138,7 @@ struct Running {
     conn: Connection,
     sock: Fd,
     df: Option<bool>,
+    queued: Nanos,
     deadline: Nanos,
     reported: bool,
     linger_until: Option<Nanos>,
@@ -190,15 +200,40 @@ impl Runner {
         out.extend(self.running.iter().map(|r| r.sock.0));
     }
 
-    /// Start what is due, run timers and send what may be sent.
+    /// Flows started and not yet reported (a completed flow's FIN
+    /// exchange does not hold a slot).
+    fn in_progress(&self) -> usize {
+        self.running.iter().filter(|r| !r.reported).count()
+    }
+
+    /// Start what is due (within the concurrency cap), fail what waited past
+    /// its deadline, run timers and send what may be sent.
     pub fn service(&mut self, now: Nanos) {
-        while self
-            .pending
-            .last()
-            .is_some_and(|p| self.epoch + p.start <= now)
-        {
+        while let Some(p) = self.pending.last() {
+            let due = self.epoch + p.start;
+            if due > now {
+                break;
+            }
+            if now >= due.saturating_add(self.opts.timeout) {
+                let spec = self.pending.pop().expect("checked");
+                self.results.push(FlowResult {
+                    flow_id: spec.label,
+                    record: None,
+                    error: Some(format!(
+                        "timeout: waited {:.1} s for one of the {} concurrent flows and never \
+                         started",
+                        self.opts.timeout as f64 / 1e9,
+                        self.opts.max_concurrent
+                    )),
+                    queued_ns: None,
+                });
+                continue;
+            }
+            if self.in_progress() >= self.opts.max_concurrent {
+                break;
+            }
             let spec = self.pending.pop().expect("checked");
-            self.start(now, spec);
+            self.start(now, due, spec);
         }
         for i in 0..self.running.len() {
             self.service_flow(i, now);
@@ -206,7 +241,7 @@ impl Runner {
         self.running.retain(|r| !r.finished);
     }
 
-    fn start(&mut self, now: Nanos, spec: FlowSpec) {
+    fn start(&mut self, now: Nanos, due: Nanos, spec: FlowSpec) {
         let opened = (|| -> Result<(Fd, Connection)> {
             let sock = sys::udp_socket(SocketAddrV4::new(self.opts.bind, 0))?;
             sys::connect(sock.0, self.opts.agent)?;
@@ -228,7 +263,8 @@ impl Runner {
                 conn,
                 sock,
                 df: None,
-                deadline: now.saturating_add(self.opts.timeout),
+                queued: now - due,
+                deadline: due.saturating_add(self.opts.timeout),
                 reported: false,
                 linger_until: None,
                 finished: false,
@@ -237,6 +273,7 @@ impl Runner {
                 flow_id: spec.label,
                 record: None,
                 error: Some(e.msg),
+                queued_ns: Some(now - due),
             }),
         }
     }
@@ -268,6 +305,7 @@ impl Runner {
                             flow_id: r.label.clone(),
                             record: Some(r.conn.record()),
                             error: None,
+                            queued_ns: Some(r.queued),
                         });
                     }
                     r.linger_until = Some(now.saturating_add(self.opts.linger));
@@ -279,6 +317,7 @@ impl Runner {
                             flow_id: r.label.clone(),
                             record: Some(r.conn.record()),
                             error: Some(e.to_string()),
+                            queued_ns: Some(r.queued),
                         });
                     }
                     r.finished = true;
@@ -292,7 +331,7 @@ impl Runner {
             r.finished = true;
             let mut rec = r.conn.record();
             let msg = format!(
-                "timeout: not completed within {:.1} s",
+                "timeout: not completed within {:.1} s of being due",
                 self.opts.timeout as f64 / 1e9
             );
             rec.error = Some(msg.clone());
@@ -300,6 +339,7 @@ impl Runner {
                 flow_id: r.label.clone(),
                 record: Some(rec),
                 error: Some(msg),
+                queued_ns: Some(r.queued),
             });
         }
         if r.linger_until.is_some_and(|t| now >= t) {
@@ -312,7 +352,14 @@ impl Runner {
         let mut t: Option<Nanos> = None;
         let mut take = |x: Nanos| t = Some(t.map_or(x, |t| t.min(x)));
         if let Some(p) = self.pending.last() {
-            take(self.epoch + p.start);
+            let due = self.epoch + p.start;
+            // Waiting for a slot: only its deadline is a time of its own
+            // (a slot frees on a flow's own events, which wake us anyway).
+            if self.in_progress() >= self.opts.max_concurrent {
+                take(due.saturating_add(self.opts.timeout));
+            } else {
+                take(due);
+            }
         }
         for r in &self.running {
             if let Some(x) = r.conn.poll_timeout() {
@@ -366,6 +413,7 @@ impl Runner {
                     flow_id: r.label,
                     record: Some(rec),
                     error: Some(why.to_string()),
+                    queued_ns: Some(r.queued),
                 });
             }
         }
@@ -374,6 +422,7 @@ impl Runner {
                 flow_id: p.label,
                 record: None,
                 error: Some(format!("not started: {why}")),
+                queued_ns: None,
             });
         }
     }
@@ -619,6 +668,7 @@ mod tests {
             cfg: Config::default(),
             timeout: 1,
             linger: 1,
+            max_concurrent: 256,
         });
         for (l, s) in [("b", 5), ("a", 1), ("c", 9)] {
             assert!(r.add(FlowSpec {
@@ -639,5 +689,54 @@ mod tests {
         let order: Vec<&str> = r.pending.iter().rev().map(|p| p.label.as_str()).collect();
         assert_eq!(order, vec!["a", "b", "c"]);
         assert_eq!(r.next_wake(), Some(r.epoch + 1));
+    }
+
+    #[test]
+    fn a_flow_waits_for_a_slot_and_its_deadline_counts_from_when_it_was_due() {
+        let mut r = Runner::new(SendOptions {
+            // The discard port: nothing answers, so a started flow never ends
+            // by itself.
+            agent: "127.0.0.1:9".parse().unwrap(),
+            bind: Ipv4Addr::LOCALHOST,
+            cfg: Config::default(),
+            timeout: 5_000_000,
+            linger: 1,
+            max_concurrent: 1,
+        });
+        for l in ["first", "second"] {
+            assert!(r.add(FlowSpec {
+                label: l.into(),
+                wire_id: 1,
+                start: 0,
+                size: 1000,
+                token: vec![1],
+            }));
+        }
+        let t0 = r.epoch;
+        r.service(t0 + 1_000_000);
+        assert_eq!(
+            (r.running.len(), r.pending.len()),
+            (1, 1),
+            "one slot: one runs, one waits"
+        );
+        // The waiting flow's only time of its own is its deadline.
+        assert!(r.next_wake().is_some_and(|t| t <= t0 + 5_000_000));
+        r.service(t0 + 6_000_000);
+        let mut results = r.take_results();
+        results.sort_by(|a, b| a.flow_id.cmp(&b.flow_id));
+        assert_eq!(results.len(), 2);
+        assert_eq!(results[0].flow_id, "first");
+        assert_eq!(results[0].queued_ns, Some(1_000_000));
+        assert!(results[0]
+            .error
+            .as_deref()
+            .unwrap()
+            .contains("of being due"));
+        assert_eq!(results[1].queued_ns, None);
+        assert!(results[1]
+            .error
+            .as_deref()
+            .unwrap()
+            .contains("never started"));
     }
 }

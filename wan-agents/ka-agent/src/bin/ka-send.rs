@@ -29,8 +29,9 @@ enum HandshakeArg {
 /// A schedule: ka-send --agent IP:PORT --schedule -
 ///             reads NDJSON lines {"flow_id", "start_s", "size_bytes",
 ///             "token_hex"} from stdin, starts each flow start_s seconds
-///             after ka-send started, and prints
-///             {"flow_id", "record", "error"} per flow as it ends.
+///             after ka-send started (when fewer than --max-concurrent run),
+///             and prints {"flow_id", "record", "error", "queued_ns"} per
+///             flow as it ends.
 ///
 /// Exit status: 0 every flow completed, 1 otherwise, 2 usage errors.
 #[derive(Debug, Parser)]
@@ -54,9 +55,14 @@ struct Cli {
     /// rates ignored
     #[arg(long)]
     tcp_only: bool,
-    /// Give up on a flow this many seconds after it started
+    /// Give up on a flow this many seconds after it was due (its wait for
+    /// a concurrency slot included)
     #[arg(long, default_value_t = 60.0)]
     timeout: f64,
+    /// Flows in progress at once; later ones wait for a slot (their wait
+    /// is reported as queued_ns and counts in their completion time)
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=100_000))]
+    max_concurrent: u64,
     /// Local IPv4 address to send from
     #[arg(long, default_value = "0.0.0.0")]
     bind: Ipv4Addr,
@@ -133,6 +139,7 @@ fn main() -> ExitCode {
         cfg,
         timeout: (cli.timeout * 1e9) as u64,
         linger: 3_000_000_000,
+        max_concurrent: cli.max_concurrent as usize,
     };
     let mut out = std::io::stdout().lock();
     let mut stdout_ok = true;
