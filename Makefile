@@ -14,7 +14,7 @@ RUST_BINS := ka-router ka-linkem ka-blast ka-agent-recv ka-send
 system:
 	@tools/setup-system.sh
 
-install: system $(BIN)/.installed router
+install: system $(BIN)/.installed router zipapp
 
 $(BIN)/.installed: $(PYPROJECTS)
 	@echo "install: python packages into $(VENV)"
@@ -27,6 +27,16 @@ router:
 	@echo "install: rust binaries ($(RUST_BINS)) into $(BIN)"
 	@cargo build --quiet --release --workspace
 	@for b in $(RUST_BINS); do install -m 755 target/release/$$b $(BIN)/$$b; done
+
+# The volunteer client in one file, for any Python 3.9+ (probe-client/README.md);
+# the server serves it from here. Reproducible: same sources, same bytes.
+ZIPAPP := $(VENV)/share/kickass/kickass-probe.pyz
+ZIPAPP_SRC := $(wildcard core/kickass_core/*.py probe-client/kickass_probe/*.py) probe-client/build_zipapp.py
+.PHONY: zipapp
+zipapp: $(ZIPAPP)
+
+$(ZIPAPP): $(ZIPAPP_SRC)
+	@$(PY) probe-client/build_zipapp.py --output $@
 
 demo: install
 	@[ "$$(id -u)" = 0 ] || { echo "ERROR: the demo builds network namespaces and needs root (run: sudo make demo)"; exit 1; }

@@ -24,6 +24,7 @@ setpriv                              util-linux      unprivileged runs in tests 
 iperf3                               iperf3          router benchmark sender
 docker-compose                       docker-compose  offline check of docker-compose.yml (tests)
 /usr/lib/postgresql/*/bin/postgres   postgresql      the real PostgreSQL the tests run against
+pypy3                                pypy3           a Python 3.9: the one-file client kickass-probe.pyz run on its oldest Python (tests)
 '
 
 mode=install

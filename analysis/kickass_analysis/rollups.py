@@ -7,10 +7,10 @@ arms, written to ``trial_speedups`` (read through ``v_trial_speedups`` by
 the dashboards, notebooks, report, benchmarks and demo) in one transaction:
 readers see the old rows or the new ones, never half.
 
-Which arms are compared: in a trial with Kick-Ass arms, each of them against
-each TCP arm (speedup = FCT(TCP) / FCT(Kick-Ass)); in one without (an A/A
-calibration, or TCP against TCP), each arm against the first of the trial's
-arms (speedup = FCT(first) / FCT(arm)).
+Which arms are compared: in a trial with Kick-Ass and TCP arms, each
+Kick-Ass arm against each TCP arm (speedup = FCT(TCP) / FCT(Kick-Ass)); in
+one with a single protocol (an A/A calibration, or TCP against TCP), each
+arm against the first of the trial's arms (speedup = FCT(first) / FCT(arm)).
 """
 
 from __future__ import annotations
@@ -73,8 +73,9 @@ class SpeedupRow:
 def comparisons(arms: list[str], protocols: Mapping[str, str]) -> list[tuple[str, str]]:
     """(arm, baseline) pairs of a trial with these arms (in schedule order)."""
     kickass = [a for a in arms if protocols.get(a) == "kickass"]
-    if kickass:
-        return [(k, b) for k in kickass for b in arms if protocols.get(b) != "kickass"]
+    others = [a for a in arms if protocols.get(a) != "kickass"]
+    if kickass and others:
+        return [(k, b) for k in kickass for b in others]
     return [(a, arms[0]) for a in arms[1:]]
 
 

@@ -20,6 +20,7 @@ Atlas credit rules); the real figure is read back after creation.
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import math
 from collections.abc import Mapping
@@ -35,17 +36,27 @@ from kickass_core.rate import FRAGMENT_UNIT, FULL_PACKET_LEN, IPV4_HEADER_LEN
 CAMPAIGN_VERSION = 1
 ICMP_HEADER_LEN = 8
 ECHO_OVERHEAD = IPV4_HEADER_LEN + ICMP_HEADER_LEN  # IP length = Atlas size + 28
-# Atlas probes put their cookie (a timeval and an index, 24 bytes on 64-bit
-# firmware) at the start of the echo data and pad a smaller size up to it,
-# so a smaller whole size would arrive larger than planned.
-MIN_ATLAS_DATA = 24
+# Atlas probes put their own record (timespec 16 + index 4 + cookie 8,
+# padded: 32 bytes on 64-bit probes) at the start of the echo data and pad a
+# smaller size up to it (fmticmp4 in ping.c; the real evping sends 60-byte
+# requests for -s 0..32), so a smaller whole size would arrive larger than
+# planned.
+MIN_ATLAS_DATA = 32
+# The probe caps its data at 4096 - 20 - 8 bytes (MAX_DATA_SIZE in ping.c).
+MAX_ATLAS_DATA = 4068
 MIN_WHOLE_IP_LEN = ECHO_OVERHEAD + MIN_ATLAS_DATA
 SPLIT_REQUEST_IP_LEN = FULL_PACKET_LEN
 # The Atlas API's bounds for ping measurements.
 MAX_PACKETS = 16
 MIN_INTERVAL_S = 60
 MIN_PACKET_INTERVAL_MS = 2
-MAX_PACKET_INTERVAL_MS = 300_000
+# The firmware refuses more than 60000 ms ("bad interval"); RIPE's own
+# command-line tools cap at 30000. The lower of the two: a value both the
+# probes and RIPE's tools accept, and the interval is also the per-packet
+# timeout, for which 30 s is already far beyond any Internet RTT.
+MAX_PACKET_INTERVAL_MS = 30_000
+# RIPE Atlas's limit on probes per user-defined measurement.
+MAX_PROBES = 1000
 PROBE_SELECTORS = ("area", "country", "asn", "prefix", "ids")
 AREAS = ("WW", "West", "North-Central", "South-Central", "North-East", "South-East")
 DEFAULT_WHOLE_SAMPLE = 4
@@ -53,6 +64,11 @@ DEFAULT_WHOLE_SAMPLE = 4
 
 class CampaignError(KickassError):
     """The campaign file is wrong; the message names the field."""
+
+
+def wire_ip_len(size: int) -> int:
+    """The IP length of a probe's echo request for an Atlas ``size``."""
+    return ECHO_OVERHEAD + min(max(size, MIN_ATLAS_DATA), MAX_ATLAS_DATA)
 
 
 def credits_per_result(packets: int, size: int) -> int:
@@ -136,9 +152,9 @@ class PlannedMeasurement:
         """How long one ping of one probe lasts (its packets, spaced)."""
         return self.packets * self.packet_interval_ms / 1000.0
 
-    def definition(self, description: str) -> dict[str, Any]:
+    def definition(self, description: str, tag: str | None = None) -> dict[str, Any]:
         """The Atlas definition fields (Cousteau ``Ping(**definition)``)."""
-        return {
+        d: dict[str, Any] = {
             "target": self.target,
             "af": 4,
             "description": f"{description} [{self.key}]",
@@ -148,6 +164,9 @@ class PlannedMeasurement:
             "packet_interval": self.packet_interval_ms,
             "resolve_on_probe": False,
         }
+        if tag is not None:
+            d["tags"] = [tag]
+        return d
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -197,6 +216,12 @@ class Campaign:
         d["version"] = CAMPAIGN_VERSION
         d["probes"]["source"] = self.probes.to_source()
         return d
+
+    @property
+    def tag(self) -> str:
+        """The Atlas tag on every measurement of the campaign: how ``create``
+        finds what an earlier run created whose answer it never got."""
+        return "kickass-" + hashlib.sha256(self.name.encode()).hexdigest()[:12]
 
     # -- the plan --------------------------------------------------------------
 
@@ -363,7 +388,8 @@ class _Parser:
                 raise self.fail(
                     "whole.sizes",
                     f"IP length {s} outside {MIN_WHOLE_IP_LEN}..{FULL_PACKET_LEN} (Atlas probes "
-                    f"pad echo data below {MIN_ATLAS_DATA} bytes; larger would be fragmented "
+                    f"pad echo data below {MIN_ATLAS_DATA} bytes, their own record, so a "
+                    f"smaller size arrives as {MIN_WHOLE_IP_LEN}; larger would be fragmented "
                     "by the probe itself)",
                 )
         whole_sample = self.integer(
@@ -466,9 +492,14 @@ class _Parser:
             ):
                 raise self.fail("probes.ids", "must be a non-empty list of probe ids")
             ids = sorted(set(raw))
+            if len(ids) > MAX_PROBES:
+                raise self.fail(
+                    "probes.ids",
+                    f"at most {MAX_PROBES} probes (RIPE Atlas's limit per measurement)",
+                )
             count = self.integer(p, "count", "probes.count", 1, len(ids), default=len(ids))
             return ProbeSelection(count, "ids", ",".join(map(str, ids)))
-        count = self.integer(p, "count", "probes.count", 1, 10_000)
+        count = self.integer(p, "count", "probes.count", 1, MAX_PROBES)
         if selector == "area":
             if raw not in AREAS:
                 raise self.fail("probes.area", f"must be one of {', '.join(AREAS)}, got {raw!r}")

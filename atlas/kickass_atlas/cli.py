@@ -3,6 +3,7 @@
     kickass atlas plan CAMPAIGN.yaml        what would be created, its credit cost (no key)
     kickass atlas create CAMPAIGN.yaml      create the measurements (Cousteau)
     kickass atlas fetch CAMPAIGN.yaml       pull new results, join them to the reply log, store
+    kickass atlas import CAMPAIGN.yaml FILE store result files (API JSON, NDJSON, archive dumps)
     kickass atlas status CAMPAIGN.yaml      measurements, Atlas status, results, credits spent
     kickass atlas responder CAMPAIGN.yaml   the ICMP responder the probes ping (root)
 
@@ -35,8 +36,8 @@ from kickass_core.errors import KickassError
 from . import service
 from .campaign import Campaign, Plan
 from .client import DEFAULT_SERVER
-from .ingest import DEFAULT_CHUNK_S, DEFAULT_SETTLE_S
-from .service import AtlasSettings
+from .ingest import DEFAULT_CHUNK_S, DEFAULT_LATE_HORIZON_S, DEFAULT_SETTLE_S, FetchReport
+from .service import DEFAULT_START_IN_S, AtlasSettings
 
 if TYPE_CHECKING:
     from kickass_db.writer import OrderedWriter
@@ -101,10 +102,26 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     json_option(p)
     p.set_defaults(func=cmd_plan)
 
-    p = cmds.add_parser("create", help="create the campaign's measurements on RIPE Atlas")
+    p = cmds.add_parser(
+        "create",
+        help="create the campaign's measurements on RIPE Atlas",
+        description="Create the campaign's missing measurements in one request (they share "
+        "their probes). Measurements an earlier run created without hearing back are found by "
+        "the campaign's tag and adopted, never created twice. They start --start-in seconds "
+        "later: before that, RIPE Atlas's own credits_per_result is read back and, above the "
+        "campaign's credit_budget, they are stopped before costing anything.",
+    )
     campaign_arg(p)
     p.add_argument("--all-sizes", action="store_true", help="every whole size, not a sample")
     p.add_argument("--dry-run", action="store_true", help="only print the plan (= plan)")
+    p.add_argument(
+        "--start-in",
+        type=int,
+        default=DEFAULT_START_IN_S,
+        metavar="SECONDS",
+        help=f"start the measurements this long after creating them (default "
+        f"{DEFAULT_START_IN_S}; the price check happens in between)",
+    )
     atlas_options(p)
     db_option(p)
     json_option(p)
@@ -125,10 +142,34 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=DEFAULT_CHUNK_S,
         help=f"seconds of results per request and commit (default {DEFAULT_CHUNK_S})",
     )
+    p.add_argument(
+        "--late-horizon",
+        type=float,
+        default=DEFAULT_LATE_HORIZON_S,
+        metavar="SECONDS",
+        help=f"read every window once more when it is this old, for results probes "
+        f"uploaded late (default {DEFAULT_LATE_HORIZON_S:g}; later uploads are not fetched)",
+    )
     atlas_options(p)
     db_option(p)
     json_option(p)
     p.set_defaults(func=cmd_fetch)
+
+    p = cmds.add_parser(
+        "import",
+        help="store Atlas result files as fetch would (no API needed)",
+        description="Store RIPE Atlas ping results of the campaign's measurements from files: "
+        "the results API's JSON list, one JSON result per line (the API's format=txt), or "
+        "RIPE Atlas's hourly archive dumps (every public measurement's results, one per "
+        "line, bzip2); plain or bzip2/gzip/xz-compressed. Lines of other measurements are "
+        "skipped. Parsed, joined to the reply log and stored exactly as fetch does; "
+        "importing the same lines again adds nothing.",
+    )
+    campaign_arg(p)
+    p.add_argument("files", nargs="+", metavar="FILE", help="result file, or - for stdin")
+    db_option(p)
+    json_option(p)
+    p.set_defaults(func=cmd_import)
 
     p = cmds.add_parser("status", help="measurements, Atlas status, results, credits spent")
     campaign_arg(p)
@@ -241,7 +282,15 @@ def cmd_create(args: argparse.Namespace) -> int:
     if args.dry_run:
         return cmd_plan(args)
     campaign = Campaign.load(args.campaign)
-    out = service.create(_settings(args), campaign, all_sizes=args.all_sizes, warn=_warn)
+    if args.start_in < 0:
+        raise KickassError("--start-in must be 0 or more seconds", hint="the default is 120")
+    out = service.create(
+        _settings(args),
+        campaign,
+        all_sizes=args.all_sizes,
+        warn=_warn,
+        start_in_s=args.start_in,
+    )
     if args.json:
         print(json.dumps(out.to_json(), indent=2))
     else:
@@ -264,18 +313,43 @@ def cmd_create(args: argparse.Namespace) -> int:
 
 def cmd_fetch(args: argparse.Namespace) -> int:
     campaign = Campaign.load(args.campaign)
+    if args.chunk < 1 or args.settle < 0 or args.late_horizon < 0:
+        raise KickassError(
+            "--chunk must be at least 1 second, --settle and --late-horizon 0 or more",
+            hint="see kickass atlas fetch --help",
+        )
     report = service.fetch(
-        _settings(args), campaign, settle_s=args.settle, chunk_s=args.chunk, progress=_progress()
+        _settings(args),
+        campaign,
+        settle_s=args.settle,
+        chunk_s=args.chunk,
+        late_horizon_s=args.late_horizon,
+        progress=_progress(),
     )
+    return _print_report(args, campaign, report, "new results")
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    campaign = Campaign.load(args.campaign)
+    report = service.import_results(
+        _settings(args), campaign, [str(f) for f in args.files], progress=_progress()
+    )
+    return _print_report(args, campaign, report, "results imported")
+
+
+def _print_report(
+    args: argparse.Namespace, campaign: Campaign, report: FetchReport, what: str
+) -> int:
     for w in report.warnings:
         _warn(w)
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
         return 0
     ignored = sum(report.ignored.values())
+    late = f", {report.results_late} uploaded late" if report.results_late else ""
     print(
-        f"campaign {campaign.name}: {report.results_new} new results from {report.measurements} "
-        f"measurements ({report.results_seen} seen, {ignored} ignored), "
+        f"campaign {campaign.name}: {report.results_new} {what} from {report.measurements} "
+        f"measurements ({report.results_seen} seen{late}, {ignored} ignored), "
         f"{len(report.probes)} probes"
     )
     if report.outcomes:

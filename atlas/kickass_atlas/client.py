@@ -10,6 +10,9 @@ error: it returns ``(ok, body)``, the body being Atlas's error envelope::
 or, when the request never got an answer, the exception's arguments. This
 module turns each into one clear ``AtlasError`` with a hint (bad key,
 rate-limited, not enough credits, not found, server trouble, unreachable).
+Requests this module sends itself keep the HTTP status (Cousteau drops it),
+so that an answer without the envelope — a proxy's bare ``429 Too Many
+Requests`` page — is still told for what it is.
 The key is handed to Cousteau and nowhere else: it is never logged, printed
 or stored, and no message here can contain it.
 
@@ -25,12 +28,15 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import urlparse
 
 from kickass_core.errors import KickassError
 from ripe.atlas.cousteau import (
     AtlasCreateRequest,
+    AtlasRequest,
     AtlasResultsRequest,
     AtlasSource,
+    AtlasStopRequest,
     Measurement,
     Ping,
     ProbeRequest,
@@ -99,26 +105,47 @@ class AtlasUnavailable(AtlasError):
     """No answer, or a server error: worth trying again later."""
 
 
+class AtlasNoAnswer(AtlasUnavailable):
+    """The request went out and no answer came back: it may or may not have
+    been carried out (a creation must be looked up before it is retried)."""
+
+
 RESUME = "the campaign is resumable: run the same command again"
 
 
-def error_from_response(body: object, what: str) -> AtlasError:
-    """The AtlasError for a failed Cousteau call's ``body``."""
+def _throttled(text: str) -> bool:
+    low = text.lower()
+    return "429" in low or "too many requests" in low or "throttl" in low
+
+
+def error_from_response(body: object, what: str, http_status: int | None = None) -> AtlasError:
+    """The AtlasError for a failed call's ``body`` (and its HTTP status, when known)."""
     if isinstance(body, tuple):  # requests raised: no answer at all
         reason = "; ".join(str(a) for a in body) or "no answer"
-        return AtlasUnavailable(
+        return AtlasNoAnswer(
             f"cannot reach RIPE Atlas ({what}): {reason}",
             hint=f"check the network and --atlas-server; {RESUME}",
         )
     envelope = body.get("error") if isinstance(body, Mapping) else None
     if not isinstance(envelope, Mapping):
-        text = str(body).strip().splitlines()
+        lines = str(body).strip().splitlines()
+        first = lines[0][:200] if lines else "empty"
+        if http_status == 429 or (http_status is None and _throttled(str(body)[:2000])):
+            return AtlasRateLimited(
+                f"RIPE Atlas is rate-limiting this client ({what}): {first}",
+                hint=f"wait a minute; {RESUME}, it resumes where it stopped",
+                status=429,
+            )
+        said = f" ({http_status})" if http_status else ""
         return AtlasUnavailable(
-            f"RIPE Atlas gave an unexpected answer ({what}): {text[0][:200] if text else 'empty'}",
+            f"RIPE Atlas gave an unexpected answer{said} ({what}): {first}",
             hint=f"RIPE Atlas may be having trouble; {RESUME} later",
+            status=http_status,
         )
     status = envelope.get("status")
     status = int(status) if isinstance(status, int | str) and str(status).isdigit() else None
+    if status is None:
+        status = http_status
     title = str(envelope.get("title") or "")
     detail = str(envelope.get("detail") or "")
     details = [
@@ -172,6 +199,15 @@ class MeasurementInfo:
     meta: dict[str, Any]
 
     @property
+    def probes(self) -> int | None:
+        """Probes Atlas scheduled (else requested): what the results will cost."""
+        for key in ("probes_scheduled", "participant_count", "probes_requested"):
+            value = self.meta.get(key)
+            if isinstance(value, int) and value > 0:
+                return value
+        return None
+
+    @property
     def problem(self) -> AtlasError | None:
         """A clear message for a status that means trouble (forced stop,
         no suitable probes, failed), else None."""
@@ -211,6 +247,21 @@ class AtlasClient:
     def _common(self) -> dict[str, Any]:
         return {"server": self.server, "verify": self.verify}
 
+    def _send(self, request: AtlasRequest, method: str, what: str) -> Any:
+        """Send a Cousteau request, keeping the HTTP status Cousteau drops."""
+        request.build_url()
+        try:
+            response: Any = request.get_http_method(method)
+        except OSError as exc:  # requests' RequestException is an OSError
+            raise error_from_response(exc.args or (str(exc),), what) from None
+        try:
+            body: Any = response.json()
+        except ValueError:
+            body = response.text
+        if not response.ok:
+            raise error_from_response(body, what, response.status_code)
+        return body
+
     def create(
         self,
         definitions: Iterable[Mapping[str, Any]],
@@ -218,7 +269,9 @@ class AtlasClient:
         stop_time: int,
         start_time: int | None = None,
     ) -> list[int]:
-        """Create ping measurements sharing one probe source; their ids, in order."""
+        """Create ping measurements in one request: they share their probes
+        (Atlas allocates one set for the request). Their ids, in order.
+        ``AtlasNoAnswer``: the answer was lost, the creation may have happened."""
         key = self.require_key("creating measurements")
         measurements = [Ping(**dict(d)) for d in definitions]
         kwargs: dict[str, Any] = {
@@ -231,9 +284,10 @@ class AtlasClient:
         }
         if start_time is not None:
             kwargs["start_time"] = _naive_utc(start_time)
-        ok, body = AtlasCreateRequest(**kwargs).create()
-        if not ok:
-            raise error_from_response(body, "creating measurements")
+        request = AtlasCreateRequest(**kwargs)
+        request._construct_post_data()  # what Cousteau's post() does, keeping the status
+        request.http_method_args.update({"json": request.post_data})
+        body = self._send(request, "POST", "creating measurements")
         ids = body.get("measurements") if isinstance(body, Mapping) else None
         if not isinstance(ids, list) or len(ids) != len(measurements):
             raise AtlasUnavailable(
@@ -242,14 +296,53 @@ class AtlasClient:
             )
         return [int(i) for i in ids]
 
-    def measurement(self, msm_id: int) -> MeasurementInfo:
+    def find_measurements(self, tag: str) -> list[dict[str, Any]]:
+        """The key owner's measurements carrying ``tag`` (every page). A key
+        without the "list your measurements" permission falls back on the
+        public list (the campaign's measurements are public)."""
+        key = self.require_key("looking up measurements")
         try:
-            m = Measurement(id=msm_id, key=self._key, **self._common())
-        except APIResponseError as exc:
-            raise error_from_response(
-                exc.args[0] if exc.args else None, f"measurement {msm_id}"
-            ) from None
-        except CousteauGenericError as exc:
+            return self._list(f"/api/v2/measurements/my/?tags={tag}&page_size=100", key)
+        except AtlasAuthError:
+            return self._list(f"/api/v2/measurements/?tags={tag}&page_size=100", key)
+
+    def _list(self, first: str, key: str) -> list[dict[str, Any]]:
+        path: str | None = first
+        found: list[dict[str, Any]] = []
+        pages = 0
+        while path and pages < 100:
+            request = AtlasRequest(url_path=path, key=key, **self._common())
+            body = self._send(request, "GET", "looking up the campaign's measurements")
+            if not isinstance(body, Mapping):
+                raise AtlasUnavailable(
+                    "RIPE Atlas sent a measurement list that is not one",
+                    hint=f"{RESUME} later",
+                )
+            found += [m for m in body.get("results") or [] if isinstance(m, dict)]
+            nxt = body.get("next")
+            path = _path_of(nxt) if isinstance(nxt, str) and nxt else None
+            pages += 1
+        return found
+
+    def stop(self, msm_id: int) -> None:
+        """Stop a measurement (before it started: it never costs anything)."""
+        key = self.require_key("stopping measurements")
+        request = AtlasStopRequest(msm_id=msm_id, key=key, **self._common())
+        self._send(request, "DELETE", f"stopping measurement {msm_id}")
+
+    def measurement(self, msm_id: int) -> MeasurementInfo:
+        request = AtlasRequest(
+            url_path=f"/api/v2/measurements/{int(msm_id)}/", key=self._key, **self._common()
+        )
+        body = self._send(request, "GET", f"measurement {msm_id}")
+        if not isinstance(body, dict):
+            raise AtlasUnavailable(
+                f"RIPE Atlas sent measurement {msm_id} as {type(body).__name__}",
+                hint=f"{RESUME} later",
+            )
+        try:
+            m = Measurement(meta_data=body, **self._common())
+        except (CousteauGenericError, KeyError, TypeError, ValueError) as exc:
             raise AtlasError(f"measurement {msm_id}: {exc}") from None
         meta = m.meta_data if isinstance(m.meta_data, dict) else {}
         cpr = meta.get("credits_per_result")
@@ -265,15 +358,14 @@ class AtlasClient:
 
     def results(self, msm_id: int, start: int, stop: int) -> list[dict[str, Any]]:
         """Results with ``start <= timestamp <= stop`` (unix seconds)."""
-        ok, body = AtlasResultsRequest(
+        request = AtlasResultsRequest(
             msm_id=msm_id,
             start=_naive_utc(start),
             stop=_naive_utc(stop),
             key=self._key,
             **self._common(),
-        ).create()
-        if not ok:
-            raise error_from_response(body, f"the results of measurement {msm_id}")
+        )
+        body = self._send(request, "GET", f"the results of measurement {msm_id}")
         if not isinstance(body, list):
             raise AtlasUnavailable(
                 f"RIPE Atlas sent results of measurement {msm_id} that are not a list",
@@ -290,6 +382,12 @@ class AtlasClient:
             return list(ProbeRequest(id__in=ids, **self._common()))
         except APIResponseError as exc:
             raise error_from_response(exc.args[0] if exc.args else None, "probe metadata") from None
+
+
+def _path_of(url: str) -> str:
+    """Path and query of a ``next`` link (Cousteau adds the server itself)."""
+    parsed = urlparse(url)
+    return f"{parsed.path}?{parsed.query}" if parsed.query else parsed.path
 
 
 def _naive_utc(t: int) -> datetime:

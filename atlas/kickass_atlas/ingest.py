@@ -1,79 +1,134 @@
 """Atlas ping results in, per-echo outcomes joined to the reply log out, stored.
 
+What the probe firmware writes (``eperd/ping.c``, checked against the real
+``evping`` in tests/atlas): a result's entries come in the order events
+happened, without sequence numbers or times. Before the run's first reply a
+timeout writes ``{"x": "*"}`` and the probe moves on to the next sequence
+number; a reply with the awaited sequence number writes ``{"rtt"}`` and moves
+on; any other reply (a duplicate, or a late one whose sequence number has
+passed) writes ``{"dup": 1, "rtt"}``. *After* the first reply a timeout
+writes nothing and the next request re-uses the sequence number: such losses
+are countable (the run sends ``packets`` requests whatever happens) but not
+placeable from the result alone. A failed send writes ``{"error"}`` and from
+then on timeouts write nothing either. ``sent``/``rcvd``/``dup`` are added by
+RIPE's back end, not by the probe: they are stored as served but never
+trusted (a run has the measurement's ``packets`` requests). The result's
+``timestamp`` is taken when the run *ends* (start + packets x interval).
+
 Parsing. Sagan (``ripe.atlas.sagan``) reads each result and evens out the
-firmware differences: before firmware 4460 the target is ``addr``/``name``
-(not ``dst_addr``/``dst_name``), before 4570 the ICMP ``size`` includes the
-8-byte header. What Sagan cannot do is tell a timeout ``{"x": "*"}`` from an
-error entry ``{"error": "..."}`` (both are a packet with no RTT), so each of
-its packets is read beside the raw entry it came from. An entry with ``dup``
-is a duplicate *or a late reply*: the probe firmware flags every reply whose
-sequence number is not the one it waits for.
+firmware differences (before 4460 ``addr``/``name``; before 4570 an ICMP
+``size`` 8 bytes larger); each of its packets is read beside the raw entry it
+came from, since Sagan cannot tell ``{"x"}`` from ``{"error"}``.
 
-The join. An Atlas result names neither ICMP identifier nor sequence
-numbers, only the probe's public address (``from``), the target, the ping's
-start time and its entries in sending order. The responder's reply log has
-(requester address, ICMP id, sequence, what it sent, when). So:
+The join. The responder's reply log has, per request that reached it, the
+requester address, ICMP id, sequence number, the attempt (a re-used sequence
+number is a new attempt), what it sent and when. For one result:
 
-1. the log rows of one measurement's target and request size are grouped
-   per requester address and ICMP id into *runs* (one probe's ping: rows
-   within one ping's duration, sequence numbers within ``packets``);
-2. each result takes the unclaimed run of its probe's address (``from``, or
-   the probe's registered address) that started nearest its timestamp;
-3. the run's sequence numbers, relative to each other, are laid over the
-   result's entries: every entry with an RTT must fall on a reply we sent,
-   no entry the probe failed to send may. One offset fits: ``exact``. Several
-   fit (requests lost at the ends of the ping, and replies lost too): the
-   one whose timing best matches the timestamp, ``ambiguous`` — counts are
-   the same either way, only which split a lost reply had may differ. None
-   fits: ``inconsistent`` (the log lost rows, e.g. a responder crash).
+1. candidate *runs*: log rows of the measurement's target and request
+   length from the probe's address (``from``, or its registered one) within
+   the run's time (``timestamp`` - packets x interval .. ``timestamp``, plus
+   ``JOIN_SLACK_S`` for clocks), grouped per ICMP id;
+2. the result's x and rtt entries, in order, are the run's sequence numbers
+   s0, s0 + 1, ...; everything follows from s0: an x's sequence number had
+   one request (a row of ours there is a *lost* reply, no row an
+   *unanswered* request); an rtt's had one or more attempts, the probe
+   accepted the last one (or, for an RTT above the interval, an earlier one)
+   and the others' replies were *lost*; rows on the sequence number after
+   the last rtt are *lost* replies the run ended on. Before the first reply
+   each entry is one packet slot, so those rows' times must line up with
+   the packet interval; the rest are placed by their times;
+3. s0 is unknown (a real probe continues its sequence numbers from run to
+   run): every s0 under which the log fits the result is a candidate. One
+   fits: ``exact``. Several fit (only when the run's first requests never
+   reached us): the one whose timing best matches the end-of-run timestamp,
+   ``ambiguous`` — the counts are the same under every candidate (our
+   replies = the logged requests, acked = the rtt entries), only which
+   split an acked reply had may differ. None fits: ``inconsistent`` (the log
+   lacks rows: the responder was down); no row at all: ``no-log`` (then
+   nothing of the result enters a drop rate: without our log the replies may
+   have been the kernel's). Firmware that reported counts only:
+   ``aggregate``.
 
-Per echo request that gives: ``acked`` (we replied, it arrived), ``lost`` (we
-replied, the probe timed out), ``late`` (lost, then a late reply came back,
-listed by Atlas as a duplicate), ``unanswered`` (no reply of ours: the
-request was lost on the way in, or over the responder's caps) and ``error``.
-Only the first three are about our replies, so only they enter drop rates,
-exactly as the volunteers' server-sent probes do.
+Per echo request that gives: ``acked``, ``lost``, ``late`` (lost, then a
+late reply came back, listed as a duplicate), ``unanswered`` (the request
+never reached the responder, or was over its caps) and ``error``; only the
+first three are about our replies and enter drop rates, as the volunteers'
+server-sent probes do. Every result has ``packets`` outcomes.
+
+A result that cannot be read or joined is stored with ``join_status``
+``invalid`` and the reason, without outcomes: a fetch never stops on one, and
+its window's watermark commits.
 """
 
 from __future__ import annotations
 
+import bz2
+import gzip
+import io
 import json
 import logging
+import lzma
+import math
+import re
 import statistics
+import sys
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from pathlib import Path
+from typing import IO, Any
 
 from kickass_core.errors import KickassError
 from kickass_core.plan import WHOLE
-from ripe.atlas.sagan.base import ParsingDict, ResultParseError
+from ripe.atlas.sagan.base import ParsingDict
 from ripe.atlas.sagan.ping import PingResult
 
-from .campaign import Campaign
+from .campaign import Campaign, wire_ip_len
 from .client import AtlasClient, AtlasError, probe_problem
 from .store import AtlasStore, LoggedReply, OutcomeRow, ResultRow
 
 log = logging.getLogger("kickass.atlas")
 
 REPLY, TIMEOUT, ERROR = "reply", "timeout", "error"
-# A result's run may start this much before or after its timestamp, on top
-# of the ping's own duration (timestamps are whole seconds; clocks drift).
+# Rows may lie this much outside a run's nominal time: the probe's clock
+# against the responder's (probes are synchronised, within a second or two).
 JOIN_SLACK_S = 3.0
 DEFAULT_CHUNK_S = 6 * 3600
-# Results are fetched only this long after their time: probes upload late.
+# A window is read once this long after its end (probes upload late) ...
 DEFAULT_SETTLE_S = 600.0
+# ... and once more when it is this old, for the results uploaded later
+# still (a probe that was offline). Later than this is not fetched.
+DEFAULT_LATE_HORIZON_S = 24 * 3600.0
+# A run of another ICMP id whose timing fits the result this much worse than
+# the best one's is not a rival alignment (a neighbouring run's tail).
+RIVAL_RUN_S = 1.0
+# Below this packet interval, request times say nothing about packet slots.
+MIN_TIMED_INTERVAL_S = 0.05
+# Atlas ping sequence numbers are 8-bit (u_int8_t seq in ping.c).
+SEQ_MOD = 256
+MAX_ERROR_CHARS = 500
 
 
 class ResultIgnored(Exception):
-    """A result line that is not a usable IPv4 ping result (the message says why)."""
+    """A line that is not a usable IPv4 ping result (the message says why)."""
+
+
+class ResultInvalid(ResultIgnored):
+    """A result that names its measurement, probe and time but cannot be read:
+    stored as ``invalid`` if it is one of ours."""
+
+    def __init__(
+        self, reason: str, msm_id: int, prb_id: int, timestamp: int, raw: dict[str, Any]
+    ) -> None:
+        super().__init__(reason)
+        self.msm_id, self.prb_id, self.timestamp, self.raw = msm_id, prb_id, timestamp, raw
 
 
 @dataclass(slots=True)
 class Slot:
-    """One echo request of a ping, as the probe saw it."""
+    """One x, rtt or error entry of a result (not a duplicate), in order."""
 
     kind: str  # reply | timeout | error
     rtt_ms: float | None = None
@@ -88,17 +143,37 @@ class ParsedResult:
     firmware: int | None
     from_address: str | None
     dst_address: str | None
-    size: int | None  # ICMP data bytes, firmware-corrected
+    size: int | None  # ICMP data bytes, firmware-corrected (the probe's last reply's)
     sent: int | None
     rcvd: int | None
     dup: int | None
     raw: dict[str, Any]
     slots: list[Slot] | None  # None: the firmware reported counts only
     dups: list[tuple[int, float | None]] = field(default_factory=list)  # (slots before, rtt)
+    stored_at: int | None = None  # Atlas's stored_timestamp
+
+
+def _int(value: object) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    return None
+
+
+def identify(raw: Mapping[str, Any]) -> tuple[int, int, int] | None:
+    """(msm_id, prb_id, timestamp) of a result line, if it names all three."""
+    ids = (_int(raw.get("msm_id")), _int(raw.get("prb_id")), _int(raw.get("timestamp")))
+    if ids[0] is None or ids[1] is None or ids[2] is None:
+        return None
+    return ids[0], ids[1], ids[2]
 
 
 def parse_result(line: str | Mapping[str, Any]) -> ParsedResult:
-    """One Atlas result (a JSON line or its dict); ResultIgnored if unusable."""
+    """One Atlas result (a JSON line or its dict). ResultIgnored if it is not
+    an IPv4 ping result; ResultInvalid if it is one that cannot be read."""
     if isinstance(line, str):
         try:
             raw = json.loads(line)
@@ -110,41 +185,64 @@ def parse_result(line: str | Mapping[str, Any]) -> ParsedResult:
         raise ResultIgnored(
             f"not a ping result (type {raw.get('type') if isinstance(raw, dict) else None!r})"
         )
+    ids = identify(raw)
+    if ids is None:
+        raise ResultIgnored("no msm_id, prb_id or timestamp")
+    msm_id, prb_id, timestamp = ids
     try:
-        r = PingResult(
-            raw, on_error=ParsingDict.ACTION_IGNORE, on_malformation=ParsingDict.ACTION_IGNORE
-        )
-    except (ResultParseError, AttributeError, TypeError, ValueError) as exc:
-        raise ResultIgnored(f"Sagan cannot parse it: {exc}") from None
-    if r.af == 6:
+        return _parse(raw, msm_id, prb_id, timestamp)
+    except ResultIgnored:
+        raise
+    except Exception as exc:  # anything Sagan or a malformed line throws
+        raise ResultInvalid(
+            f"unreadable result: {type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS],
+            msm_id,
+            prb_id,
+            timestamp,
+            raw,
+        ) from None
+
+
+def _parse(raw: dict[str, Any], msm_id: int, prb_id: int, timestamp: int) -> ParsedResult:
+    r = PingResult(
+        raw, on_error=ParsingDict.ACTION_IGNORE, on_malformation=ParsingDict.ACTION_IGNORE
+    )
+    if r.af == 6 or (isinstance(raw.get("dst_addr"), str) and ":" in raw["dst_addr"]):
         raise ResultIgnored("an IPv6 result (the study is about IPv4 fragments)")
-    if r.measurement_id is None or r.probe_id is None:
-        raise ResultIgnored("no msm_id or prb_id")
+    entries = raw.get("result")
     slots: list[Slot] | None = None
     dups: list[tuple[int, float | None]] = []
-    entries = raw.get("result")
     if isinstance(entries, list):
+        if len(r.packets) != len(entries):
+            raise ValueError(f"{len(entries)} entries, Sagan read {len(r.packets)}")
         slots = []
-        # Sagan made one packet per entry, in order: pair them up.
         for packet, entry in zip(r.packets, entries, strict=True):
             entry = entry if isinstance(entry, Mapping) else {}
             if packet.dup:
                 dups.append((len(slots), packet.rtt))
             elif packet.rtt is not None:
                 slots.append(Slot(REPLY, rtt_ms=packet.rtt))
+            elif "rtt" in entry:  # an RTT of 0.0, which Sagan reads as none
+                slots.append(Slot(REPLY, rtt_ms=float(entry["rtt"])))
             elif "x" in entry:
                 slots.append(Slot(TIMEOUT))
             elif "error" in entry:
-                slots.append(Slot(ERROR, error=str(entry["error"])[:500]))
+                slots.append(Slot(ERROR, error=str(entry["error"])[:MAX_ERROR_CHARS]))
             else:
                 slots.append(Slot(ERROR, error=f"unrecognised entry {json.dumps(entry)[:200]}"))
+    elif entries is not None:
+        raise ValueError(f"result is a {type(entries).__name__}, not a list")
+    elif not (isinstance(raw.get("sent"), int) and isinstance(raw.get("rcvd"), int)):
+        # The archives' "measurement attempted, nothing came of it" lines.
+        raise ValueError("neither entries nor counts")
+    dst = raw.get("dst_addr") if isinstance(raw.get("dst_addr"), str) else None
     return ParsedResult(
-        msm_id=r.measurement_id,
-        prb_id=r.probe_id,
-        timestamp=int(raw["timestamp"]),
+        msm_id=msm_id,
+        prb_id=prb_id,
+        timestamp=timestamp,
         firmware=r.firmware,
-        from_address=r.origin,
-        dst_address=r.destination_address,
+        from_address=r.origin or None,
+        dst_address=dst or r.destination_address,
         size=r.packet_size,
         sent=r.packets_sent,
         rcvd=r.packets_received,
@@ -152,6 +250,7 @@ def parse_result(line: str | Mapping[str, Any]) -> ParsedResult:
         raw=raw,
         slots=slots,
         dups=dups,
+        stored_at=_int(raw.get("stored_timestamp")),
     )
 
 
@@ -169,10 +268,21 @@ class MeasurementSpec:
     ip_len: int
     packets: int
     packet_interval_ms: int
+    size: int | None = None  # the Atlas size asked for (None: ip_len - 28)
+
+    @property
+    def request_len(self) -> int:
+        """The IP length of the probe's echo requests on the wire: the probe
+        pads data shorter than its own 32-byte record."""
+        return wire_ip_len(self.ip_len - 28 if self.size is None else self.size)
+
+    @property
+    def interval_s(self) -> float:
+        return self.packet_interval_ms / 1000.0
 
     @property
     def run_len_s(self) -> float:
-        return self.packets * self.packet_interval_ms / 1000.0
+        return self.packets * self.interval_s
 
     @staticmethod
     def from_row(row: Mapping[str, Any]) -> MeasurementSpec:
@@ -184,6 +294,7 @@ class MeasurementSpec:
             ip_len=int(row["ip_len"]),
             packets=int(row["packets"]),
             packet_interval_ms=int(row["packet_interval_ms"]),
+            size=int(row["size"]) if row.get("size") is not None else None,
         )
 
 
@@ -193,256 +304,512 @@ class LoggedRun:
 
     dst: str
     icmp_id: int
-    replies: list[LoggedReply]
+    replies: list[LoggedReply]  # requests, oldest first (duplicated copies left out)
+    copies: list[LoggedReply] = field(default_factory=list)  # replies to duplicated requests
 
     @property
     def start(self) -> float:
         return self.replies[0].sent_at
 
-    def offsets(self) -> list[int]:
-        """Each reply's sequence number relative to the run's lowest (wrap-aware:
-        Atlas firmware counts modulo 256)."""
-        seqs = [r.icmp_seq for r in self.replies]
-        mod = 256 if max(seqs) < 256 else 65536
-        rel = [_signed((s - seqs[0]) % mod, mod) for s in seqs]
-        low = min(rel)
-        return [x - low for x in rel]
 
-
-def _signed(x: int, mod: int) -> int:
-    return x - mod if x > mod // 2 else x
-
-
-def group_runs(replies: Iterable[LoggedReply], spec: MeasurementSpec) -> list[LoggedRun]:
-    by_probe: dict[tuple[str, int], list[LoggedReply]] = defaultdict(list)
-    for r in replies:
-        by_probe[(r.dst_address, r.icmp_id)].append(r)
-    runs: list[LoggedRun] = []
-    limit = spec.run_len_s + 1.0
-    for (dst, icmp_id), rows in by_probe.items():
-        rows.sort(key=lambda r: r.sent_at)
-        current: LoggedRun | None = None
-        for r in rows:
-            if current is not None:
-                mod = 256 if max(r.icmp_seq, current.replies[0].icmp_seq) < 256 else 65536
-                rel = _signed((r.icmp_seq - current.replies[0].icmp_seq) % mod, mod)
-                if r.sent_at - current.start <= limit and abs(rel) < spec.packets:
-                    current.replies.append(r)
-                    continue
-            current = LoggedRun(dst, icmp_id, [r])
-            runs.append(current)
-    return runs
-
-
-def _fits(result: ParsedResult, run: LoggedRun) -> bool:
-    n = len(result.slots) if result.slots is not None else (result.sent or 0)
-    return len(set(run.offsets())) <= max(n, 1)
-
-
-def match_runs(
-    results: Sequence[ParsedResult],
-    runs: Sequence[LoggedRun],
+def runs_near(
+    res: ParsedResult,
+    by_dst: Mapping[str, Sequence[LoggedReply]],
     spec: MeasurementSpec,
     probe_addresses: Mapping[int, str | None],
-) -> dict[int, LoggedRun]:
-    """Result index -> its run: nearest in time first, each run used once."""
-    by_dst: dict[str, list[int]] = defaultdict(list)
-    for j, run in enumerate(runs):
-        by_dst[run.dst].append(j)
-    tolerance = spec.run_len_s + JOIN_SLACK_S
-    pairs: list[tuple[float, int, int]] = []
-    for i, res in enumerate(results):
-        addresses = {a for a in (res.from_address, probe_addresses.get(res.prb_id)) if a}
-        for a in addresses:
-            for j in by_dst.get(a, ()):
-                # Timestamps are whole seconds: the ping began within the second.
-                distance = abs(runs[j].start - (res.timestamp + 0.5))
-                if distance <= tolerance and _fits(res, runs[j]):
-                    pairs.append((distance, i, j))
-    pairs.sort()
-    chosen: dict[int, LoggedRun] = {}
-    used: set[int] = set()
-    for _, i, j in pairs:
-        if i not in chosen and j not in used:
-            chosen[i] = runs[j]
-            used.add(j)
-    return chosen
+) -> list[LoggedRun]:
+    """The log rows that may be ``res``'s run, one run per address and ICMP id."""
+    lo = res.timestamp - spec.run_len_s - JOIN_SLACK_S
+    hi = res.timestamp + 1.0 + JOIN_SLACK_S
+    addresses = sorted({a for a in (res.from_address, probe_addresses.get(res.prb_id)) if a})
+    groups: dict[tuple[str, int], LoggedRun] = {}
+    for address in addresses:
+        for r in by_dst.get(address, ()):
+            if lo <= r.sent_at <= hi:
+                run = groups.get((address, r.icmp_id))
+                if run is None:
+                    run = groups[(address, r.icmp_id)] = LoggedRun(address, r.icmp_id, [])
+                (run.copies if r.duplicate else run.replies).append(r)
+    runs = [g for g in groups.values() if g.replies]
+    for run in runs:
+        run.replies.sort(key=lambda r: r.sent_at)
+    return sorted(runs, key=lambda g: (g.dst, g.icmp_id))
 
 
-def align(
-    slots: Sequence[Slot],
-    offsets: Sequence[int],
-    times: Sequence[float] = (),
-    timestamp: float | None = None,
-    packet_interval_s: float = 1.0,
-) -> tuple[int, str]:
-    """The slot index of relative sequence 0, and how sure the join is."""
-    n = len(slots)
-    unique = sorted(set(offsets))
-    replies = {k for k, s in enumerate(slots) if s.kind == REPLY}
-    errors = {k for k, s in enumerate(slots) if s.kind == ERROR}
-    candidates = range(max(0, n - unique[-1])) if unique else range(1)
-    valid = []
-    for o in candidates:
-        ks = {o + r for r in unique}
-        if not ks & errors and replies <= ks:
-            valid.append(o)
-    if len(valid) == 1:
-        return valid[0], "exact"
-    if valid:
-        if times and timestamp is not None:
+@dataclass
+class _Shape:
+    """What a result's entries say about its run, sequence number by sequence number."""
 
-            def start_error(o: int) -> float:
-                start = statistics.median(
-                    t - (o + r) * packet_interval_s for t, r in zip(times, offsets, strict=True)
-                )
-                return abs(start - (timestamp + 0.5))
+    kinds: list[str]  # per sequence index: TIMEOUT or REPLY
+    rtts: list[float | None]  # per sequence index
+    positions: list[int]  # per sequence index: its entry's position among x/rtt/error
+    errors: list[int]  # positions of the error entries
+    error_exact: list[bool]  # per error entry: its position is its packet slot
+    exact_slot: list[bool]  # per sequence index: the position is the request's packet slot
+    tail_allowed: bool  # requests on the sequence number after the last entry are possible
+    first_reply_single: bool  # the first reply's sequence number had exactly one request
 
-            return min(valid, key=lambda o: (start_error(o), o)), "ambiguous"
-        return valid[0], "ambiguous"
+    @staticmethod
+    def of(slots: Sequence[Slot]) -> _Shape:
+        kinds: list[str] = []
+        rtts: list[float | None] = []
+        positions: list[int] = []
+        errors: list[int] = []
+        error_exact: list[bool] = []
+        exact: list[bool] = []
+        got_reply = False
+        error_seen = False
+        # Firmware older than the seq re-use writes an x for every lost packet,
+        # after a reply too: then every entry is one packet slot.
+        first_reply = next((i for i, s in enumerate(slots) if s.kind == REPLY), len(slots))
+        classic = any(s.kind == TIMEOUT for s in slots[first_reply:])
+        first_reply_single = False
+        for pos, s in enumerate(slots):
+            if s.kind == ERROR:
+                errors.append(pos)
+                error_exact.append(classic or (not error_seen and not got_reply))
+                error_seen = True
+                continue
+            exact_here = classic or (not error_seen and not got_reply)
+            if s.kind == REPLY and not got_reply and not error_seen:
+                first_reply_single = True
+            kinds.append(s.kind)
+            rtts.append(s.rtt_ms)
+            positions.append(pos)
+            exact.append(exact_here)
+            if s.kind == REPLY:
+                got_reply = True
+        return _Shape(
+            kinds,
+            rtts,
+            positions,
+            errors,
+            error_exact,
+            exact,
+            got_reply and not classic,
+            first_reply_single,
+        )
 
-    def score(o: int) -> tuple[int, int]:
-        ks = {o + r for r in unique}
-        return (len(replies & ks) - len(errors & ks), -o)
+    def exact(self, j: int) -> bool:
+        """Is sequence index ``j``'s entry position its request's packet slot?"""
+        return 0 <= j < len(self.kinds) and self.exact_slot[j]
 
-    return max(candidates, key=score), "inconsistent"
+    def min_slot(self, j: int) -> int:
+        """The earliest packet slot a request of sequence index ``j`` can have:
+        every entry before its own took at least one."""
+        if j < len(self.positions):
+            return self.positions[j]
+        return (max(self.positions + self.errors) + 1) if self.positions or self.errors else 0
 
 
-def outcomes_for(
-    res: ParsedResult, run: LoggedRun | None, spec: MeasurementSpec
-) -> tuple[ResultRow, list[OutcomeRow]]:
-    """The stored rows of one result joined to its run (None: no reply of ours)."""
-    result_at = datetime.fromtimestamp(res.timestamp, UTC)
-    nominal = spec.ip_len if spec.phase == WHOLE else None
-    out: list[dict[str, Any]] = []
-    if res.slots is None:
-        status = "aggregate"
-        out = _aggregate(res, run, nominal)
-    else:
-        by_slot: dict[int, list[LoggedReply]] = defaultdict(list)
-        if run is None:
-            status = "no-log"
+@dataclass
+class _Fit:
+    """One way (run, first sequence number) to lay the log over a result."""
+
+    run: LoggedRun
+    s0: int
+    index: list[int]  # per run reply: its sequence index (-1: none fits)
+    violations: int
+    score: float  # seconds between the predicted and the reported end of the run
+    anchor: float | None  # run start + one-way delay, from the slot-exact rows
+
+
+def _seq_index(seq: int, s0: int, mod: int) -> int:
+    return (seq - s0) % mod
+
+
+def _fit(res: ParsedResult, shape: _Shape, run: LoggedRun, s0: int, spec: MeasurementSpec) -> _Fit:
+    mod = SEQ_MOD if max(r.icmp_seq for r in run.replies) < SEQ_MOD else 65536
+    n_seq = len(shape.kinds)
+    last = n_seq if shape.tail_allowed else n_seq - 1
+    index: list[int] = []
+    violations = 0
+    previous = -1
+    for r in run.replies:
+        j = _seq_index(r.icmp_seq, s0, mod)
+        if j > last or j < previous:  # a probe's sequence number never goes back
+            violations += 1
+            j = -1
         else:
-            offsets = run.offsets()
-            o, status = align(
-                res.slots,
-                offsets,
-                [r.sent_at for r in run.replies],
-                res.timestamp,
-                spec.packet_interval_ms / 1000.0,
-            )
-            for reply, r in zip(run.replies, offsets, strict=True):
-                by_slot[o + r].append(reply)
-        for k, slot in enumerate(res.slots):
-            ours = by_slot.get(k)
-            first = ours[0] if ours else None
-            row: dict[str, Any] = {
-                "ip_len": first.ip_len if first else nominal,
-                "rtt_ms": slot.rtt_ms,
-                "ack_count": 0,
-                "icmp_seq": first.icmp_seq if first else None,
-                "replied_at": datetime.fromtimestamp(first.sent_at, UTC) if first else None,
-                "error": slot.error,
-            }
-            if slot.kind == ERROR:
-                row["outcome"] = "error"
-            elif slot.kind == REPLY:
-                row.update(outcome="acked", ack_count=1)
-            else:
-                row["outcome"] = "lost" if first else "unanswered"
-            out.append(row)
-        _attribute_duplicates(out, res.dups, spec.packet_interval_ms)
-    result = ResultRow(
+            previous = j
+        index.append(j)
+    per_index = Counter(j for j in index if j >= 0)
+    for j, kind in enumerate(shape.kinds):
+        count = per_index.get(j, 0)
+        if kind == TIMEOUT and count > 1:  # a timed-out sequence number is never re-sent
+            violations += count - 1
+        elif kind == REPLY and count == 0:
+            violations += 1  # the probe accepted a reply we never sent
+    if shape.first_reply_single:
+        first = shape.kinds.index(REPLY)
+        violations += max(0, per_index.get(first, 0) - 1)
+    if len(run.replies) > spec.packets - len(shape.errors):
+        violations += len(run.replies) - (spec.packets - len(shape.errors))
+    interval = spec.interval_s
+    anchor: float | None = None
+    score = math.inf
+    if interval >= MIN_TIMED_INTERVAL_S:
+        # Rows of slot-exact entries: their time minus slot x interval is the
+        # run's start (+ one-way delay) for every one of them.
+        starts = [
+            r.sent_at - shape.positions[j] * interval
+            for r, j in zip(run.replies, index, strict=True)
+            if shape.exact(j)
+        ]
+        if starts:
+            anchor = statistics.median(starts)
+            violations += sum(1 for t in starts if abs(t - anchor) > 0.35 * interval)
+            # Every other row lies within the run's packets.
+            for r, j in zip(run.replies, index, strict=True):
+                slot = (r.sent_at - anchor) / interval
+                if not -0.5 <= slot <= spec.packets - 0.5 or (
+                    j >= 0 and slot < shape.min_slot(j) - 0.5
+                ):
+                    violations += 1
+            rtts = [x for x in shape.rtts if x is not None]
+            delay = statistics.median(rtts) / 2000.0 if rtts else 0.0
+            end = anchor - delay + spec.packets * interval
+            # The firmware's time(NULL) at the run's end: within [ts, ts + 1).
+            score = abs(end - (res.timestamp + 0.5))
+        else:
+            span = (run.replies[-1].sent_at - run.replies[0].sent_at) / interval
+            if span > spec.packets - 1 + 0.5:
+                violations += 1
+            score = abs(run.replies[-1].sent_at - res.timestamp)
+    return _Fit(run, s0, index, violations, score, anchor)
+
+
+def _fits(res: ParsedResult, shape: _Shape, run: LoggedRun, spec: MeasurementSpec) -> list[_Fit]:
+    """Every first sequence number the run's first row allows."""
+    mod = SEQ_MOD if max(r.icmp_seq for r in run.replies) < SEQ_MOD else 65536
+    first = run.replies[0].icmp_seq
+    return [_fit(res, shape, run, (first - k) % mod, spec) for k in range(len(shape.kinds) + 1)]
+
+
+def _result_row(
+    res: ParsedResult, spec: MeasurementSpec, status: str, origin: str, error: str | None = None
+) -> ResultRow:
+    return ResultRow(
         msm_id=res.msm_id,
         prb_id=res.prb_id,
-        result_at=result_at,
+        result_at=datetime.fromtimestamp(res.timestamp, UTC),
         campaign_id=spec.campaign_id,
         firmware=res.firmware,
         from_address=res.from_address,
         dst_address=res.dst_address,
         size=res.size,
-        sent=res.sent,
+        sent=res.sent if res.sent is not None else spec.packets,
         rcvd=res.rcvd,
         dup=res.dup,
         join_status=status,
         raw=res.raw,
+        stored_at=datetime.fromtimestamp(res.stored_at, UTC) if res.stored_at else None,
+        origin=origin,
+        join_error=error,
     )
-    outcomes = [
+
+
+@dataclass
+class _Out:
+    """One outcome before it gets its packet slot."""
+
+    outcome: str
+    ip_len: int | None
+    want_slot: float | None = None
+    rtt_ms: float | None = None
+    ack_count: int = 0
+    reply: LoggedReply | None = None
+    error: str | None = None
+    seq_index: int = -1
+
+
+def join_one(
+    res: ParsedResult,
+    by_dst: Mapping[str, Sequence[LoggedReply]],
+    spec: MeasurementSpec,
+    probe_addresses: Mapping[int, str | None],
+    origin: str = "fetch",
+) -> tuple[ResultRow, list[OutcomeRow]]:
+    """The stored rows of one result: a pure function of the result and the
+    log, so that any batching or order of results stores the same rows."""
+    runs = runs_near(res, by_dst, spec, probe_addresses)
+    nominal = spec.request_len
+    if res.slots is None:
+        run = min(runs, key=lambda g: abs(g.replies[-1].sent_at - res.timestamp), default=None)
+        return _result_row(res, spec, "aggregate", origin), _rows(
+            res, spec, _aggregate(res, run, spec, nominal)
+        )
+    shape = _Shape.of(res.slots)
+    if not runs:
+        return _result_row(res, spec, "no-log", origin), _rows(res, spec, _no_log(res, spec))
+    if not shape.kinds:  # only errors: nothing was sent, yet we logged replies
+        fit = _Fit(runs[0], 0, [-1] * len(runs[0].replies), 1, math.inf, None)
+        candidates = [fit]
+    else:
+        candidates = [f for run in runs for f in _fits(res, shape, run, spec)]
+    valid = [f for f in candidates if f.violations == 0]
+    if valid:
+        best = min(valid, key=lambda f: (f.score, f.run.dst, f.run.icmp_id, f.s0))
+        # Another alignment of the same run leaves which reply was acked
+        # open; another run competes only as close in time (two probes behind
+        # one address), not the tail of a neighbouring run in the window.
+        rivals = [
+            f
+            for f in valid
+            if f is not best and (f.run is best.run or f.score - best.score < RIVAL_RUN_S)
+        ]
+        status = "ambiguous" if rivals else "exact"
+    else:
+        best = min(
+            candidates, key=lambda f: (f.violations, f.score, f.run.dst, f.run.icmp_id, f.s0)
+        )
+        status = "inconsistent"
+    return _result_row(res, spec, status, origin), _rows(res, spec, _assign(res, shape, best, spec))
+
+
+def _assign(res: ParsedResult, shape: _Shape, fit: _Fit, spec: MeasurementSpec) -> list[_Out]:
+    interval = spec.interval_s
+    whole = spec.phase == WHOLE
+    outs: list[_Out] = []
+    by_index: dict[int, list[LoggedReply]] = defaultdict(list)
+    unplaced: list[LoggedReply] = []
+    for r, j in zip(fit.run.replies, fit.index, strict=True):
+        (by_index[j] if j >= 0 else unplaced).append(r)
+
+    def want(r: LoggedReply) -> float | None:
+        return None if fit.anchor is None else (r.sent_at - fit.anchor) / interval
+
+    def ours(r: LoggedReply, outcome: str, j: int, **kw: Any) -> _Out:
+        return _Out(outcome, r.ip_len, want(r), reply=r, seq_index=j, **kw)
+
+    accepted: dict[int, _Out] = {}
+    for j, kind in enumerate(shape.kinds):
+        rows = by_index.get(j, [])
+        if kind == TIMEOUT:
+            outs += [ours(r, "lost", j) for r in rows]
+            if not rows:
+                slot = float(shape.positions[j]) if shape.exact(j) else None
+                outs.append(_Out("unanswered", nominal_len(spec), slot, seq_index=j))
+            continue
+        rtt = shape.rtts[j]
+        if not rows:
+            # The probe accepted a reply our log lacks (the fit counted it as
+            # a violation): kept as acked, but in no drop rate.
+            outs.append(_Out("acked", None, rtt_ms=rtt, ack_count=1, seq_index=j))
+            continue
+        pick = len(rows) - 1
+        if rtt is not None and interval > 0 and rtt >= spec.packet_interval_ms:
+            # Accepted late: the reply to an attempt that many intervals earlier.
+            target = rows[-1].sent_at - math.floor(rtt / spec.packet_interval_ms) * interval
+            pick = min(range(len(rows)), key=lambda i: (abs(rows[i].sent_at - target), -i))
+        for i, r in enumerate(rows):
+            if i == pick:
+                out = ours(r, "acked", j, rtt_ms=rtt, ack_count=1)
+                accepted[j] = out
+                outs.append(out)
+            else:
+                outs.append(ours(r, "lost", j))
+    tail = len(shape.kinds)
+    outs += [ours(r, "lost", tail) for r in by_index.get(tail, [])]
+    outs += [ours(r, "lost", -1) for r in unplaced]
+    _attribute_duplicates(res, shape, outs, accepted, fit, spec)
+    slots = res.slots or []
+    outs += [
+        _Out("error", None, float(pos) if exact else None, error=slots[pos].error)
+        for pos, exact in zip(shape.errors, shape.error_exact, strict=True)
+    ]
+    requests = sum(1 for o in outs if o.outcome != "error")
+    for _ in range(max(0, spec.packets - len(shape.errors) - requests)):
+        outs.append(_Out("unanswered", nominal_len(spec)))
+    # An inconsistent fit can place more requests than the run sent: our
+    # replies are facts, the unanswered placeholders go first.
+    surplus = sum(1 for o in outs if o.outcome != "error") - (spec.packets - len(shape.errors))
+    while surplus > 0 and any(o.outcome == "unanswered" for o in outs):
+        outs.remove(next(o for o in reversed(outs) if o.outcome == "unanswered"))
+        surplus -= 1
+    if not whole:
+        for o in outs:
+            if o.reply is None:
+                o.ip_len = None  # a split no reply of ours tells
+    return outs
+
+
+def nominal_len(spec: MeasurementSpec) -> int | None:
+    """ip_len of an outcome without a reply of ours: the request's for whole
+    sizes (the view's ``unanswered`` column), unknown for a split."""
+    return spec.request_len if spec.phase == WHOLE else None
+
+
+def _event_times(
+    res: ParsedResult, shape: _Shape, accepted: Mapping[int, _Out], fit: _Fit, spec: MeasurementSpec
+) -> list[float | None]:
+    """When each x/rtt/error entry was written, on the responder's clock: an
+    x when its packet's timer fired, an rtt when its reply came back (our
+    reply's time plus the round trip); unknown for an error."""
+    times: list[float | None] = [None] * len(res.slots or [])
+    for j, pos in enumerate(shape.positions):
+        out = accepted.get(j)
+        if shape.kinds[j] == TIMEOUT:
+            if fit.anchor is not None and shape.exact(j):
+                times[pos] = fit.anchor + (pos + 1) * spec.interval_s
+        elif out is not None and out.reply is not None:
+            times[pos] = out.reply.sent_at + (out.rtt_ms or 0.0) / 2000.0
+    return times
+
+
+def _attribute_duplicates(
+    res: ParsedResult,
+    shape: _Shape,
+    outs: list[_Out],
+    accepted: Mapping[int, _Out],
+    fit: _Fit,
+    spec: MeasurementSpec,
+) -> None:
+    """A duplicate entry with an RTT of at least the packet interval is a
+    late reply: the sequence number it answered had passed, so it belongs to
+    a lost reply of an earlier sequence number, which turns ``late``. Other
+    duplicates are copies of a reply that arrived (a duplicated packet),
+    counted in its ``ack_count``."""
+    events = _event_times(res, shape, accepted, fit, spec)
+    slots = res.slots or []
+    for before, rtt in res.dups:
+        current = sum(1 for s in slots[:before] if s.kind != ERROR)
+        if rtt is None:
+            continue
+        if rtt >= spec.packet_interval_ms:
+            lost = [o for o in outs if o.outcome in ("lost", "late") and 0 <= o.seq_index < current]
+            if lost:
+                # It came back between the entries around it: its request
+                # left about ``rtt`` before that.
+                prev = next((t for t in reversed(events[:before]) if t is not None), None)
+                nxt = next((t for t in events[before:] if t is not None), None)
+                known = [t for t in (prev, nxt) if t is not None]
+                if known:
+                    sent = sum(known) / len(known) - rtt / 1000.0
+                else:
+                    sent = max(o.reply.sent_at for o in lost if o.reply is not None)
+                # A reply is late once: a lost one not yet late first.
+                o = min(
+                    lost,
+                    key=lambda o: (
+                        o.outcome == "late",
+                        abs((o.reply.sent_at if o.reply else 0.0) - sent),
+                    ),
+                )
+                o.outcome = "late"
+                o.ack_count += 1
+                if o.rtt_ms is None:
+                    o.rtt_ms = rtt
+                continue
+        acked = [o for o in outs if o.outcome in ("acked", "late")]
+        if acked:
+            near = accepted.get(current - 1)
+            (near if near is not None else acked[-1]).ack_count += 1
+
+
+def _no_log(res: ParsedResult, spec: MeasurementSpec) -> list[_Out]:
+    """No reply of ours at all: the entries as the probe saw them, none in a
+    drop rate (without our log an rtt may have been the kernel's reply)."""
+    outs: list[_Out] = []
+    for pos, s in enumerate(res.slots or []):
+        if s.kind == REPLY:
+            outs.append(_Out("acked", None, float(pos), rtt_ms=s.rtt_ms, ack_count=1))
+        elif s.kind == TIMEOUT:
+            outs.append(_Out("unanswered", None, float(pos)))
+        else:
+            outs.append(_Out("error", None, float(pos), error=s.error))
+    for _ in range(max(0, spec.packets - len(outs))):
+        outs.append(_Out("unanswered", None))
+    return outs
+
+
+def _aggregate(
+    res: ParsedResult, run: LoggedRun | None, spec: MeasurementSpec, nominal: int
+) -> list[_Out]:
+    """Firmware that reported only counts: as many outcomes as it allows."""
+    sent = res.sent or 0
+    rcvd = min(res.rcvd or 0, sent)
+    replied = len(run.replies) if run is not None else rcvd
+    replied = min(max(replied, rcvd), sent)
+    ip_len = nominal if spec.phase == WHOLE and run is not None else None
+    return (
+        [_Out("acked", ip_len, ack_count=1) for _ in range(rcvd)]
+        + [_Out("lost", ip_len) for _ in range(replied - rcvd)]
+        + [_Out("unanswered", nominal_len(spec)) for _ in range(sent - replied)]
+    )
+
+
+def _rows(res: ParsedResult, spec: MeasurementSpec, outs: list[_Out]) -> list[OutcomeRow]:
+    """Each outcome gets a distinct packet slot: the one its time (or its
+    entry) says where it can, the free ones in order for the rest."""
+    n = max(spec.packets, len(outs))
+    free = set(range(n))
+    slot: dict[int, int] = {}
+    wanted = sorted(
+        (i for i, o in enumerate(outs) if o.want_slot is not None),
+        key=lambda i: (outs[i].want_slot, i),
+    )
+    for i in wanted:
+        w = outs[i].want_slot
+        assert w is not None
+        k = min(free, key=lambda s: (abs(s - w), s))
+        slot[i] = k
+        free.discard(k)
+    rest = sorted(free)
+    for i in range(len(outs)):
+        if i not in slot:
+            slot[i] = rest.pop(0)
+    result_at = datetime.fromtimestamp(res.timestamp, UTC)
+    rows = [
         OutcomeRow(
             msm_id=res.msm_id,
             prb_id=res.prb_id,
             result_at=result_at,
-            packet_index=k,
+            packet_index=slot[i],
             campaign_id=spec.campaign_id,
             phase=spec.phase,
-            ip_len=row["ip_len"],
-            outcome=row["outcome"],
-            rtt_ms=row["rtt_ms"],
-            ack_count=row["ack_count"],
-            icmp_seq=row["icmp_seq"],
-            replied_at=row["replied_at"],
-            error=row["error"],
+            ip_len=o.ip_len,
+            outcome=o.outcome,
+            rtt_ms=o.rtt_ms,
+            ack_count=o.ack_count,
+            icmp_seq=o.reply.icmp_seq if o.reply else None,
+            replied_at=datetime.fromtimestamp(o.reply.sent_at, UTC) if o.reply else None,
+            error=o.error,
+            attempt=o.reply.attempt if o.reply else None,
         )
-        for k, row in enumerate(out)
+        for i, o in enumerate(outs)
     ]
-    return result, outcomes
+    return sorted(rows, key=lambda r: r.packet_index)
 
 
-def _attribute_duplicates(
-    out: list[dict[str, Any]], dups: Sequence[tuple[int, float | None]], packet_interval_ms: int
-) -> None:
-    """A duplicate entry with an RTT of at least the packet interval is a late
-    reply (the probe had timed its request out and moved on): it turns the
-    lost request it most likely belongs to ``late``. Otherwise it is a true
-    duplicate of a reply that arrived, counted in ``ack_count``."""
-    for pos, rtt in dups:
-        if rtt is None:
-            continue
-        prior = range(min(pos, len(out)))
-        if rtt >= packet_interval_ms:
-            # It came back while request `pos` was outstanding, `rtt` after
-            # its own request was sent.
-            estimate = pos + 0.5 - rtt / packet_interval_ms
-            lost = [k for k in prior if out[k]["outcome"] in ("lost", "late")]
-            if lost:
-                k = min(lost, key=lambda k: (abs(k - estimate), -k))
-                row = out[k]
-                row["outcome"] = "late"
-                row["ack_count"] += 1
-                if row["rtt_ms"] is None:
-                    row["rtt_ms"] = rtt
-                continue
-        acked = [k for k in range(len(out)) if out[k]["outcome"] in ("acked", "late")]
-        if acked:
-            k = min(acked, key=lambda k: (abs(k - (pos - 1)), k))
-            out[k]["ack_count"] += 1
-
-
-def _aggregate(
-    res: ParsedResult, run: LoggedRun | None, nominal: int | None
-) -> list[dict[str, Any]]:
-    """Firmware that reported only counts: as many outcomes as it allows."""
-    sent = res.sent or 0
-    rcvd = min(res.rcvd or 0, sent)
-    replied = len(set(run.offsets())) if run is not None else rcvd
-    replied = min(max(replied, rcvd), sent)
-
-    def row(outcome: str) -> dict[str, Any]:
-        return {
-            "ip_len": nominal,
-            "outcome": outcome,
-            "rtt_ms": None,
-            "ack_count": 1 if outcome == "acked" else 0,
-            "icmp_seq": None,
-            "replied_at": None,
-            "error": None,
-        }
-
-    return (
-        [row("acked")] * rcvd
-        + [row("lost")] * (replied - rcvd)
-        + [row("unanswered")] * (sent - replied)
+def invalid_row(
+    bad: ResultInvalid | ParsedResult, spec: MeasurementSpec, origin: str, reason: str
+) -> ResultRow:
+    """The row of a result of ours that could not be read or joined."""
+    raw = bad.raw
+    return ResultRow(
+        msm_id=bad.msm_id,
+        prb_id=bad.prb_id,
+        result_at=datetime.fromtimestamp(bad.timestamp, UTC),
+        campaign_id=spec.campaign_id,
+        firmware=_int(raw.get("fw")),
+        from_address=None,
+        dst_address=None,
+        size=None,
+        sent=None,
+        rcvd=None,
+        dup=None,
+        join_status="invalid",
+        raw=raw,
+        stored_at=_stored_at(raw),
+        origin=origin,
+        join_error=reason[:MAX_ERROR_CHARS],
     )
+
+
+def _stored_at(raw: Mapping[str, Any]) -> datetime | None:
+    t = _int(raw.get("stored_timestamp"))
+    return datetime.fromtimestamp(t, UTC) if t else None
 
 
 def join(
@@ -450,19 +817,28 @@ def join(
     replies: Iterable[LoggedReply],
     spec: MeasurementSpec,
     probe_addresses: Mapping[int, str | None],
+    origin: str = "fetch",
 ) -> tuple[list[ResultRow], list[OutcomeRow]]:
-    runs = group_runs(replies, spec)
-    chosen = match_runs(results, runs, spec, probe_addresses)
+    """Every result joined on its own (``join_one``); one that cannot be is
+    ``invalid``, never an exception."""
+    by_dst: dict[str, list[LoggedReply]] = defaultdict(list)
+    for r in replies:
+        by_dst[r.dst_address].append(r)
     rows: list[ResultRow] = []
     outcomes: list[OutcomeRow] = []
-    for i, res in enumerate(results):
-        row, outs = outcomes_for(res, chosen.get(i), spec)
+    for res in results:
+        try:
+            row, outs = join_one(res, by_dst, spec, probe_addresses, origin)
+        except Exception as exc:  # a bug must cost one result, not the window
+            log.exception("result of probe %s at %s cannot be joined", res.prb_id, res.timestamp)
+            rows.append(invalid_row(res, spec, origin, f"join failed: {type(exc).__name__}: {exc}"))
+            continue
         rows.append(row)
         outcomes.extend(outs)
     return rows, outcomes
 
 
-# -- fetching ----------------------------------------------------------------------------
+# -- fetching and importing ------------------------------------------------------------------
 
 
 @dataclass
@@ -471,6 +847,7 @@ class FetchReport:
     chunks: int = 0
     results_new: int = 0
     results_seen: int = 0
+    results_late: int = 0
     ignored: Counter[str] = field(default_factory=Counter)
     join: Counter[str] = field(default_factory=Counter)
     outcomes: Counter[str] = field(default_factory=Counter)
@@ -483,12 +860,24 @@ class FetchReport:
             "chunks": self.chunks,
             "results_new": self.results_new,
             "results_seen": self.results_seen,
+            "results_late": self.results_late,
             "ignored": dict(self.ignored),
             "join": dict(self.join),
             "outcomes": dict(self.outcomes),
             "probes": len(self.probes),
             "warnings": [{"message": w.message, "hint": w.hint} for w in self.warnings],
         }
+
+
+def _measurement_specs(store: AtlasStore, campaign: Campaign) -> tuple[int, list[dict[str, Any]]]:
+    campaign_id = store.campaign_id(campaign.name)
+    measurements = store.measurements(campaign_id) if campaign_id is not None else []
+    if campaign_id is None or not measurements:
+        raise KickassError(
+            f"campaign {campaign.name!r} has no measurements yet",
+            hint="create them first: kickass atlas create CAMPAIGN.yaml",
+        )
+    return campaign_id, measurements
 
 
 def fetch_campaign(
@@ -498,29 +887,35 @@ def fetch_campaign(
     *,
     settle_s: float = DEFAULT_SETTLE_S,
     chunk_s: int = DEFAULT_CHUNK_S,
+    late_horizon_s: float = DEFAULT_LATE_HORIZON_S,
     now: Callable[[], float] = time.time,
     progress: Callable[[str], None] = lambda _msg: None,
 ) -> FetchReport:
     """Fetch every measurement's new results, window by window from its
     watermark; each window commits with its watermark, so an interruption
-    loses nothing and fetches nothing twice."""
-    campaign_id = store.campaign_id(campaign.name)
-    measurements = store.measurements(campaign_id) if campaign_id is not None else []
-    if campaign_id is None or not measurements:
-        raise KickassError(
-            f"campaign {campaign.name!r} has no measurements yet",
-            hint="create them first: kickass atlas create CAMPAIGN.yaml",
-        )
+    loses nothing. Windows ``late_horizon_s`` old are read once more for
+    the results probes uploaded late."""
+    campaign_id, measurements = _measurement_specs(store, campaign)
     report = FetchReport()
     warned_probes: set[int] = set()
     for m in measurements:
         spec = MeasurementSpec.from_row(m)
         try:
             _fetch_measurement(
-                store, client, spec, m, report, warned_probes, settle_s, chunk_s, now(), progress
+                store,
+                client,
+                spec,
+                m,
+                report,
+                warned_probes,
+                settle_s,
+                chunk_s,
+                late_horizon_s,
+                now(),
+                progress,
             )
         except AtlasError as exc:
-            store.update_measurement(spec.msm_id, last_error=exc.message[:500])
+            store.update_measurement(spec.msm_id, last_error=exc.message[:MAX_ERROR_CHARS])
             raise
         report.measurements += 1
     if report.probes:
@@ -537,6 +932,7 @@ def _fetch_measurement(
     warned_probes: set[int],
     settle_s: float,
     chunk_s: int,
+    late_horizon_s: float,
     now: float,
     progress: Callable[[str], None],
 ) -> None:
@@ -551,44 +947,127 @@ def _fetch_measurement(
     )
     if info.problem is not None:
         report.warnings.append(info.problem)
-    begin = row.get("fetched_until") or info.start_time or row["created_at"]
-    start = int(begin.timestamp())
-    end = int(now - settle_s)
-    if info.stop_time is not None:
-        end = min(end, int(info.stop_time.timestamp()) + 1)
-    margin = spec.run_len_s + JOIN_SLACK_S + 2.0
-    while start < end:
-        stop = min(start + chunk_s, end)
+    first = info.start_time or row.get("start_time") or row["created_at"]
+    stop_limit = int(info.stop_time.timestamp()) + 1 if info.stop_time is not None else None
+    fetched = row.get("fetched_until")
+
+    def windows(start: int, end: int) -> Iterator[tuple[int, int]]:
+        if stop_limit is not None:
+            end = min(end, stop_limit)
+        while start < end:
+            stop = min(start + chunk_s, end)
+            yield start, stop
+            start = stop
+
+    def read(start: int, stop: int, recheck: bool) -> None:
         lines = client.results(spec.msm_id, start, stop - 1)
-        parsed: list[ParsedResult] = []
-        for line in lines:
-            try:
-                res = parse_result(line)
-            except ResultIgnored as exc:
-                report.ignored[str(exc).split(":")[0]] += 1
-                continue
-            if res.msm_id != spec.msm_id:
-                report.ignored["another measurement's result"] += 1
-                continue
-            parsed.append(res)
-        prb_ids = {r.prb_id for r in parsed}
-        addresses = _probe_metadata(store, client, prb_ids, report, warned_probes)
-        replies = store.reply_log(
-            spec.campaign_id, spec.target, spec.ip_len, start - margin, stop + margin
+        fetcher = _Fetcher(store, client, report, warned_probes)
+        new = ingest_window(
+            store,
+            spec,
+            lines,
+            start,
+            stop,
+            report,
+            fetcher.addresses,
+            watermark=datetime.fromtimestamp(stop, UTC),
+            recheck=recheck,
+            origin="fetch",
         )
-        rows, outcomes = join(parsed, replies, spec, addresses)
-        new = store.store_chunk(spec.msm_id, rows, outcomes, datetime.fromtimestamp(stop, UTC))
-        report.chunks += 1
-        report.results_seen += len(rows)
-        report.results_new += new
-        report.join.update(r.join_status for r in rows)
-        report.outcomes.update(o.outcome for o in outcomes)
-        report.probes |= prb_ids
+        what = "late re-read" if recheck else "read"
         progress(
-            f"measurement {spec.msm_id} ({spec.phase} {spec.ip_len}): {new} new results up to "
-            f"{datetime.fromtimestamp(stop, UTC):%Y-%m-%d %H:%M:%S}Z"
+            f"measurement {spec.msm_id} ({spec.phase} {spec.ip_len}): {new} new results "
+            f"({what}) up to {datetime.fromtimestamp(stop, UTC):%Y-%m-%d %H:%M:%S}Z"
         )
-        start = stop
+
+    # The late re-read first: windows read once, now late_horizon old.
+    if fetched is not None:
+        recheck_from = row.get("rechecked_until") or first
+        recheck_to = min(int(fetched.timestamp()), int(now - late_horizon_s))
+        for start, stop in windows(int(recheck_from.timestamp()), recheck_to):
+            read(start, stop, recheck=True)
+    begin = fetched or first
+    for start, stop in windows(int(begin.timestamp()), int(now - settle_s)):
+        read(start, stop, recheck=False)
+
+
+class _Fetcher:
+    """Probe metadata through the API, once per fetch per probe."""
+
+    def __init__(
+        self, store: AtlasStore, client: AtlasClient, report: FetchReport, warned: set[int]
+    ) -> None:
+        self.store, self.client, self.report, self.warned = store, client, report, warned
+
+    def addresses(self, prb_ids: set[int]) -> dict[int, str | None]:
+        return _probe_metadata(self.store, self.client, prb_ids, self.report, self.warned)
+
+
+def ingest_window(
+    store: AtlasStore,
+    spec: MeasurementSpec,
+    lines: Iterable[str | Mapping[str, Any]],
+    start: float,
+    stop: float,
+    report: FetchReport,
+    addresses: Callable[[set[int]], Mapping[int, str | None]],
+    *,
+    watermark: datetime | None,
+    recheck: bool = False,
+    origin: str = "fetch",
+) -> int:
+    """Parse, join and store one window's lines of one measurement; returns
+    the new results. Nothing in a line can stop it."""
+    parsed: dict[tuple[int, int], ParsedResult] = {}
+    invalid: dict[tuple[int, int], ResultRow] = {}
+    for line in lines:
+        try:
+            res = parse_result(line)
+        except ResultInvalid as bad:
+            if bad.msm_id == spec.msm_id:
+                key = (bad.prb_id, bad.timestamp)
+                if key not in parsed and key not in invalid:
+                    invalid[key] = invalid_row(bad, spec, origin, str(bad))
+            else:
+                report.ignored["another measurement's result"] += 1
+            continue
+        except ResultIgnored as exc:
+            report.ignored[str(exc).split(":")[0]] += 1
+            continue
+        if res.msm_id != spec.msm_id:
+            report.ignored["another measurement's result"] += 1
+            continue
+        # One result per probe and time: the first line wins, as in the table.
+        key = (res.prb_id, res.timestamp)
+        if key not in parsed and key not in invalid:
+            parsed[key] = res
+    results = list(parsed.values())
+    prb_ids = {r.prb_id for r in results} | {k[0] for k in invalid}
+    probe_addresses = addresses({r.prb_id for r in results}) if results else {}
+    margin = spec.run_len_s + JOIN_SLACK_S + 2.0
+    replies = (
+        store.reply_log(
+            spec.campaign_id, spec.target, spec.request_len, start - margin, stop + margin
+        )
+        if results
+        else []
+    )
+    rows, outcomes = join(results, replies, spec, probe_addresses, origin)
+    rows += invalid.values()
+    fresh = store.store_window(spec.msm_id, rows, outcomes, watermark, recheck=recheck)
+    new = len(fresh)
+    report.chunks += 1
+    report.results_seen += len(rows)
+    report.results_new += new
+    if recheck:
+        report.results_late += new
+    # What was stored this time (a result seen before keeps its first rows).
+    report.join.update(r.join_status for r in rows if (r.msm_id, r.prb_id, r.result_at) in fresh)
+    report.outcomes.update(
+        o.outcome for o in outcomes if (o.msm_id, o.prb_id, o.result_at) in fresh
+    )
+    report.probes |= prb_ids
+    return new
 
 
 def _probe_metadata(
@@ -618,3 +1097,142 @@ def _probe_metadata(
                     )
                 )
     return store.known_probes(prb_ids)
+
+
+# -- import ------------------------------------------------------------------------------
+
+_MSM_ID = re.compile(rb'"msm_id"\s*:\s*"?(\d+)')
+
+
+def read_result_lines(source: str | Path) -> Iterator[bytes | dict[str, Any]]:
+    """Result lines from a file (``-``: standard input): the results API's
+    JSON list, newline-delimited JSON (the API's ``format=txt``, RIPE Atlas's
+    hourly archive dumps), each as is or bzip2/gzip/xz-compressed (told by
+    their first bytes, not the name). Yields raw lines (bytes) or, from a
+    JSON list, the objects."""
+    if str(source) == "-":
+        raw: IO[bytes] = sys.stdin.buffer
+    else:
+        try:
+            raw = open(source, "rb")  # noqa: SIM115 - closed below, also on errors
+        except OSError as exc:
+            raise KickassError(
+                f"cannot read {source}: {exc.strerror or exc}",
+                hint="give a file of Atlas result lines, or - for standard input",
+            ) from None
+    try:
+        reader: Any = raw if isinstance(raw, io.BufferedReader) else io.BufferedReader(raw)
+        head = reader.peek(8)[:8]
+        # Every decompressor here can peek, as the plain reader can.
+        stream: Any
+        if head.startswith(b"BZh"):
+            stream = bz2.BZ2File(reader)
+        elif head.startswith(b"\x1f\x8b"):
+            stream = gzip.GzipFile(fileobj=reader)
+        elif head.startswith(b"\xfd7zXZ\x00"):
+            stream = lzma.LZMAFile(reader)  # noqa: SIM115 - closed with the file
+        else:
+            stream = reader
+        first = stream.peek(4096).lstrip()[:1]
+        if first == b"[":
+            try:
+                data = json.load(io.TextIOWrapper(stream, encoding="utf-8"))
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise KickassError(
+                    f"{source}: not a JSON list of results: {exc}",
+                    hint="the results API's JSON, or one JSON result per line",
+                ) from None
+            yield from data if isinstance(data, list) else [data]
+            return
+        for line in stream:
+            if line.strip():
+                yield line
+    except (OSError, EOFError, lzma.LZMAError) as exc:
+        raise KickassError(
+            f"{source}: cannot decompress or read: {exc}",
+            hint="bzip2, gzip or xz archives, or plain JSON",
+        ) from None
+    finally:
+        if raw is not sys.stdin.buffer:
+            raw.close()
+
+
+def import_campaign(
+    store: AtlasStore,
+    campaign: Campaign,
+    lines: Iterable[bytes | str | Mapping[str, Any]],
+    *,
+    chunk_s: int = DEFAULT_CHUNK_S,
+    progress: Callable[[str], None] = lambda _msg: None,
+) -> FetchReport:
+    """Store result lines from files exactly as ``fetch`` stores the API's:
+    same parsing, join and rows (origin ``import``), idempotent; no
+    watermark moves and no API is asked (probe addresses: those stored)."""
+    campaign_id, measurements = _measurement_specs(store, campaign)
+    specs = {int(m["msm_id"]): MeasurementSpec.from_row(m) for m in measurements}
+    report = FetchReport()
+    by_msm: dict[int, list[tuple[int, str | Mapping[str, Any]]]] = defaultdict(list)
+    for line in lines:
+        msm_id = _peek_msm_id(line)
+        if msm_id is None:
+            report.ignored["no msm_id (not an Atlas result line)"] += 1
+            continue
+        if msm_id not in specs:
+            # The archive dumps hold every public measurement: not an error.
+            report.ignored["another measurement's result"] += 1
+            continue
+        item = _as_object(line)
+        timestamp = _int(item.get("timestamp")) if isinstance(item, Mapping) else None
+        if timestamp is None:
+            # Unreadable or no time: the window of time 0, stored as invalid
+            # if it names a probe and a time, else counted as ignored.
+            timestamp = 0
+        by_msm[msm_id].append((timestamp, item))
+    for msm_id, items in sorted(by_msm.items()):
+        spec = specs[msm_id]
+        items.sort(key=lambda x: x[0])
+        i = 0
+        while i < len(items):
+            start = items[i][0] - items[i][0] % chunk_s
+            stop = start + chunk_s
+            j = i
+            while j < len(items) and items[j][0] < stop:
+                j += 1
+            new = ingest_window(
+                store,
+                spec,
+                [x[1] for x in items[i:j]],
+                start,
+                stop,
+                report,
+                store.known_probes,
+                watermark=None,
+                origin="import",
+            )
+            progress(f"measurement {msm_id}: {new} new results of {j - i}")
+            i = j
+        report.measurements += 1
+    if report.probes:
+        store.refresh_verdicts(campaign_id, report.probes)
+    return report
+
+
+def _as_object(line: bytes | str | Mapping[str, Any]) -> str | Mapping[str, Any]:
+    """A line as its JSON object (parsed once), or as text if it is not JSON."""
+    if isinstance(line, Mapping):
+        return line
+    text_line = line.decode("utf-8", errors="replace") if isinstance(line, bytes) else line
+    try:
+        obj = json.loads(text_line)
+    except ValueError:
+        return text_line
+    return obj if isinstance(obj, dict) else text_line
+
+
+def _peek_msm_id(line: bytes | str | Mapping[str, Any]) -> int | None:
+    """The line's msm_id, found without parsing the line (the archive dumps
+    are mostly other measurements' results)."""
+    if isinstance(line, Mapping):
+        return _int(line.get("msm_id"))
+    m = _MSM_ID.search(line.encode() if isinstance(line, str) else line)
+    return int(m.group(1)) if m else None

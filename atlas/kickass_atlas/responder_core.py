@@ -4,7 +4,7 @@ RIPE Atlas probes ping the server (kickass_atlas). ``ResponderCore``
 is fed every IPv4 datagram the raw socket received, with the time
 (``on_request(now, datagram)``), and answers with at most one ``Reply``: the
 raw IP packets to send and the ``ReplyRecord`` to log. No sockets, clocks or
-database in here: ``icmp_responder.IcmpResponder`` owns those, and the tests
+database in here: ``responder.IcmpResponder`` owns those, and the tests
 drive this class on simulated time (as ``probe_core.ProbeCore``).
 
 What it answers (the fragment viability study, paper §IV-C):
@@ -14,11 +14,25 @@ What it answers (the fragment viability study, paper §IV-C):
 * on a ``split`` address, a 1500-byte echo request gets a 1500-byte reply
   cut in two at a leading-fragment length of the campaign's split sweep (the
   leading fragment's IP length, as the paper counts it). The split is chosen
-  per reply, cycling through the sweep per probe — a probe being a requester
-  address and ICMP identifier — from a starting point that differs between
-  probes, so one Atlas measurement covers the whole sweep;
+  per request, cycling through the sweep per probe's stream (below) from a
+  starting point that differs between probes, so one Atlas measurement
+  covers the whole sweep;
 * the reply echoes identifier, sequence number and data exactly: Atlas
   probes discard a reply whose payload is not the one they sent.
+
+Re-used sequence numbers. The probe firmware (``eperd/ping.c``) moves to the
+next sequence number only when a reply arrives, or on a timeout before the
+run's first reply; after a first reply, a lost reply makes the next echo
+request *re-use* the sequence number. Such a re-send is a new request (its
+data differ: they start with the probe's send time) and is answered as one:
+with the next split of the sweep, so a split the path drops never holds the
+probe's sweep on itself, and logged with ``attempt`` 1, 2, ... (0 for the
+first request with that sequence number). A byte-identical copy of a request
+already answered (the network duplicated it) is not a new request: it gets
+the same split again and is logged with ``duplicate`` set. The state is kept
+per *stream* (requester address, target address, ICMP id, request length):
+one probe's concurrent measurements share its ICMP id but never a target and
+size.
 
 The server must never become a flood cannon, whatever arrives (ARCHITECTURE.md,
 "The server is not a flood cannon"):
@@ -64,6 +78,9 @@ SWEEP_INTERVAL_S = 10.0
 # More requesters than this at once (a spoofed-source flood): new ones are
 # refused until the sweep frees buckets; the global cap holds regardless.
 MAX_TRACKED = 200_000
+# Requests remembered per stream to recognise a duplicated one: the network
+# delivers a copy within milliseconds, before the probe's next request.
+RECENT_REQUESTS = 3
 
 # Reasons a request got no reply, named once (the stats and the tests use them).
 NOT_IPV4 = "not_ipv4"
@@ -119,6 +136,8 @@ class ReplyRecord:
     phase: str  # whole | split
     ip_len: int  # whole: the reply's IP length; split: the leading fragment's
     sent_at: float  # the `now` it was answered at (unix seconds)
+    attempt: int = 0  # re-sends of this sequence number before it (that reached us)
+    duplicate: bool = False  # a byte-identical copy of a request already answered
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,10 +194,10 @@ class ResponderCore:
         self._by_address: dict[bytes, TokenBucket] = {}
         self._by_prefix: dict[bytes, TokenBucket] = {}
         self._next_sweep = now + SWEEP_INTERVAL_S
-        # Per probe (requester address + ICMP id): the next split index, and
-        # the last sequence number with the split it got (a duplicated request
-        # is answered with the same split).
-        self._cycle: OrderedDict[bytes, list[int]] = OrderedDict()
+        # Per stream (requester, target, ICMP id, request length), oldest
+        # first for eviction: where it is in the split sweep, its last sequence
+        # number and attempt, and its last few requests (duplicates).
+        self._streams: OrderedDict[bytes, _Stream] = OrderedDict()
         self._ip_id = secrets.randbelow(1 << 16) if first_ip_id is None else first_ip_id
         self.replies = 0
         self.stats: Counter[str] = Counter()
@@ -213,9 +232,10 @@ class ResponderCore:
         reply_icmp = b"\0\0" + struct.pack("!H", echo_reply_checksum(request_checksum)) + icmp[4:]
         icmp_id, icmp_seq = struct.unpack_from("!HH", icmp, 4)
         tos = datagram[1]
+        attempt, duplicate, split_index = self._track(src, dst, icmp_id, icmp_seq, total, icmp)
         packets: tuple[bytes, ...]
         if phase == SPLIT:
-            lead = self._choose_split(src, icmp_id, icmp_seq)
+            lead = self.config.splits[split_index]
             packets = self._split_packets(tos, dst, src, reply_icmp, lead)
             ip_len = lead
         else:
@@ -238,6 +258,8 @@ class ResponderCore:
             phase=phase,
             ip_len=ip_len,
             sent_at=now,
+            attempt=attempt,
+            duplicate=duplicate,
         )
         self.replies += 1
         self.stats[_ANSWERED[phase]] += 1
@@ -316,23 +338,37 @@ class ResponderCore:
 
     # -- building replies ----------------------------------------------------------
 
-    def _choose_split(self, src: bytes, icmp_id: int, icmp_seq: int) -> int:
-        splits = self.config.splits
-        key = src + icmp_id.to_bytes(2, "big")
-        state = self._cycle.get(key)
-        if state is None:
-            digest = hashlib.blake2b(key, key=self.config.secret[:64], digest_size=4).digest()
-            state = [int.from_bytes(digest, "big") % len(splits), -1, 0]
-            self._cycle[key] = state
-            if len(self._cycle) > self.config.max_tracked:
-                self._cycle.popitem(last=False)
+    def _track(
+        self, src: bytes, dst: bytes, icmp_id: int, icmp_seq: int, total: int, icmp: bytes
+    ) -> tuple[int, bool, int]:
+        """(attempt, duplicate, split index) of this request in its stream."""
+        key = src + dst + struct.pack("!HH", icmp_id, total)
+        stream = self._streams.get(key)
+        if stream is None:
+            # Where in the sweep a probe starts: keyed, so probes start apart
+            # and nobody outside can steer a probe onto a chosen split.
+            digest = hashlib.blake2b(
+                src + icmp_id.to_bytes(2, "big"), key=self.config.secret[:64], digest_size=4
+            ).digest()
+            n = max(1, len(self.config.splits))
+            stream = self._streams[key] = _Stream(int.from_bytes(digest, "big") % n)
+            if len(self._streams) > self.config.max_tracked:
+                self._streams.popitem(last=False)
         else:
-            self._cycle.move_to_end(key)
-        next_index, last_seq, last_index = state
-        if icmp_seq == last_seq:
-            return splits[last_index]  # a duplicated request: the same split again
-        state[:] = [(next_index + 1) % len(splits), icmp_seq, next_index]
-        return splits[next_index]
+            self._streams.move_to_end(key)
+        data = hash(icmp[8:])
+        for seq, seen, attempt, split_index in stream.recent:
+            if seq == icmp_seq and seen == data:
+                return attempt, True, split_index
+        attempt = stream.attempt + 1 if icmp_seq == stream.last_seq else 0
+        split_index = stream.next_split
+        if self.config.splits:
+            stream.next_split = (split_index + 1) % len(self.config.splits)
+        stream.last_seq, stream.attempt = icmp_seq, attempt
+        stream.recent.append((icmp_seq, data, attempt, split_index))
+        if len(stream.recent) > RECENT_REQUESTS:
+            del stream.recent[0]
+        return attempt, False, split_index
 
     def _next_ip_id(self) -> int:
         self._ip_id = (self._ip_id + 1) & 0xFFFF
@@ -366,6 +402,20 @@ class ResponderCore:
         rest = icmp[cut:]
         second = self._ip_header(tos, IPV4_HEADER_LEN + len(rest), cut // 8, src, dst, ip_id) + rest
         return first, second
+
+
+class _Stream:
+    """One probe's requests to one target and size (see the module doc)."""
+
+    __slots__ = ("attempt", "last_seq", "next_split", "recent")
+
+    def __init__(self, first_split: int) -> None:
+        self.next_split = first_split
+        self.last_seq = -1
+        self.attempt = 0
+        # (sequence, hash of the ICMP data, attempt, split index) of the last
+        # few requests: a duplicate arrives right after its original.
+        self.recent: list[tuple[int, int, int, int]] = []
 
 
 def _full(bucket: TokenBucket, now: float) -> bool:

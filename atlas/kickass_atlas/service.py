@@ -10,9 +10,10 @@ collected in the result for the caller to show.
 
 from __future__ import annotations
 
+import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -21,14 +22,32 @@ from typing import TYPE_CHECKING, Any
 from kickass_core import config
 from kickass_core.errors import KickassError
 
-from .campaign import Campaign, Plan
-from .client import DEFAULT_SERVER, AtlasClient, AtlasError, probe_problem
-from .ingest import DEFAULT_CHUNK_S, DEFAULT_SETTLE_S, FetchReport, fetch_campaign
+from .campaign import (
+    Campaign,
+    CampaignError,
+    Plan,
+    PlannedMeasurement,
+    credits_per_result,
+)
+from .client import DEFAULT_SERVER, AtlasClient, AtlasError, AtlasNoAnswer, probe_problem
+from .ingest import (
+    DEFAULT_CHUNK_S,
+    DEFAULT_LATE_HORIZON_S,
+    DEFAULT_SETTLE_S,
+    FetchReport,
+    fetch_campaign,
+    import_campaign,
+    read_result_lines,
+)
 
 if TYPE_CHECKING:
     from .store import AtlasStore
 
 SECTION = "atlas"
+SPLIT_KEY = "split-1500"
+# Measurement statuses that will still produce results: Specified,
+# Scheduled, Ongoing. Stopped ones (by us, over the budget) are not adopted.
+LIVE_STATUSES = (0, 1, 2)
 
 
 @dataclass(frozen=True)
@@ -125,13 +144,29 @@ class _Warnings(list[KickassError]):
             self.warn(item)
 
 
+# The measurements start this long after creation: time to read the real
+# credits_per_result back and stop them, before any result costs anything,
+# if RIPE Atlas prices them above the budget.
+DEFAULT_START_IN_S = 120
+
+
 def create(
     settings: AtlasSettings,
     campaign: Campaign,
     all_sizes: bool = False,
     warn: Callable[[KickassError], None] | None = None,
+    *,
+    start_in_s: int = DEFAULT_START_IN_S,
+    now: Callable[[], float] = time.time,
 ) -> CreateResult:
-    """Create the campaign's measurements that do not exist yet (never twice)."""
+    """Create the campaign's measurements that do not exist yet, never twice.
+
+    All of them in one request, so that they share their probes. Before it,
+    measurements an earlier run created but never heard back about are looked
+    up by the campaign's tag and adopted. After it, RIPE Atlas's own
+    ``credits_per_result`` is read back and compared with the budget while
+    the measurements have not started yet: over it, they are stopped (nothing
+    spent) and ``create`` fails with the real price."""
     the_plan = campaign.plan(all_sizes=all_sizes)
     the_plan.check_budget()
     client = settings.client()
@@ -139,42 +174,28 @@ def create(
     result = CreateResult(campaign.name, warnings=_Warnings(warn))
     with settings.store() as store:
         campaign_id = store.upsert_campaign(campaign)
-        existing = {m["key"]: m for m in store.measurements(campaign_id)}
-        split, wholes = the_plan.measurements[0], the_plan.measurements[1:]
-        now = time.time()
-        if split.key not in existing:
-            if campaign.probes.selector == "ids":
+
+        def stored() -> dict[str, dict[str, Any]]:
+            return {m["key"]: m for m in store.measurements(campaign_id)}
+
+        planned = {m.key: m for m in the_plan.measurements}
+        existing = stored()
+        missing = [m for m in the_plan.measurements if m.key not in existing]
+        if missing:
+            # An earlier run may have created them and lost the answer.
+            adopted = _adopt(client, store, campaign, campaign_id, planned, existing)
+            result.created += adopted
+            existing = stored()
+            missing = [m for m in missing if m.key not in existing]
+        if missing:
+            if campaign.probes.selector == "ids" and not existing:
                 _check_probes(client, store, campaign.probes.ids, result.warnings)
-            stop = int(now + campaign.duration_s)
-            definition = split.definition(campaign.description)
-            [msm_id] = client.create([definition], campaign.probes.to_source(), stop_time=stop)
-            store.record_measurement(
-                campaign_id, msm_id, split, definition, datetime.fromtimestamp(stop, UTC)
+            _check_price_before(campaign, the_plan, existing, missing)
+            result.created += _create_missing(
+                client, store, campaign, campaign_id, planned, existing, missing, start_in_s, now()
             )
-            result.created.append(msm_id)
-            existing = {m["key"]: m for m in store.measurements(campaign_id)}
-        split_row = existing[split.key]
-        todo = [m for m in wholes if m.key not in existing]
-        if todo:
-            # Whole sizes ping from exactly the split measurement's probes (an
-            # Atlas "msm" source), so the two phases compare probe by probe.
-            split_stop = split_row.get("stop_time")
-            stop = (
-                int(split_stop.timestamp())
-                if split_stop is not None and split_stop.timestamp() > now + 60
-                else int(now + campaign.duration_s)
-            )
-            source = {"type": "msm", "value": split_row["msm_id"], "requested": split.probes}
-            definitions = [m.definition(campaign.description) for m in todo]
-            ids = client.create(definitions, source, stop_time=stop)
-            for m, definition, msm_id in zip(todo, definitions, ids, strict=True):
-                store.record_measurement(
-                    campaign_id, msm_id, m, definition, datetime.fromtimestamp(stop, UTC)
-                )
-                result.created.append(msm_id)
-        for row in store.measurements(campaign_id):
-            if row["msm_id"] in result.created:
-                refresh(client, store, row, result.warnings)
+        if result.created:
+            _check_price_after(client, store, campaign, campaign_id, result)
         result.measurements = [
             {
                 "key": r["key"],
@@ -186,6 +207,173 @@ def create(
             for r in store.measurements(campaign_id)
         ]
     return result
+
+
+def _key_of(description: object) -> str | None:
+    """The plan key in a measurement's description ("... [whole-1480]")."""
+    if not isinstance(description, str) or not description.endswith("]") or "[" not in description:
+        return None
+    return description.rsplit("[", 1)[1][:-1]
+
+
+def _adopt(
+    client: AtlasClient,
+    store: AtlasStore,
+    campaign: Campaign,
+    campaign_id: int,
+    planned: dict[str, PlannedMeasurement],
+    existing: dict[str, dict[str, Any]],
+) -> list[int]:
+    """Record the campaign's measurements Atlas has and the database lacks
+    (created by a run whose answer was lost); their ids."""
+    adopted: list[int] = []
+    for m in client.find_measurements(campaign.tag):
+        key = _key_of(m.get("description"))
+        status = (m.get("status") or {}).get("id")
+        if key not in planned or key in existing or status not in LIVE_STATUSES:
+            continue
+        msm_id = int(m["id"])
+        stop = m.get("stop_time")
+        store.record_measurement(
+            campaign_id,
+            msm_id,
+            planned[key],
+            planned[key].definition(campaign.description, campaign.tag),
+            datetime.fromtimestamp(stop, UTC) if isinstance(stop, int) else None,
+        )
+        existing[key] = {"msm_id": msm_id}
+        adopted.append(msm_id)
+    return adopted
+
+
+def _create_missing(
+    client: AtlasClient,
+    store: AtlasStore,
+    campaign: Campaign,
+    campaign_id: int,
+    planned: dict[str, PlannedMeasurement],
+    existing: dict[str, dict[str, Any]],
+    missing: list[PlannedMeasurement],
+    start_in_s: int,
+    now: float,
+) -> list[int]:
+    start = int(now + start_in_s)
+    if existing:
+        # Measurements added to a running campaign: from the probes Atlas
+        # allocated to the running ones (which have them by now).
+        first = existing.get(SPLIT_KEY) or next(iter(existing.values()))
+        source: dict[str, Any] = {
+            "type": "msm",
+            "value": int(first["msm_id"]),
+            "requested": campaign.probes.count,
+        }
+        stops = [int(r["stop_time"].timestamp()) for r in existing.values() if r.get("stop_time")]
+        stop = max(stops) if stops and max(stops) > start + 60 else start + campaign.duration_s
+    else:
+        source = campaign.probes.to_source()
+        stop = start + campaign.duration_s
+    definitions = [m.definition(campaign.description, campaign.tag) for m in missing]
+    try:
+        ids = client.create(definitions, source, stop_time=stop, start_time=start)
+    except AtlasNoAnswer:
+        # The creation may have happened: look before creating again.
+        adopted = _adopt(client, store, campaign, campaign_id, planned, existing)
+        if adopted:
+            if any(m.key not in existing for m in missing):
+                raise KickassError(
+                    "RIPE Atlas created part of the campaign's measurements and lost the answer",
+                    hint="run the same command again: it adopts what exists, creates the rest",
+                ) from None
+            return adopted
+        ids = client.create(definitions, source, stop_time=stop, start_time=start)
+    for m, definition, msm_id in zip(missing, definitions, ids, strict=True):
+        store.record_measurement(
+            campaign_id, msm_id, m, definition, datetime.fromtimestamp(stop, UTC)
+        )
+    return ids
+
+
+def _check_price_before(
+    campaign: Campaign,
+    the_plan: Plan,
+    existing: dict[str, dict[str, Any]],
+    missing: list[PlannedMeasurement],
+) -> None:
+    """Before creating more: the campaign's cost at the prices RIPE Atlas
+    charges for what exists (its ``credits_per_result``), the new ones priced
+    at the highest ratio of Atlas's price to the documented rule seen so far."""
+    ratio = 1.0
+    total = 0
+    for row in existing.values():
+        rule = credits_per_result(int(row["packets"]), int(row["size"]))
+        real = row.get("credits_per_result")
+        if real:
+            ratio = max(ratio, real / rule)
+        total += (real or rule) * int(row["probes_requested"]) * campaign.results_per_probe
+    for m in missing:
+        total += math.ceil(m.credits_per_result * ratio) * m.probes * m.results_per_probe
+    if total > campaign.credit_budget:
+        raise CampaignError(
+            f"creating {len(missing)} more measurements would bring the campaign to {total} "
+            f"credits at RIPE Atlas's prices, above its credit_budget of {campaign.credit_budget}",
+            hint="raise credit_budget or plan fewer measurements; nothing was created",
+        )
+
+
+def _check_price_after(
+    client: AtlasClient,
+    store: AtlasStore,
+    campaign: Campaign,
+    campaign_id: int,
+    result: CreateResult,
+) -> None:
+    """Read RIPE Atlas's own ``credits_per_result`` back for every measurement
+    of the campaign; if they bring it above the budget, stop the new ones
+    (they have not started: nothing is spent) and fail with the real price."""
+    total = 0
+    unknown = []
+    for row in store.measurements(campaign_id):
+        problem = refresh(client, store, row, result.warnings)
+        if problem is not None:
+            result.warnings.append(problem)
+    for row in store.measurements(campaign_id):
+        cpr = row.get("credits_per_result")
+        if cpr is None:
+            unknown.append(row["key"])
+            cpr = credits_per_result(int(row["packets"]), int(row["size"]))
+        total += int(cpr) * int(row["probes_requested"]) * campaign.results_per_probe
+    if unknown:
+        result.warnings.append(
+            KickassError(
+                f"RIPE Atlas did not say what {', '.join(unknown)} cost: priced by the rule",
+                hint="check `kickass atlas status` once they run",
+            )
+        )
+    if total <= campaign.credit_budget:
+        return
+    stopped, failed = [], []
+    for msm_id in result.created:
+        try:
+            client.stop(msm_id)
+        except AtlasError:
+            failed.append(msm_id)
+            continue
+        store.forget_measurement(msm_id)
+        stopped.append(msm_id)
+    result.created = []
+    raise CampaignError(
+        f"RIPE Atlas prices the campaign at {total} credits (its credits_per_result), above "
+        f"its credit_budget of {campaign.credit_budget}: stopped {len(stopped)} new "
+        "measurements before they started, nothing was spent"
+        + (f"; could not stop {', '.join(map(str, failed))}" if failed else ""),
+        hint=(
+            "stop " + ", ".join(map(str, failed)) + " on atlas.ripe.net now, then "
+            if failed
+            else ""
+        )
+        + "raise credit_budget or shrink the plan (fewer probes, packets, sizes or a shorter "
+        "duration) and run create again",
+    )
 
 
 def _check_probes(
@@ -249,9 +437,11 @@ def fetch(
     *,
     settle_s: float = DEFAULT_SETTLE_S,
     chunk_s: int = DEFAULT_CHUNK_S,
+    late_horizon_s: float = DEFAULT_LATE_HORIZON_S,
     progress: Callable[[str], None] | None = None,
 ) -> FetchReport:
-    """Pull new results, join them to the reply log, store them."""
+    """Pull new results (and, once, the late uploads of windows
+    ``late_horizon_s`` old), join them to the reply log, store them."""
     client = settings.client()
     with settings.store() as store:
         return fetch_campaign(
@@ -260,6 +450,34 @@ def fetch(
             campaign,
             settle_s=settle_s,
             chunk_s=chunk_s,
+            late_horizon_s=late_horizon_s,
+            progress=(lambda _msg: None) if progress is None else progress,
+        )
+
+
+# -- import -------------------------------------------------------------------------------
+
+
+def import_results(
+    settings: AtlasSettings,
+    campaign: Campaign,
+    sources: list[str],
+    *,
+    progress: Callable[[str], None] | None = None,
+) -> FetchReport:
+    """Store result lines from files (``-``: standard input) as ``fetch``
+    would: the API's JSON list, NDJSON, RIPE Atlas's archive dumps, plain or
+    compressed. Idempotent; needs no API access."""
+
+    def lines() -> Iterator[bytes | dict[str, Any]]:
+        for source in sources:
+            yield from read_result_lines(source)
+
+    with settings.store() as store:
+        return import_campaign(
+            store,
+            campaign,
+            lines(),
             progress=(lambda _msg: None) if progress is None else progress,
         )
 

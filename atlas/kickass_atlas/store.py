@@ -1,11 +1,12 @@
-"""The only code that writes the RIPE Atlas tables (migration 0006).
+"""The only code that writes the RIPE Atlas tables (migrations 0006 and 0009).
 
 Bulk rows (the responder's reply log, fetched results and their per-packet
 outcomes) go in with COPY into a temporary table and one ``INSERT ... ON
 CONFLICT DO NOTHING``: COPY is what makes ingest fast, the conflict clause
-what makes a re-sent batch or a re-fetched window harmless. A fetched chunk,
-its outcomes and the measurement's ``fetched_until`` watermark commit in one
-transaction, so an interrupted fetch resumes exactly after its last chunk.
+what makes a re-sent batch, a re-fetched window or a re-imported file
+harmless. A fetched chunk, its outcomes and the measurement's watermark
+(``fetched_until``, or ``rechecked_until`` for the late re-read) commit in
+one transaction, so an interrupted fetch resumes exactly after its last chunk.
 
 Like kickass_db.StudyStore, every call runs one short transaction on a pooled
 connection and raises DatabaseUnavailable while the database is away.
@@ -42,6 +43,8 @@ class LoggedReply:
     phase: str
     ip_len: int
     sent_at: float  # unix seconds
+    attempt: int = 0
+    duplicate: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +62,9 @@ class ResultRow:
     dup: int | None
     join_status: str
     raw: dict[str, Any]
+    stored_at: datetime | None = None
+    origin: str = "fetch"
+    join_error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,20 +82,23 @@ class OutcomeRow:
     icmp_seq: int | None
     replied_at: datetime | None
     error: str | None
+    attempt: int | None = None
 
 
+# In the order of the rows' fields (_astuple).
 RESULT_COLUMNS = (
     "msm_id", "prb_id", "result_at", "campaign_id", "firmware", "from_address", "dst_address",
-    "size", "sent", "rcvd", "dup", "join_status", "raw",
+    "size", "sent", "rcvd", "dup", "join_status", "raw", "stored_at", "origin", "join_error",
 )  # fmt: skip
 OUTCOME_COLUMNS = (
     "msm_id", "prb_id", "result_at", "packet_index", "campaign_id", "phase", "ip_len", "outcome",
-    "rtt_ms", "ack_count", "icmp_seq", "replied_at", "error",
+    "rtt_ms", "ack_count", "icmp_seq", "replied_at", "error", "attempt",
 )  # fmt: skip
 REPLY_LOG_COLUMNS = (
     "responder_run", "reply_no", "campaign_id", "responder_address", "dst_address", "icmp_id",
-    "icmp_seq", "request_len", "phase", "ip_len", "sent_at",
+    "icmp_seq", "request_len", "phase", "ip_len", "sent_at", "attempt", "duplicate",
 )  # fmt: skip
+_RAW = RESULT_COLUMNS.index("raw")
 
 
 def _utc(t: float) -> datetime:
@@ -159,6 +168,12 @@ class AtlasStore(StoreBase):
         }
         self.run(lambda conn: conn.execute(stmt, params))
 
+    def forget_measurement(self, msm_id: int) -> None:
+        """Drop a measurement stopped before it started (it has no results):
+        the next ``create`` makes it afresh."""
+        stmt = text("DELETE FROM atlas_measurements WHERE msm_id = :m AND results_fetched = 0")
+        self.run(lambda conn: conn.execute(stmt, {"m": msm_id}))
+
     def measurements(self, campaign_id: int) -> list[dict[str, Any]]:
         stmt = text("""
             SELECT * FROM atlas_measurements WHERE campaign_id = :c
@@ -191,6 +206,7 @@ class AtlasStore(StoreBase):
             (
                 responder_run, r.reply_no, campaign_id, r.responder_address, r.dst_address,
                 r.icmp_id, r.icmp_seq, r.request_len, r.phase, r.ip_len, _utc(r.sent_at),
+                r.attempt, r.duplicate,
             )
             for r in records
         )  # fmt: skip
@@ -203,7 +219,8 @@ class AtlasStore(StoreBase):
         sent between t0 and t1 (unix seconds), oldest first."""
         stmt = text("""
             SELECT host(dst_address) AS dst, icmp_id, icmp_seq, phase, ip_len,
-                   extract(epoch FROM sent_at)::double precision AS sent_epoch
+                   extract(epoch FROM sent_at)::double precision AS sent_epoch,
+                   attempt, duplicate
             FROM atlas_reply_log
             WHERE campaign_id = :c AND responder_address = CAST(:addr AS inet)
               AND request_len = :len AND sent_at BETWEEN :t0 AND :t1
@@ -225,31 +242,69 @@ class AtlasStore(StoreBase):
         msm_id: int,
         results: Sequence[ResultRow],
         outcomes: Sequence[OutcomeRow],
-        fetched_until: datetime,
+        fetched_until: datetime | None,
+        *,
+        recheck: bool = False,
     ) -> int:
-        """One fetched window: results, outcomes and the new watermark, atomically.
-        Returns how many results were new (a re-fetched one is skipped)."""
+        """``store_window``, returning how many results were new."""
+        return len(self.store_window(msm_id, results, outcomes, fetched_until, recheck=recheck))
 
-        def work(conn: Connection) -> int:
-            new = _copy_insert(
+    def store_window(
+        self,
+        msm_id: int,
+        results: Sequence[ResultRow],
+        outcomes: Sequence[OutcomeRow],
+        fetched_until: datetime | None,
+        *,
+        recheck: bool = False,
+    ) -> set[tuple[int, int, datetime]]:
+        """One window: results, the outcomes of the new ones and the new
+        watermark, atomically. Returns the keys (msm_id, prb_id, result_at)
+        of the new results (one stored before is skipped with its outcomes,
+        whatever the join says now).
+
+        ``fetched_until``: the window's end (``None``: an import, no watermark
+        moves); with ``recheck`` it is the late re-read's watermark
+        (``rechecked_until``) and the new results count as late too."""
+
+        def work(conn: Connection) -> set[tuple[int, int, datetime]]:
+            keys = _copy_insert(
                 conn,
                 "atlas_results",
                 RESULT_COLUMNS,
-                ((*_astuple(r)[:-1], Jsonb(r.raw)) for r in results),
+                (_result_tuple(r) for r in results),
+                returning=("msm_id", "prb_id", "result_at"),
             )
-            _copy_insert(conn, "atlas_outcomes", OUTCOME_COLUMNS, map(_astuple, outcomes))
+            fresh = {(k[0], k[1], k[2]) for k in keys}
+            _copy_insert(
+                conn,
+                "atlas_outcomes",
+                OUTCOME_COLUMNS,
+                (_astuple(o) for o in outcomes if (o.msm_id, o.prb_id, o.result_at) in fresh),
+            )
+            watermark = "rechecked_until" if recheck else "fetched_until"
             conn.execute(
-                text("""
+                text(f"""
                     UPDATE atlas_measurements SET
-                        fetched_until = greatest(coalesce(fetched_until, :u), :u),
+                        {watermark} = CASE WHEN CAST(:u AS timestamptz) IS NULL
+                            THEN {watermark}
+                            ELSE greatest(coalesce({watermark}, :u), :u) END,
                         results_fetched = results_fetched + :new,
-                        last_fetch_at = now(),
-                        last_error = NULL
+                        results_late = results_late + :late,
+                        last_fetch_at = CASE WHEN CAST(:u AS timestamptz) IS NULL
+                            THEN last_fetch_at ELSE now() END,
+                        last_error = CASE WHEN CAST(:u AS timestamptz) IS NULL
+                            THEN last_error ELSE NULL END
                     WHERE msm_id = :m
                 """),
-                {"u": fetched_until, "new": new, "m": msm_id},
+                {
+                    "u": fetched_until,
+                    "new": len(fresh),
+                    "late": len(fresh) if recheck else 0,
+                    "m": msm_id,
+                },
             )
-            return new
+            return fresh
 
         return self.run(work)
 
@@ -270,8 +325,7 @@ class AtlasStore(StoreBase):
                 f"INSERT INTO atlas_results ({cols}) VALUES ({marks}) ON CONFLICT DO NOTHING"
             )
             for r in results:
-                values = dict(zip(RESULT_COLUMNS, _astuple(r), strict=True))
-                values["raw"] = Jsonb(r.raw)
+                values = dict(zip(RESULT_COLUMNS, _result_tuple(r), strict=True))
                 new += conn.execute(ins, values).rowcount
             cols = ", ".join(OUTCOME_COLUMNS)
             marks = ", ".join(f":{c}" for c in OUTCOME_COLUMNS)
@@ -429,11 +483,22 @@ def _astuple(row: Any) -> tuple[Any, ...]:
     return tuple(getattr(row, f) for f in row.__slots__)
 
 
+def _result_tuple(row: ResultRow) -> tuple[Any, ...]:
+    values = list(_astuple(row))
+    values[_RAW] = Jsonb(row.raw)
+    return tuple(values)
+
+
 def _copy_insert(
-    conn: Connection, table: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]
-) -> int:
+    conn: Connection,
+    table: str,
+    columns: Sequence[str],
+    rows: Iterable[Sequence[Any]],
+    returning: Sequence[str] = (),
+) -> list[tuple[Any, ...]]:
     """COPY ``rows`` into a per-connection temporary twin of ``table``, then
-    insert them, skipping rows already there. Returns how many were new."""
+    insert them, skipping rows already there. Returns the ``returning``
+    columns of the rows that were new (one empty tuple each without them)."""
     tmp = f"_in_{table}"
     raw = conn.connection.driver_connection
     assert raw is not None
@@ -448,7 +513,10 @@ def _copy_insert(
         with cur.copy(f"COPY {tmp} ({cols}) FROM STDIN") as copy:
             for row in rows:
                 copy.write_row(row)
-        cur.execute(f"INSERT INTO {table} ({cols}) SELECT {cols} FROM {tmp} ON CONFLICT DO NOTHING")
-        new: int = cur.rowcount
+        back = f" RETURNING {', '.join(returning)}" if returning else ""
+        cur.execute(
+            f"INSERT INTO {table} ({cols}) SELECT {cols} FROM {tmp} ON CONFLICT DO NOTHING{back}"
+        )
+        new: list[tuple[Any, ...]] = list(cur.fetchall()) if returning else [()] * cur.rowcount
         cur.execute(f"TRUNCATE {tmp}")
     return new

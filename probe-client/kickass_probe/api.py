@@ -18,7 +18,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
-from typing import Any, TypeGuard
+from typing import TYPE_CHECKING, Any
 
 from kickass_core import strictjson
 from kickass_core.plan import PlanError, PlanTooLarge, ProbePlan, UnsupportedPlan
@@ -26,6 +26,11 @@ from kickass_core.plan import PlanError, PlanTooLarge, ProbePlan, UnsupportedPla
 from . import __version__
 from .errors import EXIT_USAGE, ProbeError
 from .session import MAX_PLAN_PROBES
+
+if TYPE_CHECKING:
+    # Python 3.10+; used in annotations only, which are never evaluated at run
+    # time (the one-file client runs on 3.9).
+    from typing import TypeGuard
 
 API_PREFIX = "/api/v1"
 DEFAULT_TRIES = 3
@@ -52,6 +57,9 @@ _HEX32 = re.compile(r"^[0-9a-f]{32}$")
 _UPGRADE_HINT = "upgrade kickass-probe: pip install -U kickass-probe"
 
 _SERVER_HINT = "check --server (or KICKASS_SERVER) and that the measurement server is running"
+# A timed-out socket raises socket.timeout, an alias of TimeoutError only since
+# Python 3.10 (on 3.9 it is a plain OSError).
+_TIMEOUTS = (TimeoutError, socket.timeout)
 
 
 def normalize_server_url(url: str) -> str:
@@ -304,14 +312,14 @@ class ApiClient:
                     f"cannot resolve the server name {host!r} ({reason.strerror})",
                     hint="check the --server URL and your Internet connection",
                 ) from None
-            if isinstance(reason, TimeoutError):
+            if isinstance(reason, _TIMEOUTS):
                 raise _Transient("timeout", "no reply") from None
             if isinstance(reason, ConnectionRefusedError):
                 raise _Transient("refused", "connection refused") from None
             if isinstance(reason, OSError):
                 raise _Transient("network", reason.strerror or str(reason)) from None
             raise _Transient("network", str(reason)) from None
-        except TimeoutError:
+        except _TIMEOUTS:
             raise _Transient("timeout", "no reply") from None
         except (http.client.HTTPException, ConnectionError) as exc:
             raise _Transient("network", f"connection broken ({type(exc).__name__})") from None
@@ -525,7 +533,7 @@ def validate_created(reply: dict[str, Any]) -> dict[str, Any]:
             )
     expires = reply.get("expires_in_s")
     if expires is not None and (
-        not isinstance(expires, int | float) or isinstance(expires, bool) or expires < 0
+        not isinstance(expires, (int, float)) or isinstance(expires, bool) or expires < 0
     ):
         raise malformed("expires_in_s is not a number of seconds")
     return reply
@@ -558,7 +566,7 @@ def validate_result(reply: dict[str, Any]) -> dict[str, Any]:
             _optional_count(row, "acked", where)
             rate = row.get("drop_rate")
             if rate is not None and (
-                not isinstance(rate, int | float)
+                not isinstance(rate, (int, float))
                 or isinstance(rate, bool)
                 or not math.isfinite(rate)
             ):

@@ -29,6 +29,7 @@ from .errors import (
 )
 from .observe import ObserverUnavailable, open_packet_socket
 from .output import format_summary, make_progress, result_json
+from .reassembly import on_linux
 from .runner import Runner, observe_error
 from .signals import WRITING, StopSignals
 
@@ -209,6 +210,14 @@ def plan_volume_bytes(plan: ProbePlan) -> int:
 def consent_notice(server: str, plan: ProbePlan, os_name: str, observe: bool = False) -> str:
     volume = plan_volume_bytes(plan)
     size = f"{volume / 1e6:.0f} MB" if volume >= 1e6 else f"{volume / 1e3:.0f} kB"
+    reassembly = (
+        "  - your system's IPv4 reassembly limits and counters (/proc/net: how full its\n"
+        "    fragment memory was; the study paces itself by them)\n"
+        if on_linux()
+        # macOS, Windows: the system does not tell them (the summary says "cannot tell").
+        else "  - your system's IPv4 reassembly limits and counters: none, this system does\n"
+        "    not tell them (only Linux does)\n"
+    )
     observed = (
         "  - (--observe-fragments) the length and number of the fragments of each probe,\n"
         "    read before your system reassembles them (only the server's probes)\n"
@@ -222,8 +231,7 @@ def consent_notice(server: str, plan: ProbePlan, os_name: str, observe: bool = F
         "  - your public IP address, as the server sees it\n"
         "  - the probe results (which probes arrived, their sizes, the fragment sizes\n"
         "    your system observed)\n"
-        "  - your system's IPv4 reassembly limits and counters (/proc/net: how full its\n"
-        "    fragment memory was; the study paces itself by them)\n"
+        f"{reassembly}"
         f"{observed}"
         f"  - this client's version ({__version__}) and your OS name ({os_name})\n"
         "Nothing else is collected.\n"
@@ -255,7 +263,9 @@ def os_name() -> str:
     return platform.system() or "unknown"
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, use_rich: bool = True) -> int:
+    """The command; ``use_rich=False`` (the one-file client) draws the progress
+    bar with the standard library only, whatever this Python has installed."""
     args = build_parser().parse_args(argv)
     stop = StopSignals()
     # Until the runner owns a session, the first Ctrl-C simply stops the
@@ -263,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     stop.raise_now = True
     stop.install()
     try:
-        return _main(args, stop)
+        return _main(args, stop, use_rich)
     finally:
         # Called as a function (argv given: tests, embedding), give the
         # caller its handlers back. As the program itself, keep ours until
@@ -273,9 +283,9 @@ def main(argv: list[str] | None = None) -> int:
             stop.restore()
 
 
-def _main(args: argparse.Namespace, stop: StopSignals) -> int:
+def _main(args: argparse.Namespace, stop: StopSignals, use_rich: bool = True) -> int:
     stderr = sys.stderr
-    progress = make_progress(stderr)
+    progress = make_progress(stderr, use_rich=use_rich)
 
     def log(text: str) -> None:
         if args.verbose:

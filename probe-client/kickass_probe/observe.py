@@ -50,6 +50,8 @@ from kickass_core import wire
 from kickass_core.plan import ProbePlan
 from kickass_core.rate import FULL_PACKET_LEN, IPV4_HEADER_LEN
 
+from .reassembly import on_linux
+
 ETH_P_IP = 0x0800
 SOL_PACKET = 263
 PACKET_STATISTICS = 6
@@ -106,7 +108,7 @@ def bpf_filter(server_ip: str, server_port: int, client_port: int) -> bytes:
 def open_packet_socket(rcvbuf: int = OBSERVER_RCVBUF) -> socket.socket:
     """An AF_PACKET socket for IPv4, nothing attached yet. ObserverUnavailable
     without the privilege (root or CAP_NET_RAW) or on another system."""
-    if not sys.platform.startswith("linux") or not hasattr(socket, "AF_PACKET"):
+    if not on_linux() or not hasattr(socket, "AF_PACKET"):
         raise ObserverUnavailable("needs Linux (AF_PACKET)")
     try:
         s = socket.socket(socket.AF_PACKET, socket.SOCK_DGRAM, socket.htons(ETH_P_IP))

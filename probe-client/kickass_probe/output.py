@@ -7,9 +7,12 @@ a network; the progress displays are the only stateful part.
 from __future__ import annotations
 
 import math
+import shutil
 import sys
 import textwrap
+import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any, TextIO
 
 from kickass_core.plan import ProbePlan
@@ -114,11 +117,21 @@ def result_json(result: RunResult) -> dict[str, Any]:
         "server_version": srv.get("server_version"),
         "client_version": __version__,
         "local": local_json(result.plan, result.local),
+        # What this system could not tell (Linux-only facilities missing: macOS,
+        # Windows); the numbers for those items above are null, not 0.
+        "cannot_tell": cannot_tell(result),
     }
 
 
 def local_json(plan: ProbePlan, c: LocalCounts) -> dict[str, Any]:
     split_counts = c.split.values()
+    # Without IP_RECVFRAGSIZE (not Linux) fragment sizes were never seen: the
+    # counts that depend on them are null ("cannot tell"), not 0.
+    known = c.frag_size_supported
+
+    def frag(n: int) -> int | None:
+        return n if known else None
+
     return {
         "received": c.received,
         "duplicates": c.duplicates,
@@ -132,21 +145,21 @@ def local_json(plan: ProbePlan, c: LocalCounts) -> dict[str, Any]:
         "frag_size_supported": c.frag_size_supported,
         # The largest fragment as the server cut it (IP_RECVFRAGSIZE): all an
         # unprivileged client can know; swapped pieces pass this test.
-        "split_largest_fragment_as_sent": sum(s.as_sent for s in split_counts),
+        "split_largest_fragment_as_sent": frag(sum(s.as_sent for s in split_counts)),
         # The same number under its pre-0007 name (kept for format_version 1).
-        "split_as_sent": sum(s.as_sent for s in split_counts),
-        "split_reassembled": sum(s.reassembled for s in split_counts),
-        "split_refragmented": sum(s.refragmented for s in split_counts),
-        "whole_fragmented": sum(s.refragmented for s in c.whole.values()),
+        "split_as_sent": frag(sum(s.as_sent for s in split_counts)),
+        "split_reassembled": frag(sum(s.reassembled for s in split_counts)),
+        "split_refragmented": frag(sum(s.refragmented for s in split_counts)),
+        "whole_fragmented": frag(sum(s.refragmented for s in c.whole.values())),
         "whole": [{"ip_len": k, "received": v.received} for k, v in sorted(c.whole.items())],
         "split": [
             {
                 "leading_ip_len": k,
                 "received": v.received,
-                "largest_fragment_as_sent": v.as_sent,
-                "as_sent": v.as_sent,
-                "reassembled": v.reassembled,
-                "refragmented": v.refragmented,
+                "largest_fragment_as_sent": frag(v.as_sent),
+                "as_sent": frag(v.as_sent),
+                "reassembled": frag(v.reassembled),
+                "refragmented": frag(v.refragmented),
             }
             for k, v in sorted(c.split.items())
         ],
@@ -240,12 +253,67 @@ def format_summary(result: RunResult, verbose: bool = False) -> str:
     return "\n".join(lines) + "\n"
 
 
+# What the summary says where this system lacks a Linux-only facility.
+CANNOT_TELL = "cannot tell on this system"
+NEEDS_FRAGSIZE = "needs Linux IP_RECVFRAGSIZE"
+NEEDS_PROC = "needs Linux /proc"
+
+
+def cannot_tell(result: RunResult) -> list[dict[str, str]]:
+    """What this run could not tell because the system lacks a Linux-only
+    facility (macOS, Windows; or a Linux that refuses the call): each item with
+    the facility it ``needs`` and what stays unknown (``unknown``)."""
+    out: list[dict[str, str]] = []
+    if not result.local.frag_size_supported:
+        out.append(
+            {
+                "item": "fragment_sizes",
+                "needs": "Linux IP_RECVFRAGSIZE",
+                "unknown": "the fragment sizes on arrival: whether each split's largest fragment "
+                "was as the server cut it, reassembled or re-cut on the way, and whether whole "
+                "packets arrived fragmented (a smaller MTU on the path)",
+            }
+        )
+    r = result.reassembly
+    if isinstance(r, dict):
+        limits = r.get("limits") or {}
+        during = r.get("during") or {}
+        if not limits.get("high_thresh"):
+            out.append(
+                {
+                    "item": "reassembly_limit",
+                    "needs": "Linux /proc/sys/net/ipv4/ipfrag_high_thresh",
+                    "unknown": "this system's reassembly memory limit (Linux's default, 4 MB, "
+                    "was assumed for the flow control)",
+                }
+            )
+        if during.get("max_memory") is None:
+            out.append(
+                {
+                    "item": "reassembly_memory",
+                    "needs": "Linux /proc/net/sockstat",
+                    "unknown": "how full this system's reassembly memory was; the split phase "
+                    "was paced by an estimate from the splits that did not arrive",
+                }
+            )
+        if during.get("refused") is None:
+            out.append(
+                {
+                    "item": "refused_fragments",
+                    "needs": "Linux /proc/net/snmp",
+                    "unknown": "whether this system's kernel refused fragments (memory full): a "
+                    "probe lost that way counts as lost on the path, none could be marked invalid",
+                }
+            )
+    return out
+
+
 def splits_as_sent(c: LocalCounts) -> str:
     received = sum(s.received for s in c.split.values())
     if received == 0:
         return "no split datagram arrived"
     if not c.frag_size_supported:
-        return "cannot tell on this system (needs Linux IP_RECVFRAGSIZE)"
+        return f"{CANNOT_TELL} ({NEEDS_FRAGSIZE})"
     as_sent = sum(s.as_sent for s in c.split.values())
     reassembled = sum(s.reassembled for s in c.split.values())
     other = sum(s.refragmented for s in c.split.values())
@@ -309,6 +377,10 @@ def leading_line(result: RunResult) -> str | None:
 def whole_fragmented_line(result: RunResult, whole: list[dict[str, Any]]) -> str | None:
     """A whole packet that arrived fragmented: a link with a smaller MTU."""
     c = result.local
+    if not c.frag_size_supported:
+        if not any(v.received for v in c.whole.values()):
+            return None
+        return f"Whole packets arrived fragmented: {CANNOT_TELL} ({NEEDS_FRAGSIZE})"
     fragmented = {k: v.refragmented for k, v in c.whole.items() if v.refragmented}
     if not fragmented:
         return None
@@ -361,8 +433,21 @@ def reassembly_lines(result: RunResult) -> list[str]:
     invalid = invalid_counts(result)
     n_invalid = invalid["whole"] + invalid["split"]
     limit = f"{_mb(limits['high_thresh'])}" if limits.get("high_thresh") else "unknown"
-    line = f"Reassembly memory of this system: peak {_mb(during.get('max_memory'))} of {limit}; "
-    if refused:
+    if during.get("max_memory") is None:
+        line = (
+            f"Reassembly memory of this system: cannot tell ({NEEDS_PROC}); the split phase "
+            "was paced by an estimate from the splits that did not arrive; "
+        )
+    else:
+        line = (
+            f"Reassembly memory of this system: peak {_mb(during.get('max_memory'))} of {limit}; "
+        )
+    if during.get("refused") is None:
+        line += (
+            "fragments refused by its kernel: cannot tell (a probe lost that way counts as "
+            "lost on the path)"
+        )
+    elif refused:
         line += f"the kernel REFUSED {refused:,} fragments (memory full)"
     else:
         line += "no fragment refused"
@@ -450,6 +535,74 @@ class PlainProgress:
         pass
 
 
+def _hms(seconds: float) -> str:
+    s = max(0, int(seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+class LineProgress:
+    """A progress bar with ETA on a terminal without rich (the one-file client):
+    one line redrawn in place with a carriage return, at most every
+    ``REDRAW_S``, notes printed above it. Standard library only."""
+
+    BAR_WIDTH = 24
+    REDRAW_S = 0.2
+
+    def __init__(
+        self, stream: TextIO, clock: Callable[[], float] = time.monotonic, width: int | None = None
+    ) -> None:
+        self.stream = stream
+        self._clock = clock
+        # One column short of the terminal: a line that wraps cannot be redrawn.
+        self._width = (width or shutil.get_terminal_size((80, 24)).columns) - 1
+        self._start: float | None = None
+        self._drawn_at = -math.inf
+        self._line = ""
+
+    def update(self, done: int, total: int, description: str) -> None:
+        now = self._clock()
+        if self._start is None:
+            self._start = now
+        if now - self._drawn_at < self.REDRAW_S and done < total:
+            return
+        self._drawn_at = now
+        frac = min(1.0, max(0.0, done / total)) if total > 0 else 0.0
+        filled = int(frac * self.BAR_WIDTH)
+        bar = "#" * filled + "-" * (self.BAR_WIDTH - filled)
+        elapsed = now - self._start
+        if 0 < done < total and elapsed > 0:
+            eta = _hms(elapsed * (total - done) / done)
+        else:
+            eta = "-:--:--" if done < total else _hms(0)
+        self._draw(
+            f"{description[:26]:<26} [{bar}] {done:,}/{total:,} probes {_hms(elapsed)} ETA {eta}"
+        )
+
+    def _draw(self, line: str) -> None:
+        line = line[: max(20, self._width)]
+        pad = " " * max(0, len(self._line) - len(line))
+        self.stream.write(f"\r{line}{pad}")
+        self.stream.flush()
+        self._line = line
+
+    def note(self, text: str) -> None:
+        line = self._line
+        if line:
+            self.stream.write("\r" + " " * len(line) + "\r")
+        print(text, file=self.stream)
+        if line:
+            self._line = ""
+            self._draw(line)
+        else:
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self._line:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._line = ""
+
+
 class RichProgress:
     """A progress bar with ETA on a terminal (stderr), notes printed above it."""
 
@@ -495,12 +648,20 @@ class RichProgress:
             self._started = False
 
 
-def make_progress(stream: TextIO | None = None, enabled: bool = True) -> Any:
+def make_progress(stream: TextIO | None = None, enabled: bool = True, use_rich: bool = True) -> Any:
+    """The progress display for ``stream``: rich's bar on a terminal (``use_rich``
+    and rich importable), else a plain bar redrawn in place on a terminal, else
+    a line every 10%."""
     stream = stream or sys.stderr
     if not enabled:
         return NullProgress()
     if stream.isatty():
-        return RichProgress(stream)
+        if use_rich:
+            try:
+                return RichProgress(stream)
+            except ImportError:
+                pass  # a Python without rich: the plain bar says the same
+        return LineProgress(stream)
     return PlainProgress(stream)
 
 

@@ -8,8 +8,9 @@ for ``ipfrag_time`` (30 s). Linux limits that queue to ``ipfrag_high_thresh``
 fragment (``IpReasmFails`` in /proc/net/snmp) and a naive study counts them as
 lost on the path: 68% reported against 48.8% true at 20% loss each way.
 
-What this module does, without root (Linux; elsewhere everything is unknown
-and a conservative estimate takes over):
+What this module does, without root (Linux; elsewhere, macOS and Windows,
+everything is unknown and a conservative estimate takes over: the summary
+then says "cannot tell", never 0):
 
 * ``read_limits`` / ``read_sample`` read the limits
   (/proc/sys/net/ipv4/ipfrag_high_thresh, ipfrag_low_thresh, ipfrag_time),
@@ -57,6 +58,7 @@ and a conservative estimate takes over):
 from __future__ import annotations
 
 import math
+import sys
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -130,7 +132,18 @@ class Sample:
 # -- reading the system (the only IO here) --------------------------------------------
 
 
+def on_linux() -> bool:
+    """Whether this system has Linux's /proc and IP_RECVFRAGSIZE. Read at each
+    call (not at import), so a test can play another system by setting
+    ``sys.platform`` before the client starts."""
+    return sys.platform.startswith("linux")
+
+
 def _read(path: str) -> str | None:
+    """A /proc file's text; None when unreadable or not on Linux (where a file
+    of that name would not be the kernel's)."""
+    if not on_linux():
+        return None
     try:
         with open(path, encoding="ascii", errors="replace") as f:
             return f.read(65536)
@@ -155,8 +168,8 @@ def parse_proc_table(text: str | None, prefix: str) -> dict[str, int]:
         return {}
     lines = [ln.split() for ln in text.splitlines() if ln.startswith(prefix + ":")]
     out: dict[str, int] = {}
-    for names, values in zip(lines[0::2], lines[1::2], strict=False):
-        for k, v in zip(names[1:], values[1:], strict=False):
+    for names, values in zip(lines[0::2], lines[1::2]):
+        for k, v in zip(names[1:], values[1:]):
             try:
                 out[k] = int(v)
             except ValueError:
@@ -169,7 +182,7 @@ def parse_sockstat_frag(text: str | None) -> tuple[int | None, int | None]:
     for line in (text or "").splitlines():
         parts = line.split()
         if parts[:1] == ["FRAG:"] and len(parts) >= 5:
-            kv = dict(zip(parts[1::2], parts[2::2], strict=False))
+            kv = dict(zip(parts[1::2], parts[2::2]))
             return _int(kv.get("inuse")), _int(kv.get("memory"))
     return None, None
 
@@ -229,6 +242,11 @@ class _Counters:
     min_credits: int | None = None
     zero_credit_s: float = 0.0
     trickle_grants: int = 0
+    # Whether this system tells the memory in use (sockstat) and the counters
+    # refusals are computed from (snmp); without them (not Linux) the summary
+    # says null ("cannot tell"), never 0.
+    memory_known: bool = False
+    refusals_known: bool = False
 
 
 @dataclass
@@ -266,6 +284,8 @@ class ReassemblyBudget:
 
     def __post_init__(self) -> None:
         self.last = self.start
+        if self.start is not None:
+            self._learn_known(self.start)
         self._missing.append((self.start.at if self.start else 0.0, 0))
         self.credits = self._credits(self.start.memory if self.start else None, 0)
         self._initial_credit = self.credits
@@ -312,6 +332,7 @@ class ReassemblyBudget:
         """
         c = self.counters
         c.reports += 1
+        self._learn_known(sample)
         prev = self.last
         self.last = sample
         in_split = highest_seq >= self.first_split_seq
@@ -384,6 +405,12 @@ class ReassemblyBudget:
         self._last_highest = highest_seq
         return added
 
+    def _learn_known(self, sample: Sample) -> None:
+        if sample.memory is not None:
+            self.counters.memory_known = True
+        if sample.fails is not None:
+            self.counters.refusals_known = True
+
     def _close(self, end: int) -> tuple[int, int]:
         assert self._open_lo is not None
         lo, self._open_lo = self._open_lo, None
@@ -422,6 +449,8 @@ class ReassemblyBudget:
     def summary(self, after: Sample | None = None) -> dict[str, Any]:
         """What the session's metadata and the JSON output keep."""
         c = self.counters
+        memory = c.memory_known
+        refusals = c.refusals_known
         return {
             "limits": self.limits.to_json(),
             "budget": {
@@ -434,15 +463,20 @@ class ReassemblyBudget:
                 "min_credits_in_split": c.min_credits,
                 "zero_credit_s": round(c.zero_credit_s, 3),
                 "trickle_grants": c.trickle_grants,
+                # "measured": credits from the memory in use (Linux sockstat);
+                # "estimated": from the splits that did not arrive within
+                # ipfrag_time (a system that does not tell its memory).
+                "memory_in_use": "measured" if memory else "estimated",
             },
             "before": None if self.start is None else self.start.to_json(),
             "split_start": None if self.split_start is None else self.split_start.to_json(),
             "during": {
                 "samples": c.reports,
-                "max_memory": c.max_memory,
-                "max_memory_in_split": c.max_memory_in_split,
-                "refused": c.refused,
-                "refused_in_split": c.refused_in_split,
+                # null: this system does not tell (not Linux), not "none".
+                "max_memory": c.max_memory if memory else None,
+                "max_memory_in_split": c.max_memory_in_split if memory else None,
+                "refused": c.refused if refusals else None,
+                "refused_in_split": c.refused_in_split if refusals else None,
             },
             "after": None if after is None else after.to_json(),
             # The ranges themselves travel beside this summary (the report's

@@ -32,7 +32,7 @@ from kickass_core import wire
 from kickass_core.plan import ProbePlan, expected_max_fragment
 
 from .observe import FragmentObserver, attach_filter, bpf_filter, packet_drops
-from .reassembly import REPORT_INTERVAL_S, ReassemblyBudget, Sample, read_sample
+from .reassembly import REPORT_INTERVAL_S, ReassemblyBudget, Sample, on_linux, read_sample
 
 # How often HELLO is repeated until the server's CHALLENGE arrives.
 HELLO_INTERVAL_S = 0.5
@@ -355,7 +355,7 @@ def enable_recvfragsize(sock: socket.socket) -> bool:
     Needs no root on Linux; returns False where unsupported (other systems,
     old kernels), in which case fragment sizes are reported as 0.
     """
-    if not sys.platform.startswith("linux"):
+    if not on_linux():
         return False
     try:
         sock.setsockopt(socket.IPPROTO_IP, IP_RECVFRAGSIZE, 1)

@@ -1,19 +1,32 @@
 """A local HTTPS stand-in for the RIPE Atlas v2 API: the part `kickass atlas` uses.
 
 It speaks the real request and response shapes — measurement creation
-(``POST /api/v2/measurements/`` with ``definitions`` and ``probes``, answered
-``{"measurements": [ids]}``), measurement status, results (``start``/``stop``
-filters, a JSON list of result lines), probe metadata (paginated, ``id__in``)
-— and Atlas's error envelope ``{"error": {"status", "code", "title", "detail",
-"errors": [{"source": {"pointer"}, "detail"}]}}``. Creation needs
-``Authorization: Key <key>``, as Cousteau sends it.
+(``POST /api/v2/measurements/`` with ``definitions`` sharing one ``probes``
+allocation, ``start_time``/``stop_time``, answered ``{"measurements":
+[ids]}``), measurement status (with ``credits_per_result``: by default the
+documented rule, or a price a test sets, as the real API charges more),
+the key owner's measurements by tag (``/api/v2/measurements/my/?tags=``,
+paginated), stopping one (``DELETE``, 204), results (``start``/``stop``
+filters on ``timestamp`` only, a JSON list of result lines; a line is served
+only once its ``stored_timestamp`` has passed on the stand-in's clock, as
+probes upload late), probe metadata (paginated, ``id__in``) — and Atlas's
+error envelope ``{"error": {"status", "code", "title", "detail", "errors":
+[{"source": {"pointer"}, "detail"}]}}``. Creation, listing one's own and
+stopping need ``Authorization: Key <key>``, as Cousteau sends it.
+
+``api_result`` plays RIPE's back end for a line the probe printed (the real
+``evping``'s ``RESULT {...}``): it adds what the back end adds (``msm_id``,
+``prb_id``, ``timestamp`` from the probe's ``time``, ``from``, ``sent`` /
+``rcvd`` / ``dup`` / ``min`` / ``avg`` / ``max``, ``stored_timestamp``, ...).
 
 TLS with a throwaway CA and a certificate for 127.0.0.1 made here with the
 ``cryptography`` package; the client trusts it through a CA bundle path
 (requests' ``verify``), so nothing turns verification off.
 
-Tests drive it: register probes, inject failures (``fail``), add result
-lines, set a measurement's status; every request is recorded.
+Tests drive it: register probes, inject failures (``fail``: an error
+answer, a bare text answer, no answer, or — ``commit`` — carry the request
+out and then drop the connection), add result lines, set a measurement's
+status; every request is recorded.
 """
 
 from __future__ import annotations
@@ -21,6 +34,7 @@ from __future__ import annotations
 import datetime as dt
 import ipaddress
 import json
+import socket
 import ssl
 import threading
 import time
@@ -140,8 +154,14 @@ class Failure:
     method: str
     path_prefix: str
     status: int
-    body: dict[str, Any] | None  # None: drop the connection without an answer
+    body: dict[str, Any] | str | None  # None: drop the connection; str: a bare text page
     times: int = 1
+    commit: bool = False  # carry the request out, then drop the connection
+
+
+def rule_price(packets: int, size: int) -> int:
+    """Credits per result by the documented rule."""
+    return packets * (size // 1500 + 1)
 
 
 @dataclass
@@ -159,6 +179,8 @@ class StandIn:
     next_id: int = 70_000_001
     page_size: int = 2
     on_create: Callable[[dict[str, Any]], None] | None = None
+    price: Callable[[int, int], int] = rule_price  # credits per result (packets, size)
+    clock: Callable[[], float] = time.time  # when results count as uploaded
 
     def __post_init__(self) -> None:
         self.lock = threading.Lock()
@@ -216,10 +238,16 @@ class StandIn:
         }
 
     def fail(
-        self, method: str, path_prefix: str, status: int, body: dict | None, times: int = 1
+        self,
+        method: str,
+        path_prefix: str,
+        status: int,
+        body: dict | str | None,
+        times: int = 1,
+        commit: bool = False,
     ) -> None:
         with self.lock:
-            self.failures.append(Failure(method, path_prefix, status, body, times))
+            self.failures.append(Failure(method, path_prefix, status, body, times, commit))
 
     def set_status(self, msm_id: int, status_id: int) -> None:
         with self.lock:
@@ -244,13 +272,27 @@ class StandIn:
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
+            def setup(self) -> None:
+                super().setup()
+                # Headers and body go out in separate writes: without this,
+                # Nagle and the client's delayed ACK hold every answer 40 ms.
+                self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
             def log_message(self, *args: object) -> None:
                 pass
 
             def _answer(self, status: int, body: Any) -> None:
-                data = json.dumps(body).encode()
+                if status == 204:
+                    self.send_response(status)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                if isinstance(body, str):  # a proxy's page, not the API's envelope
+                    data, kind = body.encode(), "text/html"
+                else:
+                    data, kind = json.dumps(body).encode(), "application/json"
                 self.send_response(status)
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", kind)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
@@ -278,6 +320,8 @@ class StandIn:
                     )
                     if failure is not None:
                         failure.times -= 1
+                if failure is not None and failure.commit:
+                    standin.route(method, url.path, query, dict(self.headers), body)
                 if failure is not None:
                     if failure.body is None:
                         self.close_connection = True
@@ -294,6 +338,9 @@ class StandIn:
             def do_POST(self) -> None:  # noqa: N802
                 self._handle("POST")
 
+            def do_DELETE(self) -> None:  # noqa: N802
+                self._handle("DELETE")
+
         return Handler
 
     def route(
@@ -306,6 +353,10 @@ class StandIn:
         with self.lock:
             if method == "POST" and rest == ["measurements"]:
                 return self._create(headers, body)
+            if method == "GET" and rest in (["measurements", "my"], ["measurements"]):
+                return self._list(rest, query, headers)
+            if method == "DELETE" and len(rest) == 2 and rest[0] == "measurements":
+                return self._stop(_int(rest[1]), headers)
             if method == "GET" and len(rest) == 2 and rest[0] == "measurements":
                 m = self.measurements.get(_int(rest[1]))
                 return (200, m) if m else (404, envelope(404, "Not Found", "Not found.", 104))
@@ -323,15 +374,57 @@ class StandIn:
                 return (200, p) if p else (404, envelope(404, "Not Found", "Not found.", 104))
         return 404, envelope(404, "Not Found", "No such endpoint", 104)
 
-    def _create(self, headers: dict[str, str], body: Any) -> tuple[int, Any]:
+    def _refused(self, headers: dict[str, str]) -> tuple[int, Any] | None:
         auth = headers.get("Authorization", "")
-        if auth != f"Key {self.key}":
-            detail = (
-                "Authentication credentials were not provided."
-                if not auth
-                else "The provided API key does not exist"
+        if auth == f"Key {self.key}":
+            return None
+        detail = (
+            "Authentication credentials were not provided."
+            if not auth
+            else "The provided API key does not exist"
+        )
+        return 403, envelope(403, "Forbidden", detail, 102)
+
+    def _list(
+        self, rest: list[str], query: dict[str, str], headers: dict[str, str]
+    ) -> tuple[int, Any]:
+        """The measurement list, filtered by ``tags`` (all of them), paginated."""
+        if rest[-1] == "my":
+            refused = self._refused(headers)
+            if refused is not None:
+                return refused
+        wanted = {t for t in query.get("tags", "").split(",") if t}
+        chosen = [
+            m for _, m in sorted(self.measurements.items()) if wanted <= set(m.get("tags") or [])
+        ]
+        page = int(query.get("page", 1))
+        size = int(query.get("page_size", self.page_size))
+        nxt = None
+        if page * size < len(chosen):
+            tags = query.get("tags", "")
+            nxt = (
+                f"https://{self.server}/api/v2/{'/'.join(rest)}/?tags={tags}"
+                f"&page_size={size}&page={page + 1}"
             )
-            return 403, envelope(403, "Forbidden", detail, 102)
+        results = chosen[(page - 1) * size : page * size]
+        return 200, {"count": len(chosen), "next": nxt, "previous": None, "results": results}
+
+    def _stop(self, msm_id: int, headers: dict[str, str]) -> tuple[int, Any]:
+        refused = self._refused(headers)
+        if refused is not None:
+            return refused
+        m = self.measurements.get(msm_id)
+        if m is None:
+            return 404, envelope(404, "Not Found", "Not found.", 104)
+        now = int(time.time())
+        m["status"] = {"id": 4, "name": "Stopped", "when": now}
+        m["stop_time"] = now
+        return 204, None
+
+    def _create(self, headers: dict[str, str], body: Any) -> tuple[int, Any]:
+        refused = self._refused(headers)
+        if refused is not None:
+            return refused
         if not isinstance(body, dict) or not body.get("definitions") or not body.get("probes"):
             return 400, envelope(400, "Bad Request", "Invalid input", 101)
         errors = []
@@ -375,7 +468,7 @@ class StandIn:
             return 400, envelope(400, "Bad Request", "Invalid input", 101, errors)
         cost = 0
         for d in body["definitions"]:
-            per_result = int(d.get("packets", 3)) * (int(d.get("size", 48)) // 1500 + 1)
+            per_result = self.price(int(d.get("packets", 3)), int(d.get("size", 48)))
             cost += per_result * int(source.get("requested", 1))
         if cost > self.credits:
             return 400, envelope(
@@ -390,7 +483,7 @@ class StandIn:
         for d in body["definitions"]:
             msm_id = self.next_id
             self.next_id += 1
-            per_result = int(d.get("packets", 3)) * (int(d.get("size", 48)) // 1500 + 1)
+            per_result = self.price(int(d.get("packets", 3)), int(d.get("size", 48)))
             self.measurements[msm_id] = {
                 "id": msm_id,
                 "af": 4,
@@ -416,6 +509,7 @@ class StandIn:
                 "credits_per_result": per_result,
                 "estimated_results_per_day": 0,
                 "group_id": ids[0] if ids else msm_id,
+                "tags": list(d.get("tags") or []),
                 "result": f"https://{self.server}/api/v2/measurements/{msm_id}/results/",
             }
             self.participants[msm_id] = list(chosen or [])
@@ -443,7 +537,12 @@ class StandIn:
             return 404, envelope(404, "Not Found", "Not found.", 104)
         start = int(query.get("start", 0))
         stop = int(query.get("stop", 2**62))
-        lines = [r for r in self.results.get(msm_id, []) if start <= r["timestamp"] <= stop]
+        uploaded = self.clock()
+        lines = [
+            r
+            for r in self.results.get(msm_id, [])
+            if start <= r["timestamp"] <= stop and r.get("stored_timestamp", 0) <= uploaded
+        ]
         self.served.append((msm_id, start, stop, len(lines)))
         return 200, sorted(lines, key=lambda r: (r["timestamp"], r["prb_id"]))
 
@@ -495,11 +594,14 @@ def ping_result(
     size: int,
     entries: list[dict[str, Any]],
     fw: int = 5080,
+    sent: int | None = None,
 ) -> dict[str, Any]:
-    """An Atlas ping result line in the current firmware's format."""
+    """An Atlas ping result line in the current firmware's format (``sent``:
+    the measurement's packets; by default one per non-duplicate entry)."""
     rtts = [e["rtt"] for e in entries if "rtt" in e and "dup" not in e]
     dups = sum(1 for e in entries if "dup" in e)
-    sent = sum(1 for e in entries if "dup" not in e)
+    if sent is None:
+        sent = sum(1 for e in entries if "dup" not in e)
     return {
         "af": 4,
         "avg": round(sum(rtts) / len(rtts), 6) if rtts else -1,
@@ -527,3 +629,55 @@ def ping_result(
         "ttl": 61,
         "type": "ping",
     }
+
+
+# RIPE Atlas software probe version of the oracle's snapshot (its README).
+PROBE_FIRMWARE = 5120
+
+
+def api_result(
+    probe_line: dict[str, Any],
+    *,
+    msm_id: int,
+    prb_id: int,
+    public: str,
+    packets: int,
+    interval: int = 240,
+    stored_delay: int = 3,
+    fw: int = PROBE_FIRMWARE,
+    timestamp: int | None = None,
+) -> dict[str, Any]:
+    """A line the probe printed (``RESULT {...}``, parsed) as the results API
+    serves it: what RIPE's back end adds, and nothing of the probe's changed.
+
+    The back end's ``sent`` is the measurement's packet count (the probe
+    sends that many requests whatever happens; its own line has no count),
+    ``rcvd``/``dup`` count the rtt and dup entries, ``min``/``avg``/``max``
+    are over the non-duplicate RTTs (-1 without any), ``timestamp`` is the
+    probe's ``time`` (the end of the run), and ``fw`` is the probe's version
+    (the standalone evping prints -1: it has no version file). Without
+    ``-A`` the probe prints no ``time``: give ``timestamp``."""
+    line = {k: v for k, v in probe_line.items() if k not in ("id", "time", "fw")}
+    entries = line.get("result") or []
+    rtts = [e["rtt"] for e in entries if "rtt" in e and "dup" not in e]
+    if timestamp is None:
+        timestamp = int(probe_line["time"])
+    line.update(
+        fw=fw,
+        msm_id=msm_id,
+        prb_id=prb_id,
+        timestamp=timestamp,
+        msm_name="Ping",
+        type="ping",
+        group_id=msm_id,
+        step=interval,
+        stored_timestamp=timestamp + stored_delay,
+        sent=packets,
+        rcvd=len(rtts),
+        dup=sum(1 for e in entries if "dup" in e),
+        min=min(rtts) if rtts else -1,
+        max=max(rtts) if rtts else -1,
+        avg=round(sum(rtts) / len(rtts), 6) if rtts else -1,
+    )
+    line["from"] = public
+    return line

@@ -10,6 +10,8 @@ the real store (what the responder would have logged); the namespace test
 
 from __future__ import annotations
 
+import bz2
+import io
 import json
 import logging
 import time
@@ -105,12 +107,17 @@ def play(
     timestamps: list[int],
     lost: dict[int, set[int]] | None = None,
 ) -> None:
-    """What would have happened: for each ping (probe, timestamp) the responder
-    logged one reply per echo request and the probe saw them, except the
-    packet indexes in ``lost[probe]``. Writes the reply log and the stand-in's results."""
+    """What would have happened, as the probe firmware does it: for each ping
+    (probe, result time = the run's end) the responder answered every echo
+    request and logged it; the replies at the packet indexes in
+    ``lost[probe]`` never came back. Before the first reply a lost one is an
+    x and the sequence number moves on; after it, it leaves no entry and the
+    next request re-uses the sequence number (ping.c). Writes the reply log
+    and the stand-in's results."""
     m = standin.measurements[msm_id]
     target, size = m["target"], m["size"]
     phase = "split" if target == SPLIT_ADDR else "whole"
+    interval = m["packet_interval"] / 1000
     lost = lost or {}
     campaign = Campaign.from_dict(campaign_dict())
     records: list[ReplyRecord] = []
@@ -118,31 +125,36 @@ def play(
     with AtlasStore(database_url) as store:
         campaign_id = store.upsert_campaign(campaign)
         for prb_id, address in PROBES.items():
-            seq = 1
+            seq, answered = 1, 0
             for ts in timestamps:
-                entries = []
+                entries: list[dict[str, Any]] = []
+                got_reply, last_seq, attempt = False, -1, 0
                 for k in range(PACKETS):
-                    ip_len = SPLITS[(seq + prb_id) % len(SPLITS)] if phase == "split" else size + 28
+                    attempt = attempt + 1 if seq == last_seq else 0
+                    last_seq = seq
+                    ip_len = (
+                        SPLITS[(answered + prb_id) % len(SPLITS)] if phase == "split" else size + 28
+                    )
+                    answered += 1
                     records.append(
                         ReplyRecord(
-                            reply_no=len(records),
-                            responder_address=target,
-                            dst_address=address,
-                            icmp_id=prb_id,
-                            icmp_seq=seq,
-                            request_len=size + 28,
-                            phase=phase,
-                            ip_len=ip_len,
-                            sent_at=ts + 0.3 + k * 0.1,
+                            reply_no=len(records), responder_address=target,
+                            dst_address=address, icmp_id=prb_id, icmp_seq=seq,
+                            request_len=size + 28, phase=phase, ip_len=ip_len,
+                            sent_at=ts - PACKETS * interval + k * interval + 0.01,
+                            attempt=attempt,
                         )
-                    )
-                    seq = (seq + 1) % 256
-                    gone = k in lost.get(prb_id, set())
-                    entries.append({"x": "*"} if gone else {"rtt": 12.5 + k})
+                    )  # fmt: skip
+                    if k not in lost.get(prb_id, set()):
+                        entries.append({"rtt": 12.5 + k})
+                        got_reply, seq = True, (seq + 1) % 256
+                    elif not got_reply:
+                        entries.append({"x": "*"})
+                        seq = (seq + 1) % 256
                 lines.append(
                     ping_result(
                         msm_id, prb_id, ts, dst=target, src="10.0.0.5", public=address,
-                        size=size, entries=entries,
+                        size=size, entries=entries, sent=PACKETS,
                     )
                 )  # fmt: skip
         store.write_reply_log(campaign_id, uuid.uuid4(), records)
@@ -193,12 +205,12 @@ def test_plan_samples_whole_sizes_and_refuses_above_the_budget(
     out = capsys.readouterr().out
     assert out.count("whole-") == 4 and "whole-1500" in out and "whole-1480" in out
     assert "total 4800 credits, within the budget of 5000" in out
-    # Every whole size (52..1500 by 8, and 1480): far above the budget, refused.
+    # Every whole size (60..1500 by 8, and 1480): far above the budget, refused.
     assert kickass("plan", path, "--all-sizes", "--json") == 2
     captured = capsys.readouterr()
     plan = json.loads(captured.out)
-    assert len(plan["measurements"]) == 1 + 183 and plan["within_budget"] is False
-    assert captured.err.startswith(f"ERROR: the plan costs {184 * 960} credits, above")
+    assert len(plan["measurements"]) == 1 + 182 and plan["within_budget"] is False
+    assert captured.err.startswith(f"ERROR: the plan costs {183 * 960} credits, above")
     assert "\nhint: " in captured.err
 
 
@@ -211,21 +223,26 @@ def test_create_fetch_status_work_end_to_end(
     url = env["KICKASS_DATABASE_URL"]
     assert kickass("create", campaign_file) == 0
     posts = standin.requests_to("POST", "/api/v2/measurements")
-    assert len(posts) == 2 and all(p.headers["Authorization"] == f"Key {KEY}" for p in posts)
-    # The split sweep first, on the chosen probes; every whole size from its probes.
-    assert posts[0].body["probes"] == [{"type": "probes", "value": "1001,1002", "requested": 2}]
-    split_id = posts[0].body and created(standin)["split-1500"]
-    assert posts[1].body["probes"] == [{"type": "msm", "value": split_id, "requested": 2}]
-    d = posts[0].body["definitions"][0]
+    assert len(posts) == 1 and posts[0].headers["Authorization"] == f"Key {KEY}"
+    # One request: the split sweep and every whole size on one probe allocation.
+    body = posts[0].body
+    assert body["probes"] == [{"type": "probes", "value": "1001,1002", "requested": 2}]
+    assert [d["description"].rsplit("[")[1] for d in body["definitions"]] == [
+        "split-1500]", "whole-100]", "whole-1500]",
+    ]  # fmt: skip
+    d = body["definitions"][0]
     assert (d["type"], d["af"], d["target"], d["size"], d["packets"]) == (
         "ping", 4, SPLIT_ADDR, 1472, PACKETS,
     )  # fmt: skip
+    assert d["tags"] == [Campaign.from_dict(campaign_dict()).tag]
+    # They start later than they were created: time to check their price.
+    assert body["start_time"] >= time.time() + 100
     stored = rows(url, "SELECT key, credits_per_result, status_name FROM atlas_measurements")
     assert sorted(r["key"] for r in stored) == ["split-1500", "whole-100", "whole-1500"]
     assert {r["credits_per_result"] for r in stored} == {PACKETS}  # read back from Atlas
     # Created twice is created once: the second run finds everything there.
     assert kickass("create", campaign_file) == 0
-    assert len(standin.requests_to("POST", "/api/v2/measurements")) == 2
+    assert len(standin.requests_to("POST", "/api/v2/measurements")) == 1
     capsys.readouterr()
 
     start = backdate(standin, 1000)
@@ -317,6 +334,130 @@ def test_fetch_resumes_after_an_interruption_and_fetches_nothing_twice(
     )
 
 
+def test_late_uploads_are_read_once_more_at_the_horizon_without_duplicates(
+    env: dict[str, str], standin: StandIn, campaign_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The results API filters by the result's time, probes upload late: a
+    probe offline for an hour uploads its results after the first read of
+    their window has passed. The window is read once more when it is
+    --late-horizon old; what the first read stored is not stored again."""
+    url = env["KICKASS_DATABASE_URL"]
+    assert kickass("create", campaign_file) == 0
+    start = backdate(standin, 3000)
+    for msm_id in standin.measurements:
+        play(standin, url, msm_id, [start + 100, start + 700, start + 1300])
+    # Probe 1002 was offline: its results reach Atlas's store an hour late.
+    offline = [
+        r for lines in standin.results.values() for r in lines if r["prb_id"] == 1002
+    ]  # fmt: skip
+    for r in offline:
+        r["stored_timestamp"] = r["timestamp"] + 3600 + 3000
+    capsys.readouterr()
+    assert kickass("fetch", campaign_file, "--settle", "0", "--json") == 0
+    first = json.loads(capsys.readouterr().out)
+    assert first["results_new"] == 3 * 3 and first["results_late"] == 0
+    # The hour passes (on Atlas's clock, which decides what it serves).
+    standin.clock = lambda: time.time() + 7200
+    assert kickass("fetch", campaign_file, "--settle", "0", "--late-horizon", "0", "--json") == 0
+    second = json.loads(capsys.readouterr().out)
+    assert second["results_new"] == 3 * 3 == second["results_late"]
+    assert kickass("fetch", campaign_file, "--settle", "0", "--late-horizon", "0", "--json") == 0
+    assert json.loads(capsys.readouterr().out)["results_new"] == 0
+    total = rows(url, "SELECT count(*) AS n, count(DISTINCT (msm_id, prb_id, result_at)) AS d "
+                      "FROM atlas_results")[0]  # fmt: skip
+    assert total == {"n": 18, "d": 18}
+    late = rows(url, "SELECT sum(results_late) AS n, bool_and(rechecked_until IS NOT NULL) AS r "
+                     "FROM v_atlas_measurements")[0]  # fmt: skip
+    assert late == {"n": 9, "r": True}
+    stored = rows(url, "SELECT min(extract(epoch FROM stored_at - result_at)) AS d "
+                       "FROM atlas_results WHERE prb_id = 1002")[0]  # fmt: skip
+    assert stored["d"] == 6600
+
+
+def test_a_bad_result_is_recorded_and_the_window_still_commits(
+    env: dict[str, str], standin: StandIn, campaign_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = env["KICKASS_DATABASE_URL"]
+    assert kickass("create", campaign_file) == 0
+    start = backdate(standin, 1000)
+    split = created(standin)["split-1500"]
+    play(standin, url, split, [start + 100])
+    good = standin.results[split][0]
+    standin.add_results(
+        split,
+        [
+            good | {"timestamp": start + 200, "result": "garbage"},
+            good | {"timestamp": start + 300, "result": [{"rtt": "fast"}]},
+            good | {"timestamp": start + 400, "type": "traceroute"},  # not ours to judge
+        ],
+    )
+    capsys.readouterr()
+    assert kickass("fetch", campaign_file, "--settle", "0", "--json") == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["join"]["invalid"] == 2
+    assert report["ignored"] == {"not a ping result (type 'traceroute')": 1}
+    bad = rows(url, "SELECT join_error FROM atlas_results WHERE join_status = 'invalid' "
+                    "ORDER BY result_at")  # fmt: skip
+    assert all(b["join_error"].startswith("unreadable result: ") for b in bad)
+    assert "fast" in bad[1]["join_error"]
+    m = rows(url, f"SELECT fetched_until, results_invalid FROM v_atlas_measurements "
+                  f"WHERE msm_id = {split}")[0]  # fmt: skip
+    assert m["results_invalid"] == 2 and m["fetched_until"].timestamp() > start + 400
+
+
+def test_import_stores_files_as_fetch_does_idempotently(
+    env: dict[str, str], standin: StandIn, campaign_file: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """The API's JSON list, NDJSON, and an hourly archive dump (one result per
+    line, every public measurement mixed, bzip2; error lines without ``af``),
+    plain, compressed or on stdin: the same rows as fetch, nothing twice."""
+    url = env["KICKASS_DATABASE_URL"]
+    assert kickass("create", campaign_file) == 0
+    start = backdate(standin, 1000)
+    for msm_id in standin.measurements:
+        play(standin, url, msm_id, [start + 100, start + 160])
+    lines = [r for msm_id in sorted(standin.results) for r in standin.results[msm_id]]
+    d = campaign_file.parent
+    (d / "api.json").write_text(json.dumps(lines[:4]))
+    (d / "api.ndjson").write_text("".join(json.dumps(r) + "\n" for r in lines[4:8]))
+    other = dict(lines[0], msm_id=5009, prb_id=99)  # another user's measurement
+    no_af = {"fw": 5120, "msm_id": lines[8]["msm_id"], "prb_id": 1001, "timestamp": start + 400,
+             "type": "ping", "result": [{"error": "dns resolution failed"}]}  # fmt: skip
+    dump = [other, *lines[8:], no_af, other]
+    (d / "ping-dump.bz2").write_bytes(
+        bz2.compress("".join(json.dumps(r) + "\n" for r in dump).encode())
+    )
+    capsys.readouterr()
+    assert kickass("import", campaign_file, d / "api.json", d / "api.ndjson", "--json") == 0
+    assert json.loads(capsys.readouterr().out)["results_new"] == 8
+    stdin = io.BytesIO((d / "ping-dump.bz2").read_bytes())
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(stdin))
+    assert kickass("import", campaign_file, "-", "--json") == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["results_new"] == len(lines) - 8 + 1
+    assert report["ignored"] == {"another measurement's result": 2}
+    # The error line names no address: no reply of ours to join it to.
+    assert report["join"] == {"exact": len(lines) - 8, "no-log": 1}
+    kinds = rows(url, "SELECT join_status, origin, count(*) AS n FROM atlas_results GROUP BY 1, 2")
+    assert {(k["join_status"], k["origin"]): k["n"] for k in kinds} == {
+        ("exact", "import"): len(lines),
+        ("no-log", "import"): 1,
+    }
+    imported = rows(url, "SELECT count(*) AS n FROM atlas_outcomes")[0]["n"]
+    # Again, and through the API: nothing new.
+    for f in ("api.json", "api.ndjson", "ping-dump.bz2"):
+        assert kickass("import", campaign_file, d / f, "--json") == 0
+        assert json.loads(capsys.readouterr().out)["results_new"] == 0
+    assert kickass("fetch", campaign_file, "--settle", "0", "--json") == 0
+    assert json.loads(capsys.readouterr().out)["results_new"] == 0
+    assert rows(url, "SELECT count(*) AS n FROM atlas_outcomes")[0]["n"] == imported
+    assert kickass("import", campaign_file, d / "missing.json") == 2
+    err = capsys.readouterr().err
+    _no_traceback(err)
+    assert "cannot read" in err
+
+
 # -- errors Atlas really returns --------------------------------------------------------------
 
 
@@ -352,12 +493,13 @@ def test_missing_and_bad_keys(
     assert rows(url, "SELECT count(*) AS n FROM atlas_measurements")[0]["n"] == 3
 
 
+BARE_429 = "<html><head><title>429 Too Many Requests</title></head><body>nginx</body></html>"
 THROTTLED = envelope(
     429, "Too Many Requests", "Request was throttled. Expected available in 60 seconds.", 0
 )  # noqa: E501
 
 
-def test_rate_limited_midway_resumes_without_creating_twice(
+def test_rate_limited_resumes_without_creating_twice(
     env: dict[str, str], standin: StandIn, campaign_file: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     url = env["KICKASS_DATABASE_URL"]
@@ -368,21 +510,116 @@ def test_rate_limited_midway_resumes_without_creating_twice(
     assert "rate-limiting" in err and "wait" in err
     assert rows(url, "SELECT count(*) AS n FROM atlas_measurements")[0]["n"] == 0
 
-    # Now the split sweep goes through and the whole sizes are throttled.
-    calls = {"n": 0}
-    original = standin._create
-
-    def second_throttled(headers: dict[str, str], body: Any) -> tuple[int, Any]:
-        calls["n"] += 1
-        return (429, THROTTLED) if calls["n"] == 2 else original(headers, body)
-
-    standin._create = second_throttled  # type: ignore[method-assign]
+    # A proxy's bare 429 page, without Atlas's envelope: still rate limiting.
+    standin.fail("POST", "/api/v2/measurements", 429, BARE_429)
     assert kickass("create", campaign_file) == 2
-    assert "rate-limiting" in capsys.readouterr().err
-    assert [r["key"] for r in rows(url, "SELECT key FROM atlas_measurements")] == ["split-1500"]
+    err = capsys.readouterr().err
+    _no_traceback(err)
+    assert "rate-limiting" in err and "unexpected" not in err
+    assert rows(url, "SELECT count(*) AS n FROM atlas_measurements")[0]["n"] == 0
+
     assert kickass("create", campaign_file) == 0
     keys = sorted(r["key"] for r in rows(url, "SELECT key FROM atlas_measurements"))
     assert keys == ["split-1500", "whole-100", "whole-1500"] and len(standin.measurements) == 3
+
+
+def test_a_creation_whose_answer_is_lost_is_adopted_not_repeated(
+    env: dict[str, str], standin: StandIn, campaign_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The stand-in carries the creation out, then drops the connection: the
+    client never learns the ids. `create` looks the campaign's measurements
+    up by its tag before creating again: one set of measurements."""
+    url = env["KICKASS_DATABASE_URL"]
+    standin.fail("POST", "/api/v2/measurements", 201, None, commit=True)
+    assert kickass("create", campaign_file) == 0
+    assert len(standin.requests_to("POST", "/api/v2/measurements")) == 1
+    assert len(standin.measurements) == 3
+    lookups = standin.requests_to("GET", "/api/v2/measurements/my")
+    tag = Campaign.from_dict(campaign_dict()).tag
+    assert lookups and lookups[-1].query["tags"] == tag
+    stored = rows(url, "SELECT msm_id FROM atlas_measurements ORDER BY msm_id")
+    assert [r["msm_id"] for r in stored] == sorted(standin.measurements)
+    assert kickass("create", campaign_file) == 0  # and again: nothing new
+    assert len(standin.requests_to("POST", "/api/v2/measurements")) == 1
+
+    # A connection dropped *before* Atlas acted: the lookup finds nothing,
+    # the one retry creates (here: a second campaign, same stand-in).
+    other = campaign_file.parent / "other.yaml"
+    other.write_text(yaml.safe_dump(campaign_dict(name="other-study")))
+    standin.fail("POST", "/api/v2/measurements", 0, None)
+    capsys.readouterr()
+    assert kickass("create", other) == 0
+    assert len(standin.requests_to("POST", "/api/v2/measurements")) == 3
+    assert len(standin.measurements) == 6
+
+
+def test_atlas_prices_above_the_budget_stop_the_measurements_before_they_start(
+    env: dict[str, str], standin: StandIn, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The documented rule says 8 credits per result; RIPE Atlas charges more
+    (archived measurement objects: 256 for 5 x 1480 bytes). `create` reads
+    credits_per_result back while the measurements have not started yet and
+    stops them when they would overrun the budget."""
+    url = env["KICKASS_DATABASE_URL"]
+    path = tmp_path / "pricey.yaml"
+    path.write_text(yaml.safe_dump(campaign_dict(credit_budget=5000)))  # rule: 3 x 960
+    standin.price = lambda packets, size: 256 * packets // 5
+    assert kickass("create", path) == 2
+    err = capsys.readouterr().err
+    _no_traceback(err)
+    assert "above its credit_budget of 5000" in err and "nothing was spent" in err
+    assert "credits_per_result" in err
+    deleted = {
+        int(s.path.rstrip("/").rsplit("/", 1)[1]) for s in standin.requests_to("DELETE", "/api")
+    }
+    assert deleted == set(standin.measurements)
+    assert {m["status"]["name"] for m in standin.measurements.values()} == {"Stopped"}
+    assert rows(url, "SELECT count(*) AS n FROM atlas_measurements")[0]["n"] == 0
+
+    # With a budget that pays Atlas's price: created afresh (the stopped ones
+    # are not adopted).
+    path.write_text(yaml.safe_dump(campaign_dict(credit_budget=200_000)))
+    assert kickass("create", path) == 0
+    live = [m for m in standin.measurements.values() if m["status"]["id"] == 1]
+    assert len(live) == 3
+    stored = rows(url, "SELECT msm_id, credits_per_result FROM atlas_measurements")
+    assert {r["msm_id"] for r in stored} == {m["id"] for m in live}
+    assert {r["credits_per_result"] for r in stored} == {256 * PACKETS // 5}
+
+
+def test_more_sizes_later_are_priced_at_atlas_prices_before_creating(
+    env: dict[str, str], standin: StandIn, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = env["KICKASS_DATABASE_URL"]
+    path = tmp_path / "grow.yaml"
+    path.write_text(
+        yaml.safe_dump(campaign_dict(whole={"sizes": [100, 1500], "sample": 1}, credit_budget=5000))
+    )
+    assert kickass("create", path) == 0  # the split sweep and whole-1500
+    assert len(standin.measurements) == 2
+    # Atlas turns out to charge five times the rule for them.
+    for m in standin.measurements.values():
+        m["credits_per_result"] = 5 * PACKETS
+    assert kickass("status", path) == 0  # reads the real price back
+    capsys.readouterr()
+    assert kickass("create", path, "--all-sizes") == 2
+    err = capsys.readouterr().err
+    _no_traceback(err)
+    assert "at RIPE Atlas's prices" in err and "nothing was created" in err
+    assert len(standin.requests_to("POST", "/api/v2/measurements")) == 1
+    # At the rule's price it would have fitted: so the whole-size batch is
+    # priced with Atlas's figures, before spending. With room for it, it is
+    # created from the probes the running measurements have.
+    path.write_text(
+        yaml.safe_dump(
+            campaign_dict(whole={"sizes": [100, 1500], "sample": 1}, credit_budget=50_000)
+        )
+    )
+    assert kickass("create", path, "--all-sizes") == 0
+    posts = standin.requests_to("POST", "/api/v2/measurements")
+    assert len(posts) == 2
+    split = rows(url, "SELECT msm_id FROM atlas_measurements WHERE key = 'split-1500'")[0]
+    assert posts[1].body["probes"] == [{"type": "msm", "value": split["msm_id"], "requested": 2}]
 
 
 def test_not_enough_credits(

@@ -40,11 +40,18 @@ def core(**kw: object) -> ResponderCore:
 
 
 def request(
-    dst: str = WHOLE, ip_len: int = 84, icmp_id: int = 0x1234, seq: int = 1, src: str = PROBE
+    dst: str = WHOLE,
+    ip_len: int = 84,
+    icmp_id: int = 0x1234,
+    seq: int = 1,
+    src: str = PROBE,
+    sent_ns: int = 1_000_000_000,
 ) -> bytes:
-    """An Atlas-like echo request: a 24-byte cookie (timeval + index), zeros after."""
-    cookie = struct.pack("!qqI4x", 1_700_000_000, 123456, 3)
-    data = (cookie + bytes(max(0, ip_len - 28 - len(cookie))))[: ip_len - 28]
+    """An echo request as a 64-bit Atlas probe sends it (struct evdata in
+    ping.c): its monotonic send time (timespec, host order), the
+    measurement's index, an 8-byte cookie, padding; zeros after."""
+    record = struct.pack("<qqI8s4x", sent_ns // 10**9, sent_ns % 10**9, 3, b"cookie!!")
+    data = (record + bytes(max(0, ip_len - 28 - len(record))))[: ip_len - 28]
     return bytes(IP(src=src, dst=dst, id=7, ttl=55) / ICMP(type=8, id=icmp_id, seq=seq) / Raw(data))
 
 
@@ -101,10 +108,51 @@ def test_one_ping_covers_the_split_sweep_and_probes_start_apart() -> None:
         for i in range(3)
     ]
     assert other[0] != seen[0] or other[1] != seen[1]  # another probe, another start
-    # A duplicated request (same sequence number) is answered with the same split.
+    # A duplicated request (a byte-identical copy) is answered with the same split.
     a = c.on_request(60, request(dst=SPLIT, ip_len=1500, seq=40))
     b = c.on_request(60.001, request(dst=SPLIT, ip_len=1500, seq=40))
     assert a is not None and b is not None and a.record.ip_len == b.record.ip_len
+    assert (a.record.duplicate, b.record.duplicate) == (False, True)
+    assert a.record.attempt == b.record.attempt == 0
+
+
+def test_a_reused_sequence_number_is_a_new_request_with_the_next_split() -> None:
+    """After a first reply the firmware re-sends a sequence number until a
+    reply comes (ping.c): each re-send has new data (its send time) and gets
+    the next split, so a split the path drops never stalls the sweep."""
+    c = core()
+    first = c.on_request(0, request(dst=SPLIT, ip_len=1500, seq=1, sent_ns=0))
+    assert first is not None and first.record.attempt == 0
+    splits, attempts = [], []
+    for k in range(len(SPLITS)):  # seq 2, its reply lost every time
+        reply = c.on_request(1 + k, request(dst=SPLIT, ip_len=1500, seq=2, sent_ns=(1 + k) * 10**9))
+        assert reply is not None and not reply.record.duplicate
+        splits.append(reply.record.ip_len)
+        attempts.append(reply.record.attempt)
+    assert attempts == list(range(len(SPLITS)))
+    assert len(set(splits)) == len(SPLITS)  # every split once: the sweep moved on
+    # A copy of the last re-send is a duplicate of it, not attempt 23.
+    copy = c.on_request(24, request(dst=SPLIT, ip_len=1500, seq=2, sent_ns=len(SPLITS) * 10**9))
+    assert copy is not None and copy.record.duplicate
+    assert (copy.record.attempt, copy.record.ip_len) == (attempts[-1], splits[-1])
+    # The next sequence number starts again at attempt 0.
+    nxt = c.on_request(25, request(dst=SPLIT, ip_len=1500, seq=3, sent_ns=25 * 10**9))
+    assert nxt is not None and nxt.record.attempt == 0 and not nxt.record.duplicate
+
+
+def test_a_probes_measurements_are_separate_streams() -> None:
+    """One probe's concurrent pings share its ICMP id (one pid in eperd) and
+    often their sequence numbers: another target or size is another stream,
+    never a re-send."""
+    c = core()
+    records = [
+        c.on_request(t, request(dst=dst, ip_len=ip_len, seq=1, sent_ns=t * 10**9))
+        for t, (dst, ip_len) in enumerate(
+            [(SPLIT, 1500), (WHOLE, 100), (WHOLE, 1000), (WHOLE, 1500)]
+        )
+    ]
+    assert all(r is not None and r.record.attempt == 0 for r in records)
+    assert not any(r.record.duplicate for r in records if r is not None)
 
 
 def test_shared_address_answers_1500_split_and_other_sizes_whole() -> None:

@@ -34,6 +34,7 @@ ALL_PACKAGES = {
     "iperf3",
     "docker-compose",
     "postgresql",
+    "pypy3",
 }
 
 

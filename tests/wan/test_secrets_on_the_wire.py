@@ -74,7 +74,9 @@ def test_a_trial_round_sends_no_secret_and_a_replay_is_refused(
         server(database_url, free_port(socket.SOCK_DGRAM), http),
     ):
         dump = subprocess.Popen(
-            ["tcpdump", "-i", "lo", "-U", "-s", "0", "-w", str(pcap),
+            # --immediate-mode: each packet is handed over at once (libpcap
+            # otherwise waits for a block to fill or time out).
+            ["tcpdump", "-i", "lo", "-U", "--immediate-mode", "-s", "0", "-w", str(pcap),
              f"tcp port {agent_port} or tcp port {http}"],
             stderr=subprocess.PIPE,
         )  # fmt: skip
@@ -98,7 +100,11 @@ def test_a_trial_round_sends_no_secret_and_a_replay_is_refused(
                     "\r\nConnection: close\r\n\r\n".encode()
                 )
                 s.recv(4096)
-            time.sleep(0.5)
+            # The control's request is the last packet of interest: wait until
+            # it is on disk before stopping the capture.
+            deadline = time.monotonic() + 10.0
+            while time.monotonic() < deadline and planted.encode() not in pcap.read_bytes():
+                time.sleep(0.1)
         finally:
             dump.terminate()
             dump.wait(10)
@@ -107,14 +113,18 @@ def test_a_trial_round_sends_no_secret_and_a_replay_is_refused(
         for name, secret in (("agent secret", SECRET), ("runner token", token)):
             for form in _forms(secret):
                 assert form not in capture, f"the {name} is on the wire ({form[:12]!r}...)"
-        # The requests of the round, and only those (one period of TCP flows
-        # under 100: one token request, one batch of flows; the trial twice,
-        # at its start and with its end time).
+        # The requests of the round, and only those (the agent's health and
+        # environment, one period of TCP flows under 100: one token request,
+        # one batch of flows; the trial twice, at its start and with its end).
         flows = len(result["summary"]["far-1"]["tcp:cubic"]) + result["failed_flows"]
         assert 0 < flows < 100, result
         to_agent = _request_lines(_streams(pcap, agent_port))
         to_server = _request_lines(_streams(pcap, http))
-        assert to_agent == ["GET /v1/health HTTP/1.1", "POST /v1/tokens HTTP/1.1"], to_agent
+        assert to_agent == [
+            "GET /v1/environment HTTP/1.1",  # signed too: a host's settings are not public
+            "GET /v1/health HTTP/1.1",
+            "POST /v1/tokens HTTP/1.1",
+        ], to_agent
         tid = result["trials"]["far-1"]
         assert [ln for ln in to_server if "/trials/" in ln] == [
             f"POST /api/v1/trials/{tid}/flows HTTP/1.1",

@@ -85,9 +85,14 @@ def test_a_batch_over_the_body_cap_is_split_and_stored_whole(
     spool = Spool(tmp_path / "spool")
     tid = secrets.token_hex(16)
     _spool_trial(spool, tid)
-    # 100 records of ~3.1 KB: a batch of 100 is over the server's 256 KiB cap.
+    # 100 records of ~5.5 KB (a long error and transport counters): a batch
+    # of 100 is twice the server's 256 KiB cap.
     flows = [
-        {**flow(tid, i, "tcp", 10, None, None), "error": f"flow {i} failed: " + "x" * 2000}
+        {
+            **flow(tid, i, "tcp", 10, None, None),
+            "error": f"flow {i} failed: " + "x" * 1900,
+            "extra": {f"note_{k}": "y" * 190 for k in range(16)},
+        }
         for i in range(100)
     ]
     assert len(json.dumps({"flows": flows})) > 256 * 1024

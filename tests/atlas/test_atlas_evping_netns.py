@@ -1,0 +1,400 @@
+"""A RIPE Atlas campaign end to end against the real probe firmware.
+
+    p1 (198.18.75.2) ─┐
+    p2 (198.18.76.2) ─┤   r: fragments to p2 dropped;
+    p3 (198.18.77.2) ─┼─ r ── srv (`kickass atlas responder`: whole 198.18.74.10,
+    p4 (198.18.78.2) ─┘          split 198.18.74.11; reply log in PostgreSQL)
+                          r: 10% of p3's packets dropped each way;
+                          r: every echo reply to p4 dropped but the first of each run
+
+Each probe namespace runs the RIPE Atlas probe's own ping (``busybox
+evping`` from ../shared/oracles, see tests/atlas/probe_oracle.py) for every
+measurement `kickass atlas create` created on the HTTPS stand-in, run after
+run, as Atlas schedules them. The stand-in serves what the probes printed as
+the results API does (tests/atlas/atlas_standin.py, ``api_result``), and
+`kickass atlas fetch` joins them to the responder's reply log.
+
+The ground truth is tcpdump's, on both ends: which reply datagrams the
+responder put on the wire (and how it cut each split), which of them
+arrived whole at the probe, which requests left the probe and which reached
+the server. Stored counts must equal it: exactly per whole size, and per
+split wherever the join is exact; where a result's join is ``ambiguous``
+(its run's first requests never reached the responder, so the log cannot
+tell which of two sequence-number alignments the result had) the totals
+are exact and each split's counts may be off by at most the replies of the
+ambiguous results at that split — the stated bound. The verdicts must be
+right: fragments fine on the clean path, intolerant behind the fragment
+filter, and on the other paths what the volunteers' rule says of the true
+counts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+import kickass_db as db
+import probe_oracle
+import pytest
+import yaml
+from atlas_standin import api_result, running
+from kickass_core import cli
+from kickass_core.verdict import decide
+from kickass_testbed.topology import End, Host, Link, NftRule, Process, Route, Topology, build
+from sqlalchemy import text
+from support.pcap_truth import Capture, read_ipv4
+
+pytestmark = [
+    pytest.mark.netns,
+    pytest.mark.slow,
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root for network namespaces"),
+]
+
+KICKASS = str(Path(sys.executable).with_name("kickass"))
+WHOLE, SPLIT = "198.18.74.10", "198.18.74.11"
+# prb_id -> (namespace, address, path)
+PROBES = {
+    1001: ("p1", "198.18.75.2", "clean"),
+    1002: ("p2", "198.18.76.2", "every fragment dropped"),
+    1003: ("p3", "198.18.77.2", "10% loss each way"),
+    1004: ("p4", "198.18.78.2", "replies after the first of each run dropped"),
+}
+# A second between packets, as Atlas's default: the end-of-run timestamp
+# (whole seconds) then tells a run's alignments apart.
+PACKETS, PACKET_INTERVAL_MS, RUNS, GAP_S = 8, 1000, 3, 3.0
+WHOLE_SIZES = [60, 1000, 1500]  # 60: the smallest a 64-bit probe sends (32 data bytes)
+SPLITS = [44, 300, 548, 804, 1052, 1492]
+KEY = "evping-e2e-key"
+
+
+def topology() -> Topology:
+    links = [
+        Link(
+            End("srv", "e0", (f"{WHOLE}/24", f"{SPLIT}/24")),
+            End("r", "srv", ("198.18.74.1/24",)),
+        )
+    ]
+    routes = [Route("srv", "default", via="198.18.74.1")]
+    for host, address, _ in PROBES.values():
+        gateway = address.rsplit(".", 1)[0] + ".1"
+        links.append(Link(End(host, "e0", (f"{address}/24",)), End("r", host, (f"{gateway}/24",))))
+        routes.append(Route(host, "default", via=gateway))
+    return Topology(
+        name="kaev",
+        hosts=(Host("srv"), Host("r", router=True), *(Host(p[0]) for p in PROBES.values())),
+        links=tuple(links),
+        routes=tuple(routes),
+        nft=(
+            NftRule("r", 'oifname "p2" ip frag-off & 0x3fff != 0 counter drop'),
+            NftRule("r", 'oifname "p3" numgen random mod 100 < 10 counter drop'),
+            NftRule("r", 'iifname "p3" numgen random mod 100 < 10 counter drop'),
+            # evping starts every run at sequence number 1 and, after the
+            # first reply, re-sends the next one until a reply comes: every
+            # reply but the first of a run has a sequence number above 1. (A
+            # split reply's second fragment carries no ICMP header and
+            # passes; its first does not, so the datagram never completes.)
+            NftRule("r", 'oifname "p4" icmp type echo-reply icmp sequence != 1 counter drop'),
+        ),
+    )
+
+
+def campaign() -> dict[str, Any]:
+    return {
+        "name": "evping-e2e",
+        "target": {"whole": WHOLE, "split": SPLIT},
+        "probes": {"ids": sorted(PROBES)},
+        "whole": {"sizes": WHOLE_SIZES, "sample": len(WHOLE_SIZES)},
+        "split": {"leading": SPLITS},
+        "packets": PACKETS,
+        "interval": 60,
+        "packet_interval": PACKET_INTERVAL_MS,
+        "duration": 3600,
+        "credit_budget": 10**7,
+        "responder": {"pps_per_address": 2000, "pps_per_prefix": 5000, "pps_global": 20000},
+    }
+
+
+def query(url: str, sql: str) -> list[dict[str, Any]]:
+    e = db.make_engine(url)
+    try:
+        with e.connect() as conn:
+            return [dict(r) for r in conn.execute(text(sql)).mappings()]
+    finally:
+        e.dispose()
+
+
+def test_real_probe_firmware_against_the_responder(
+    tmp_path: Path, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    probe_oracle.busybox()  # fails, never skips, without the oracle
+    path = tmp_path / "campaign.yaml"
+    path.write_text(yaml.safe_dump(campaign()))
+    for k, v in {"KICKASS_ATLAS_KEY": KEY, "KICKASS_DATABASE_URL": database_url}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("KICKASS_CONFIG", raising=False)
+    with running(tmp_path, key=KEY) as standin:
+        monkeypatch.setenv("KICKASS_ATLAS_SERVER", standin.server)
+        monkeypatch.setenv("KICKASS_ATLAS_CA_BUNDLE", str(standin.ca_bundle))
+        for prb_id, (_, address, _) in PROBES.items():
+            standin.add_probe(prb_id, address, 64500 + prb_id % 100, "NL")
+        assert cli.main(["atlas", "create", str(path), "--start-in", "0"]) == 0
+        # One request: every measurement on the same probes.
+        assert len(standin.requests_to("POST", "/api/v2/measurements")) == 1
+        measurements = dict(standin.measurements)
+
+        started = time.monotonic()
+        printed = run_probes(tmp_path, path, database_url, measurements)
+        took = time.monotonic() - started
+        assert len(printed) == len(PROBES) * len(measurements) * RUNS
+
+        # RIPE's back end: the lines the probes printed, as the results API serves them.
+        for msm_id, prb_id, line in printed:
+            standin.add_results(
+                msm_id,
+                [api_result(line, msm_id=msm_id, prb_id=prb_id, public=PROBES[prb_id][1],
+                            packets=PACKETS)],
+            )  # fmt: skip
+        assert cli.main(["atlas", "fetch", str(path), "--settle", "0"]) == 0
+        # The same lines from a file (NDJSON, as the archive dumps) add nothing.
+        dump = tmp_path / "dump.ndjson"
+        dump.write_text(
+            "".join(
+                json.dumps(
+                    api_result(line, msm_id=m, prb_id=p, public=PROBES[p][1], packets=PACKETS)
+                )
+                + "\n"
+                for m, p, line in printed
+            )  # fmt: skip
+        )
+        before = query(database_url, "SELECT count(*) AS n FROM atlas_outcomes")[0]["n"]
+        assert cli.main(["atlas", "import", str(path), str(dump)]) == 0
+        assert query(database_url, "SELECT count(*) AS n FROM atlas_outcomes")[0]["n"] == before
+
+    truth = ground_truth(tmp_path, measurements)
+    stored = stored_counts(database_url)
+    ambiguous = ambiguous_replies(database_url)
+    print(f"probes ran {took:.1f} s; joins {join_statuses(database_url)}")
+    for key in sorted(set(truth) | set(stored)):
+        print(key, "truth", truth.get(key), "stored", stored.get(key))
+    check_counts(truth, stored, ambiguous)
+    check_verdicts(database_url, truth)
+
+
+def run_probes(
+    tmp_path: Path, path: Path, database_url: str, measurements: dict[int, dict[str, Any]]
+) -> list[tuple[int, int, dict[str, Any]]]:
+    """Every probe runs every measurement RUNS times, all at once, with
+    tcpdump on both ends; returns what the probes printed."""
+    printed: list[tuple[int, int, dict[str, Any]]] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+    with build(topology()) as net:
+        captures = {"srv": Capture(net["srv"], "e0", tmp_path / "srv.pcap", "icmp")}
+        for host, _, _ in PROBES.values():
+            captures[host] = Capture(net[host], "e0", tmp_path / f"{host}.pcap", "icmp")
+        net.start(
+            Process(
+                "responder",
+                "srv",
+                (KICKASS, "atlas", "responder", str(path), "--database-url", database_url),
+                env={"KICKASS_CONFIG": ""},
+                ready_text="responder ready",
+                ready_timeout=60,
+            )
+        )
+
+        def probe(prb_id: int, msm: dict[str, Any], offset: float) -> None:
+            host = PROBES[prb_id][0]
+            time.sleep(offset)
+            env = [f"{k}={v}" for k, v in probe_oracle.ENV.items()]
+            for run in range(RUNS):
+                if run:
+                    time.sleep(GAP_S)
+                argv = probe_oracle.argv(
+                    msm["target"], msm["size"], PACKETS, PACKET_INTERVAL_MS, msm["id"]
+                )
+                p = net[host].run(
+                    ["env", *env, *argv],
+                    check=False,
+                    timeout=PACKETS * PACKET_INTERVAL_MS / 1000 + 30,
+                )
+                try:
+                    line = probe_oracle.result_line(p.stdout)
+                except AssertionError as exc:
+                    with lock:
+                        errors.append(f"{host} msm {msm['id']}: {exc} {p.stderr[-300:]}")
+                    return
+                with lock:
+                    printed.append((msm["id"], prb_id, line))
+
+        jobs = [
+            (p, m) for p in PROBES for m in sorted(measurements.values(), key=lambda m: m["id"])
+        ]
+        threads = [
+            threading.Thread(target=probe, args=(prb_id, msm, 0.05 * i))
+            for i, (prb_id, msm) in enumerate(jobs)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        time.sleep(1.0)  # the responder's last log batch
+        code, _ = net.stop("responder")
+        assert code == 0
+        dropped = {host: c.stop() for host, c in captures.items()}
+    assert not errors, errors
+    assert dropped == dict.fromkeys(dropped, 0), dropped  # the truth is only truth at 0
+    return printed
+
+
+Key = tuple[int, str, int]  # (probe, phase, whole IP length | leading-fragment IP length)
+
+
+def _datagrams(pcap: Path, src: set[str]) -> dict[tuple[str, int], list[Any]]:
+    """Pieces of the IPv4 datagrams from ``src``, per (destination, IP id)."""
+    out: dict[tuple[str, int], list[Any]] = defaultdict(list)
+    for p in read_ipv4(pcap):
+        if p.proto == 1 and p.src in src:
+            out[(p.dst, p.ip_id)].append(p)
+    return out
+
+
+def _complete(pieces: list[Any]) -> bool:
+    at, end = 0, None
+    for p in sorted(pieces, key=lambda p: p.offset):
+        if p.offset > at:
+            return False
+        at = max(at, p.offset + p.total_len - 20)
+        if not p.more:
+            end = p.offset + p.total_len - 20
+    return end is not None and at >= end
+
+
+def ground_truth(
+    tmp_path: Path, measurements: dict[int, dict[str, Any]]
+) -> dict[Key, Counter[str]]:
+    """Per probe, phase and size or split, from tcpdump only: replies the
+    responder sent (srv), replies that arrived whole (the probe's end), and
+    for whole sizes the requests that left the probe but never reached srv."""
+    address_of = {address: prb for prb, (_, address, _) in PROBES.items()}
+    host_of = {address: host for host, address, _ in PROBES.values()}
+    sent = _datagrams(tmp_path / "srv.pcap", {WHOLE, SPLIT})
+    truth: dict[Key, Counter[str]] = defaultdict(Counter)
+    arrived: dict[str, set[tuple[str, int]]] = {}
+    for address, host in host_of.items():
+        at_probe = _datagrams(tmp_path / f"{host}.pcap", {WHOLE, SPLIT})
+        arrived[address] = {k for k, pieces in at_probe.items() if _complete(pieces)}
+    for (dst, ip_id), pieces in sent.items():
+        lead = next(p for p in pieces if p.offset == 0)
+        if lead.payload[0] != 0:  # echo replies only
+            continue
+        phase = "split" if lead.src == SPLIT else "whole"
+        size = lead.total_len if phase == "split" else 20 + sum(p.total_len - 20 for p in pieces)
+        key = (address_of[dst], phase, size)
+        truth[key]["sent"] += 1
+        truth[key]["acked"] += (dst, ip_id) in arrived[dst]
+    # Whole requests: left the probe, never reached the responder.
+    at_srv = Counter(
+        (p.src, p.total_len)
+        for p in read_ipv4(tmp_path / "srv.pcap")
+        if p.proto == 1 and p.dst == WHOLE and p.offset == 0 and p.payload[0] == 8
+    )
+    for address, host in host_of.items():
+        left = Counter(
+            p.total_len
+            for p in read_ipv4(tmp_path / f"{host}.pcap")
+            if p.proto == 1 and p.src == address and p.dst == WHOLE and p.payload[0] == 8
+        )
+        for size, n in left.items():
+            truth[(address_of[address], "whole", size)]["unanswered"] += n - at_srv[(address, size)]
+    assert measurements
+    return truth
+
+
+def stored_counts(url: str) -> dict[Key, Counter[str]]:
+    stored: dict[Key, Counter[str]] = {}
+    for r in query(url, "SELECT prb_id, ip_len, sent, acked, unanswered FROM v_atlas_whole_drop"):
+        stored[(r["prb_id"], "whole", r["ip_len"])] = Counter(
+            sent=r["sent"], acked=r["acked"], unanswered=r["unanswered"]
+        )
+    for r in query(url, "SELECT prb_id, leading_ip_len, sent, acked FROM v_atlas_split_drop"):
+        stored[(r["prb_id"], "split", r["leading_ip_len"])] = Counter(
+            sent=r["sent"], acked=r["acked"]
+        )
+    return stored
+
+
+def ambiguous_replies(url: str) -> Counter[Key]:
+    """Our replies in results joined ``ambiguous``, per probe and split."""
+    rows = query(
+        url,
+        "SELECT o.prb_id, o.phase, o.ip_len, count(*) AS n FROM atlas_outcomes o "
+        "JOIN atlas_results r USING (msm_id, prb_id, result_at) "
+        "WHERE r.join_status = 'ambiguous' AND o.outcome IN ('acked', 'lost', 'late') "
+        "GROUP BY 1, 2, 3",
+    )
+    return Counter({(r["prb_id"], r["phase"], r["ip_len"]): r["n"] for r in rows})
+
+
+def join_statuses(url: str) -> dict[str, int]:
+    rows = query(url, "SELECT join_status, count(*) AS n FROM atlas_results GROUP BY 1")
+    return {r["join_status"]: r["n"] for r in rows}
+
+
+def check_counts(
+    truth: dict[Key, Counter[str]], stored: dict[Key, Counter[str]], ambiguous: Counter[Key]
+) -> None:
+    # Every whole size of every probe: replies sent, arrived and requests
+    # that never reached us, exactly.
+    whole_truth = {k: v for k, v in truth.items() if k[1] == "whole"}
+    whole_stored = {k: v for k, v in stored.items() if k[1] == "whole"}
+    assert whole_stored == whole_truth
+    assert {k[2] for k in whole_truth} == set(WHOLE_SIZES)
+    for prb_id in PROBES:
+        split_truth = {k: v for k, v in truth.items() if k[0] == prb_id and k[1] == "split"}
+        split_stored = {k: v for k, v in stored.items() if k[0] == prb_id and k[1] == "split"}
+        # Totals exactly, on every path.
+        for what in ("sent", "acked"):
+            assert sum(v[what] for v in split_stored.values()) == sum(
+                v[what] for v in split_truth.values()
+            ), (prb_id, what)
+        # Per split: exactly, up to the replies of ambiguous results there.
+        for key in set(split_truth) | set(split_stored):
+            t, s = split_truth.get(key, Counter()), split_stored.get(key, Counter())
+            assert t["sent"] == s["sent"], key  # which split each reply had: the log's
+            assert abs(t["acked"] - s["acked"]) <= ambiguous[key], (key, t, s)
+        if prb_id != 1003:  # no request lost on the way in: nothing ambiguous
+            assert split_stored == split_truth
+    assert set(ambiguous) <= {k for k in truth if k[0] == 1003}, ambiguous
+
+
+def check_verdicts(url: str, truth: dict[Key, Counter[str]]) -> None:
+    v = {
+        r["prb_id"]: r
+        for r in query(url, "SELECT * FROM v_verdicts_by_source WHERE source = 'atlas'")
+    }
+    assert v[1001]["verdict"] == "fragments-ok"
+    assert (v[1001]["whole_drop_rate"], v[1001]["split_drop_rate"]) == (0.0, 0.0)
+    assert v[1002]["verdict"] == "fragment-intolerant"
+    assert (v[1002]["whole_drop_rate"], v[1002]["split_drop_rate"]) == (0.0, 1.0)
+    # Only the first reply of each run: 1 of 8 whole replies, more than half
+    # lost, so nothing can be said about fragments.
+    assert v[1004]["verdict"] == "inconclusive"
+    assert v[1004]["whole_drop_rate"] == pytest.approx(1 - 1 / PACKETS)
+    for prb_id in PROBES:
+        counts = {
+            phase: [
+                sum(c[w] for k, c in truth.items() if k[:2] == (prb_id, phase))
+                for w in ("sent", "acked")
+            ]
+            for phase in ("whole", "split")
+        }
+        expected = decide(*counts["whole"], *counts["split"]).verdict
+        assert v[prb_id]["verdict"] == expected, (prb_id, counts, v[prb_id]["verdict_reason"])
+    assert v[1003]["verdict"] != "fragment-intolerant"
