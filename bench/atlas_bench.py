@@ -55,8 +55,11 @@ PACKETS, INTERVAL = 16, 240
 def synthetic(
     n_results: int, n_probes: int, msm_id: int, target: str, seed: int
 ) -> tuple[list[dict[str, Any]], list[ReplyRecord]]:
-    """Result lines (current firmware format) and the reply log they join to:
-    5% of requests lost on the way in, 5% of replies lost on the way back."""
+    """Result lines as the probe firmware writes them (ping.c: an x only
+    before the first reply, after it a lost reply leaves no entry and the
+    sequence number is re-used; the time is the run's end) and the reply log
+    they join to: 5% of requests lost on the way in, 5% of replies on the
+    way back."""
     rng = random.Random(seed)
     lines: list[dict[str, Any]] = []
     log: list[ReplyRecord] = []
@@ -66,30 +69,37 @@ def synthetic(
         address = f"198.51.{100 + p // 250}.{1 + p % 250}"
         seq = 1
         for r in range(per_probe):
-            ts = t0 + r * INTERVAL + (p % 60)
-            entries = []
+            ts = t0 + r * INTERVAL + (p % 60) + PACKETS
+            entries: list[dict[str, Any]] = []
+            got_reply, last_seq, attempt = False, -1, 0
             for k in range(PACKETS):
+                arrived = False
                 if rng.random() >= 0.05:  # the request arrived: we replied
+                    attempt = attempt + 1 if seq == last_seq else 0
+                    last_seq = seq
                     log.append(
                         ReplyRecord(
                             len(log), target, address, 0x4000 + p, seq, 100, "whole", 100,
-                            ts + 0.3 + k,
+                            ts - PACKETS + k + 0.3, attempt,
                         )
                     )  # fmt: skip
-                    entries.append({"rtt": 20.0 + k} if rng.random() >= 0.05 else {"x": "*"})
-                else:
+                    arrived = rng.random() >= 0.05
+                if arrived:
+                    entries.append({"rtt": 20.0 + k})
+                    got_reply, seq = True, (seq + 1) % 256
+                elif not got_reply:
                     entries.append({"x": "*"})
-                seq = (seq + 1) % 256
+                    seq = (seq + 1) % 256
             rtts = [e["rtt"] for e in entries if "rtt" in e]
             lines.append(
                 {
                     "af": 4, "avg": sum(rtts) / len(rtts) if rtts else -1, "dst_addr": target,
-                    "dst_name": target, "dup": 0, "from": address, "fw": 5080, "lts": 10,
+                    "dst_name": target, "dup": 0, "from": address, "fw": 5120, "lts": 10,
                     "max": max(rtts, default=-1), "min": min(rtts, default=-1),
                     "msm_id": msm_id, "msm_name": "Ping", "prb_id": 10_000 + p, "proto": "ICMP",
                     "rcvd": len(rtts), "result": entries, "sent": PACKETS, "size": 72,
                     "src_addr": "192.168.1.2", "step": INTERVAL, "timestamp": ts, "ttl": 60,
-                    "type": "ping",
+                    "type": "ping", "stored_timestamp": ts + 5,
                 }
             )  # fmt: skip
     return lines, log
@@ -121,7 +131,7 @@ def bench_ingest(url: str, n_results: int) -> dict[str, Any]:
             store.write_reply_log(cid, uuid.uuid4(), log[i : i + 2000])
         out["reply_log_rows_per_s"] = round(len(log) / (time.perf_counter() - t))
 
-        spec = MeasurementSpec(1, cid, "whole", planned.target, 100, PACKETS, 1000)
+        spec = MeasurementSpec(1, cid, "whole", planned.target, 100, PACKETS, 1000, 72)
         t = time.perf_counter()
         parsed = [parse_result(x) for x in lines]
         t_parsed = time.perf_counter()

@@ -376,9 +376,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"campaign {campaign.name}: {len(msms)} measurements")
     for m in msms:
         fetched = _iso(m["fetched_until"]) or "never"
+        extra = "".join(
+            f", {m[k]} {label}"
+            for k, label in (("results_late", "late"), ("results_invalid", "invalid"))
+            if m.get(k)
+        )
         print(
             f"  msm {m['msm_id']:>10}  {m['phase']:>5} {m['ip_len']:>4}  "
-            f"{m['status_name'] or 'unknown':<18}  results {m['results_fetched']:>6}  "
+            f"{m['status_name'] or 'unknown':<18}  results {m['results_fetched']:>6}{extra}  "
             f"credits {m['credits_spent']:>7}  fetched until {fetched}"
             + (f"  last error: {m['last_error']}" if m["last_error"] else "")
         )

@@ -62,6 +62,7 @@ its window's watermark commits.
 
 from __future__ import annotations
 
+import bisect
 import bz2
 import gzip
 import io
@@ -312,9 +313,26 @@ class LoggedRun:
         return self.replies[0].sent_at
 
 
+class LogIndex:
+    """The reply log rows of a window, per requester address, by time."""
+
+    def __init__(self, replies: Iterable[LoggedReply]) -> None:
+        by_dst: dict[str, list[LoggedReply]] = defaultdict(list)
+        for r in replies:
+            by_dst[r.dst_address].append(r)
+        self._rows = {a: sorted(rows, key=lambda r: r.sent_at) for a, rows in by_dst.items()}
+        self._times = {a: [r.sent_at for r in rows] for a, rows in self._rows.items()}
+
+    def between(self, address: str, lo: float, hi: float) -> list[LoggedReply]:
+        times = self._times.get(address)
+        if not times:
+            return []
+        return self._rows[address][bisect.bisect_left(times, lo) : bisect.bisect_right(times, hi)]
+
+
 def runs_near(
     res: ParsedResult,
-    by_dst: Mapping[str, Sequence[LoggedReply]],
+    log_index: LogIndex,
     spec: MeasurementSpec,
     probe_addresses: Mapping[int, str | None],
 ) -> list[LoggedRun]:
@@ -324,16 +342,12 @@ def runs_near(
     addresses = sorted({a for a in (res.from_address, probe_addresses.get(res.prb_id)) if a})
     groups: dict[tuple[str, int], LoggedRun] = {}
     for address in addresses:
-        for r in by_dst.get(address, ()):
-            if lo <= r.sent_at <= hi:
-                run = groups.get((address, r.icmp_id))
-                if run is None:
-                    run = groups[(address, r.icmp_id)] = LoggedRun(address, r.icmp_id, [])
-                (run.copies if r.duplicate else run.replies).append(r)
-    runs = [g for g in groups.values() if g.replies]
-    for run in runs:
-        run.replies.sort(key=lambda r: r.sent_at)
-    return sorted(runs, key=lambda g: (g.dst, g.icmp_id))
+        for r in log_index.between(address, lo, hi):
+            run = groups.get((address, r.icmp_id))
+            if run is None:
+                run = groups[(address, r.icmp_id)] = LoggedRun(address, r.icmp_id, [])
+            (run.copies if r.duplicate else run.replies).append(r)
+    return sorted((g for g in groups.values() if g.replies), key=lambda g: (g.dst, g.icmp_id))
 
 
 @dataclass
@@ -480,10 +494,15 @@ def _fit(res: ParsedResult, shape: _Shape, run: LoggedRun, s0: int, spec: Measur
 
 
 def _fits(res: ParsedResult, shape: _Shape, run: LoggedRun, spec: MeasurementSpec) -> list[_Fit]:
-    """Every first sequence number the run's first row allows."""
+    """Every first sequence number the run's first row allows. That row is
+    the first request that reached us: every earlier one was unanswered, so
+    timed out before any reply, an x. Its index is at most the number of
+    leading x entries (one more is tried, for the inconsistent)."""
     mod = SEQ_MOD if max(r.icmp_seq for r in run.replies) < SEQ_MOD else 65536
     first = run.replies[0].icmp_seq
-    return [_fit(res, shape, run, (first - k) % mod, spec) for k in range(len(shape.kinds) + 1)]
+    lead = next((j for j, kind in enumerate(shape.kinds) if kind != TIMEOUT), len(shape.kinds))
+    last = min(len(shape.kinds), lead + 1)
+    return [_fit(res, shape, run, (first - k) % mod, spec) for k in range(last + 1)]
 
 
 def _result_row(
@@ -525,14 +544,14 @@ class _Out:
 
 def join_one(
     res: ParsedResult,
-    by_dst: Mapping[str, Sequence[LoggedReply]],
+    log_index: LogIndex,
     spec: MeasurementSpec,
     probe_addresses: Mapping[int, str | None],
     origin: str = "fetch",
 ) -> tuple[ResultRow, list[OutcomeRow]]:
     """The stored rows of one result: a pure function of the result and the
     log, so that any batching or order of results stores the same rows."""
-    runs = runs_near(res, by_dst, spec, probe_addresses)
+    runs = runs_near(res, log_index, spec, probe_addresses)
     nominal = spec.request_len
     if res.slots is None:
         run = min(runs, key=lambda g: abs(g.replies[-1].sent_at - res.timestamp), default=None)
@@ -821,14 +840,12 @@ def join(
 ) -> tuple[list[ResultRow], list[OutcomeRow]]:
     """Every result joined on its own (``join_one``); one that cannot be is
     ``invalid``, never an exception."""
-    by_dst: dict[str, list[LoggedReply]] = defaultdict(list)
-    for r in replies:
-        by_dst[r.dst_address].append(r)
+    log_index = LogIndex(replies)
     rows: list[ResultRow] = []
     outcomes: list[OutcomeRow] = []
     for res in results:
         try:
-            row, outs = join_one(res, by_dst, spec, probe_addresses, origin)
+            row, outs = join_one(res, log_index, spec, probe_addresses, origin)
         except Exception as exc:  # a bug must cost one result, not the window
             log.exception("result of probe %s at %s cannot be joined", res.prb_id, res.timestamp)
             rows.append(invalid_row(res, spec, origin, f"join failed: {type(exc).__name__}: {exc}"))

@@ -1,11 +1,13 @@
 """A RIPE Atlas campaign end to end against the real probe firmware.
 
-    p1 (198.18.75.2) ─┐
-    p2 (198.18.76.2) ─┤   r: fragments to p2 dropped;
-    p3 (198.18.77.2) ─┼─ r ── srv (`kickass atlas responder`: whole 198.18.74.10,
-    p4 (198.18.78.2) ─┘          split 198.18.74.11; reply log in PostgreSQL)
-                          r: 10% of p3's packets dropped each way;
-                          r: every echo reply to p4 dropped but the first of each run
+    p1 (198.18.75.2) ─────────────┐
+    p2 (198.18.76.2) ─────────────┤  r: fragments to p2 dropped;
+    p3 (198.18.77.2) ─────────────┼─ r ── srv (`kickass atlas responder`: whole
+    p4 (198.18.78.2) ─────────────┤         198.18.74.10, split 198.18.74.11;
+    p5 (198.18.179.2) ── nat ─────┘         reply log in PostgreSQL)
+                   (198.18.79.2)  r: 10% of p3's packets dropped each way;
+                                  r: every echo reply to p4 dropped but the first of a run
+                                  nat: masquerades p5 (conntrack reassembles fragments)
 
 Each probe namespace runs the RIPE Atlas probe's own ping (``busybox
 evping`` from ../shared/oracles, see tests/atlas/probe_oracle.py) for every
@@ -58,13 +60,15 @@ pytestmark = [
 
 KICKASS = str(Path(sys.executable).with_name("kickass"))
 WHOLE, SPLIT = "198.18.74.10", "198.18.74.11"
-# prb_id -> (namespace, address, path)
+# prb_id -> (namespace, its address, the address the responder sees, path)
 PROBES = {
-    1001: ("p1", "198.18.75.2", "clean"),
-    1002: ("p2", "198.18.76.2", "every fragment dropped"),
-    1003: ("p3", "198.18.77.2", "10% loss each way"),
-    1004: ("p4", "198.18.78.2", "replies after the first of each run dropped"),
+    1001: ("p1", "198.18.75.2", "198.18.75.2", "clean"),
+    1002: ("p2", "198.18.76.2", "198.18.76.2", "every fragment dropped"),
+    1003: ("p3", "198.18.77.2", "198.18.77.2", "10% loss each way"),
+    1004: ("p4", "198.18.78.2", "198.18.78.2", "replies after the first of each run dropped"),
+    1005: ("p5", "198.18.179.2", "198.18.79.2", "clean, behind a NAT"),
 }
+DIRECT = {prb: p for prb, p in PROBES.items() if p[1] == p[2]}
 # A second between packets, as Atlas's default: the end-of-run timestamp
 # (whole seconds) then tells a run's alignments apart.
 PACKETS, PACKET_INTERVAL_MS, RUNS, GAP_S = 8, 1000, 3, 3.0
@@ -81,25 +85,47 @@ def topology() -> Topology:
         )
     ]
     routes = [Route("srv", "default", via="198.18.74.1")]
-    for host, address, _ in PROBES.values():
+    for host, address, _, _ in DIRECT.values():
         gateway = address.rsplit(".", 1)[0] + ".1"
         links.append(Link(End(host, "e0", (f"{address}/24",)), End("r", host, (f"{gateway}/24",))))
         routes.append(Route(host, "default", via=gateway))
+    links += [
+        Link(End("nat", "wan", ("198.18.79.2/24",)), End("r", "nat", ("198.18.79.1/24",))),
+        Link(End("p5", "e0", ("198.18.179.2/24",)), End("nat", "lan", ("198.18.179.1/24",))),
+    ]
+    routes += [
+        Route("nat", "default", via="198.18.79.1"),
+        Route("p5", "default", via="198.18.179.1"),
+    ]
     return Topology(
         name="kaev",
-        hosts=(Host("srv"), Host("r", router=True), *(Host(p[0]) for p in PROBES.values())),
+        hosts=(
+            Host("srv"),
+            Host("r", router=True),
+            Host("nat", router=True),
+            *(Host(p[0]) for p in PROBES.values()),
+        ),
         links=tuple(links),
         routes=tuple(routes),
         nft=(
+            NftRule(
+                "nat", 'oifname "wan" masquerade', hook="postrouting", kind="nat", priority="srcnat"
+            ),
             NftRule("r", 'oifname "p2" ip frag-off & 0x3fff != 0 counter drop'),
             NftRule("r", 'oifname "p3" numgen random mod 100 < 10 counter drop'),
             NftRule("r", 'iifname "p3" numgen random mod 100 < 10 counter drop'),
             # evping starts every run at sequence number 1 and, after the
             # first reply, re-sends the next one until a reply comes: every
-            # reply but the first of a run has a sequence number above 1. (A
-            # split reply's second fragment carries no ICMP header and
-            # passes; its first does not, so the datagram never completes.)
-            NftRule("r", 'oifname "p4" icmp type echo-reply icmp sequence != 1 counter drop'),
+            # reply but the first of a run has a sequence number above 1.
+            # Only fragments at offset 0 carry the ICMP header: nft reads
+            # "icmp" bytes of a later fragment's data too (zeros: type 0,
+            # sequence 0), so those are let through, and a split reply after
+            # the first loses its leading fragment, never completing.
+            NftRule(
+                "r",
+                'oifname "p4" ip frag-off & 0x1fff == 0 icmp type echo-reply '
+                "icmp sequence != 1 counter drop",
+            ),
         ),
     )
 
@@ -141,8 +167,8 @@ def test_real_probe_firmware_against_the_responder(
     with running(tmp_path, key=KEY) as standin:
         monkeypatch.setenv("KICKASS_ATLAS_SERVER", standin.server)
         monkeypatch.setenv("KICKASS_ATLAS_CA_BUNDLE", str(standin.ca_bundle))
-        for prb_id, (_, address, _) in PROBES.items():
-            standin.add_probe(prb_id, address, 64500 + prb_id % 100, "NL")
+        for prb_id, (_, _, public, _) in PROBES.items():
+            standin.add_probe(prb_id, public, 64500 + prb_id % 100, "NL")
         assert cli.main(["atlas", "create", str(path), "--start-in", "0"]) == 0
         # One request: every measurement on the same probes.
         assert len(standin.requests_to("POST", "/api/v2/measurements")) == 1
@@ -157,7 +183,7 @@ def test_real_probe_firmware_against_the_responder(
         for msm_id, prb_id, line in printed:
             standin.add_results(
                 msm_id,
-                [api_result(line, msm_id=msm_id, prb_id=prb_id, public=PROBES[prb_id][1],
+                [api_result(line, msm_id=msm_id, prb_id=prb_id, public=PROBES[prb_id][2],
                             packets=PACKETS)],
             )  # fmt: skip
         assert cli.main(["atlas", "fetch", str(path), "--settle", "0"]) == 0
@@ -166,7 +192,7 @@ def test_real_probe_firmware_against_the_responder(
         dump.write_text(
             "".join(
                 json.dumps(
-                    api_result(line, msm_id=m, prb_id=p, public=PROBES[p][1], packets=PACKETS)
+                    api_result(line, msm_id=m, prb_id=p, public=PROBES[p][2], packets=PACKETS)
                 )
                 + "\n"
                 for m, p, line in printed
@@ -184,6 +210,7 @@ def test_real_probe_firmware_against_the_responder(
         print(key, "truth", truth.get(key), "stored", stored.get(key))
     check_counts(truth, stored, ambiguous)
     check_verdicts(database_url, truth)
+    check_resends(database_url)
 
 
 def run_probes(
@@ -196,7 +223,7 @@ def run_probes(
     lock = threading.Lock()
     with build(topology()) as net:
         captures = {"srv": Capture(net["srv"], "e0", tmp_path / "srv.pcap", "icmp")}
-        for host, _, _ in PROBES.values():
+        for host, _, _, _ in PROBES.values():
             captures[host] = Capture(net[host], "e0", tmp_path / f"{host}.pcap", "icmp")
         net.start(
             Process(
@@ -282,37 +309,38 @@ def ground_truth(
     """Per probe, phase and size or split, from tcpdump only: replies the
     responder sent (srv), replies that arrived whole (the probe's end), and
     for whole sizes the requests that left the probe but never reached srv."""
-    address_of = {address: prb for prb, (_, address, _) in PROBES.items()}
-    host_of = {address: host for host, address, _ in PROBES.values()}
+    prb_of = {public: prb for prb, (_, _, public, _) in PROBES.items()}
     sent = _datagrams(tmp_path / "srv.pcap", {WHOLE, SPLIT})
     truth: dict[Key, Counter[str]] = defaultdict(Counter)
-    arrived: dict[str, set[tuple[str, int]]] = {}
-    for address, host in host_of.items():
+    # Per probe, the IP ids of the replies that arrived whole (a NAT keeps
+    # them: the responder numbers its replies, ids never repeat here).
+    arrived: dict[int, set[int]] = {}
+    for prb_id, (host, _, _, _) in PROBES.items():
         at_probe = _datagrams(tmp_path / f"{host}.pcap", {WHOLE, SPLIT})
-        arrived[address] = {k for k, pieces in at_probe.items() if _complete(pieces)}
+        arrived[prb_id] = {ip_id for (_, ip_id), pieces in at_probe.items() if _complete(pieces)}
     for (dst, ip_id), pieces in sent.items():
         lead = next(p for p in pieces if p.offset == 0)
         if lead.payload[0] != 0:  # echo replies only
             continue
         phase = "split" if lead.src == SPLIT else "whole"
         size = lead.total_len if phase == "split" else 20 + sum(p.total_len - 20 for p in pieces)
-        key = (address_of[dst], phase, size)
+        key = (prb_of[dst], phase, size)
         truth[key]["sent"] += 1
-        truth[key]["acked"] += (dst, ip_id) in arrived[dst]
+        truth[key]["acked"] += ip_id in arrived[prb_of[dst]]
     # Whole requests: left the probe, never reached the responder.
     at_srv = Counter(
         (p.src, p.total_len)
         for p in read_ipv4(tmp_path / "srv.pcap")
         if p.proto == 1 and p.dst == WHOLE and p.offset == 0 and p.payload[0] == 8
     )
-    for address, host in host_of.items():
+    for prb_id, (host, own, public, _) in PROBES.items():
         left = Counter(
             p.total_len
             for p in read_ipv4(tmp_path / f"{host}.pcap")
-            if p.proto == 1 and p.src == address and p.dst == WHOLE and p.payload[0] == 8
+            if p.proto == 1 and p.src == own and p.dst == WHOLE and p.payload[0] == 8
         )
         for size, n in left.items():
-            truth[(address_of[address], "whole", size)]["unanswered"] += n - at_srv[(address, size)]
+            truth[(prb_id, "whole", size)]["unanswered"] += n - at_srv[(public, size)]
     assert measurements
     return truth
 
@@ -372,6 +400,28 @@ def check_counts(
         if prb_id != 1003:  # no request lost on the way in: nothing ambiguous
             assert split_stored == split_truth
     assert set(ambiguous) <= {k for k in truth if k[0] == 1003}, ambiguous
+
+
+def check_resends(url: str) -> None:
+    """Behind p4 every run is seq 1 answered, then seq 2 re-sent until the
+    run ends: the responder answered each re-send as a new request (attempt
+    0, 1, ... 6) with the next split, so the sweep never stuck on one."""
+    rows = query(
+        url,
+        f"SELECT icmp_id, icmp_seq, attempt, ip_len, duplicate FROM atlas_reply_log "
+        f"WHERE host(dst_address) = '{PROBES[1004][2]}' AND phase = 'split' "
+        "ORDER BY sent_at",
+    )
+    runs: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        runs[r["icmp_id"]].append(r)
+    assert len(runs) == RUNS
+    for run in runs.values():
+        assert [(r["icmp_seq"], r["attempt"]) for r in run] == [(1, 0)] + [
+            (2, a) for a in range(PACKETS - 1)
+        ], run
+        assert {r["ip_len"] for r in run[1:]} == set(SPLITS)  # 7 re-sends, every split
+        assert not any(r["duplicate"] for r in run)
 
 
 def check_verdicts(url: str, truth: dict[Key, Counter[str]]) -> None:

@@ -169,10 +169,13 @@ def test_edge_bottleneck_kickass_stays_in_kickass_mode_beats_cubic_and_keeps_the
       (bound 5% of the buffer), p95 <= 40% of the buffer (measured 16-28%,
       40-47% in the CUBIC period). Not empty: RCP lets a flow that arrives
       while the link is idle start at the full rate, so overlapping
-      arrivals make short spikes (max 94-96% of the buffer). The router is
+      arrivals make short spikes (max 94-100% of the buffer). The router is
       in TCP mode <= 10% of the Kick-Ass period (measured 2.2-3.0%) and
-      drops <= 10 packets there (measured 0-3; the CUBIC period of the same
-      trial dropped 0-174).
+      drops at most 1% of that period's packets, and fewer than the CUBIC
+      period running the same flows (paired design: measured 16-17 of 3,433
+      packets against 46 for CUBIC; before the pairing the two periods ran
+      different flows, and this seed's Kick-Ass period the lighter set:
+      0-3 drops, the CUBIC one 0-174).
     """
     out = run_trial(
         database_url,
@@ -208,7 +211,9 @@ def test_edge_bottleneck_kickass_stays_in_kickass_mode_beats_cubic_and_keeps_the
     assert _quantile(q, 0.5) <= 0.05
     assert _quantile(q, 0.95) <= 0.40
     assert _tcp_mode_share(ka_s) <= 0.10
-    assert _drops(ka_s) <= 10
+    packets = sum(f["size_packets"] for f in ka)
+    assert _drops(ka_s) <= 0.01 * packets, (_drops(ka_s), packets)
+    assert _drops(ka_s) < _drops(tcp_s), (_drops(ka_s), _drops(tcp_s))
 
 
 # -- 2. fair share ---------------------------------------------------------------

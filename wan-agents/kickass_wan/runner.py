@@ -59,6 +59,9 @@ log = logging.getLogger("kickass.trials")
 TOKEN_RETRY_FIRST_S = 0.5
 # A period that starts later than this after its scheduled time is reported.
 LATE_START_S = 1.0
+# The quiet before a period: the previous period's flows are cut this long
+# before it starts (at most half the gap).
+QUIET_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -285,9 +288,20 @@ class TrialRunner:
                 )
             self._upload()
             t0 = time.monotonic()
+            # Flows still running this long before the next period are cut,
+            # so what they left in the queues drains before it starts.
+            quiet = min(QUIET_S, cfg.gap_s / 2)
             for period in schedule:
                 if self.stop.is_set():
                     break
+                client = clients[period.destination]
+                # Tokens first, so the flows start at their due times and not
+                # a token round trip late.
+                flows = pair_flows(
+                    cfg.workload, period.pair, period.duration_s, cfg.sender_index,
+                    dest_index[period.destination],
+                )  # fmt: skip
+                tokens = self._tokens_or_why(client, period, len(flows))
                 # Keep the schedule: wait for the period's time (the last
                 # period's flows were cut at its end plus gap_s).
                 wait = t0 + period.start_s - time.monotonic()
@@ -304,11 +318,12 @@ class TrialRunner:
                 self._run_period(
                     period,
                     local[period.index],
-                    clients[period.destination],
+                    client,
                     trial_ids[period.destination],
                     ka_send,
-                    dest_index[period.destination],
-                    deadline=t0 + period.start_s + period.duration_s + cfg.gap_s,
+                    flows,
+                    tokens,
+                    deadline=t0 + period.start_s + period.duration_s + cfg.gap_s - quiet,
                 )
                 self._upload()
             for agent in cfg.agents:
@@ -380,6 +395,19 @@ class TrialRunner:
 
     # -- one period -------------------------------------------------------
 
+    def _tokens_or_why(
+        self, client: AgentClient, period: Period, count: int
+    ) -> tuple[list[bytes], int] | str:
+        """The period's flow tokens, or why there are none (the period is then
+        skipped, its flows recorded as not run)."""
+        if count == 0:
+            return [], 0
+        kind = "kickass" if period.protocol == KICKASS else "tcp"
+        try:
+            return self._tokens(client, kind, count)
+        except KickassError as exc:
+            return f"not run: no flow tokens from agent {client.agent.name}: {exc.message}"
+
     def _run_period(
         self,
         period: Period,
@@ -387,48 +415,41 @@ class TrialRunner:
         client: AgentClient,
         trial_id: str,
         ka_send: str | None,
-        destination_index: int,
+        fl: list[Flow],
+        tokens: tuple[list[bytes], int] | str,
         *,
         deadline: float,
     ) -> None:
-        cfg = self.cfg
-        fl = pair_flows(
-            cfg.workload, period.pair, period.duration_s, cfg.sender_index, destination_index
-        )
         started = _now()
         begun = time.monotonic()
         if not fl:
             self.stop.wait(max(0.0, deadline - time.monotonic()))
             return
-        kind = "kickass" if period.protocol == KICKASS else "tcp"
-        try:
-            tokens, port = self._tokens(client, kind, len(fl))
-        except KickassError as exc:
+        if isinstance(tokens, str):
             # The trial goes on (the agent may be back for the next period);
             # every flow this period would have run is recorded as not run.
-            why = f"not run: no flow tokens from agent {client.agent.name}: {exc.message}"
-            log.warning("period %d skipped: %s", period.index + 1, why)
+            log.warning("period %d skipped: %s", period.index + 1, tokens)
             self.skipped_periods.append(
-                {"period": period.index, "destination": period.destination, "error": why}
+                {"period": period.index, "destination": period.destination, "error": tokens}
             )
             for f in fl:
                 self._record(
-                    trial_id, local_index, period, f, {"completed": False, "error": why}, started
+                    trial_id, local_index, period, f, {"completed": False, "error": tokens}, started
                 )
             # The slot still passes, so periods stay aligned with other runners'.
             self.stop.wait(max(0.0, deadline - time.monotonic()))
             return
+        toks, port = tokens
         addr = (client.agent.host, port)
         if period.protocol == KICKASS:
             results = self._kickass_period(
-                fl, tokens, addr, ka_send, trial_id, period, begun, deadline
+                fl, toks, addr, ka_send, trial_id, period, begun, deadline
             )
         else:
-            results = self._tcp_period(fl, tokens, addr, period, begun, deadline)
+            results = self._tcp_period(fl, toks, addr, period, begun, deadline)
         for f in fl:
             rec = results.get(f.index) or {"completed": False, "error": "no result from the sender"}
             self._record(trial_id, local_index, period, f, rec, started)
-        # Whatever ended early, the next period starts at its own time.
 
     def _tokens(self, client: AgentClient, kind: str, count: int) -> tuple[list[bytes], int]:
         """Flow tokens, retried with doubling waits for ``agent_retry_s``: an
