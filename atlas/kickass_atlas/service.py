@@ -190,7 +190,7 @@ def create(
         if missing:
             if campaign.probes.selector == "ids" and not existing:
                 _check_probes(client, store, campaign.probes.ids, result.warnings)
-            _check_price_before(campaign, the_plan, existing, missing)
+            _check_price_before(campaign, existing, missing)
             result.created += _create_missing(
                 client, store, campaign, campaign_id, planned, existing, missing, start_in_s, now()
             )
@@ -295,7 +295,6 @@ def _create_missing(
 
 def _check_price_before(
     campaign: Campaign,
-    the_plan: Plan,
     existing: dict[str, dict[str, Any]],
     missing: list[PlannedMeasurement],
 ) -> None:

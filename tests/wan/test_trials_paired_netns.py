@@ -29,7 +29,8 @@ from typing import Any
 import pytest
 from kickass_testbed.binaries import rust_binary
 from kickass_testbed.trials import AGENT_CONTROL_PORT, TrialSpec, run_trial, start_agents
-from kickass_testbed.wan import TestbedConfig, receiver_address, testbed
+from kickass_testbed.wan import TestbedConfig, receiver_address
+from kickass_testbed.wan import testbed as build_testbed
 
 pytestmark = [
     pytest.mark.netns,
@@ -136,7 +137,7 @@ def tcp_slow_start_ms(size_bytes: int, rtt_ms: float, capacity_bps: float, iw: i
 def test_known_answer_on_an_idle_path(database_url: str, tmp_path: Path) -> None:
     secret = secrets.token_hex(32)
     config = TestbedConfig(senders=1, receivers=1, capacity="10mbit", rtt_ms=RTT_MS)
-    with testbed(config) as tb:
+    with build_testbed(config) as tb:
         start_agents(tb, secret, tmp_path)
         s1 = tb.built["s1"]
         # The metrics cache off: no ssthresh remembered from one flow to the next.

@@ -92,6 +92,10 @@ def send_flow(
     try:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, congestion_control.encode())
+            # No Nagle: the flow's last partial segment would otherwise wait a
+            # round trip for the ACK of the data before it (measured: a 10-packet
+            # flow took 3 RTT instead of 2), a handicap the baseline must not carry.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError as exc:
             result.error = f"congestion control {congestion_control!r} unavailable: {exc}"
             return result
@@ -107,8 +111,11 @@ def send_flow(
             with contextlib.suppress(OSError):
                 raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16)
                 result.cc_in_effect = raw.split(b"\0", 1)[0].decode("ascii", "replace")
-            sock.sendall(_HEADER.pack(MAGIC, token, size_bytes))
-            left = size_bytes
+            # The header rides with the first data (one write): on its own it
+            # would take a segment of the initial window (no Nagle to merge it).
+            first = min(size_bytes, len(payload))
+            sock.sendall(_HEADER.pack(MAGIC, token, size_bytes) + bytes(payload[:first]))
+            left = size_bytes - first
             while left:
                 n = min(left, len(payload))
                 sock.sendall(payload[:n])
@@ -243,6 +250,8 @@ class TcpReceiver:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
+            # The accept byte and the confirmation go out at once (no Nagle).
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.settimeout(self.header_timeout_s)
             head = _recv_exact(conn, _HEADER.size)
             if head is None:
