@@ -35,10 +35,20 @@ ATLAS_TABLES = {
 }  # fmt: skip
 SIGNING_TABLES = {"request_nonces"}  # 0008
 PAIRED_TABLES = {"trial_speedups"}  # 0010
-TABLES = STUDY_TABLES | ROUTER_TABLES | TRIAL_TABLES | ATLAS_TABLES | SIGNING_TABLES | PAIRED_TABLES
+SCHEDULE_TABLES = {"item_runs"}  # 0011
+TABLES = (
+    STUDY_TABLES
+    | ROUTER_TABLES
+    | TRIAL_TABLES
+    | ATLAS_TABLES
+    | SIGNING_TABLES
+    | PAIRED_TABLES
+    | SCHEDULE_TABLES
+)
 # 0010 kept one name per view: the non-v_ aliases of 0005 exist only before it.
 OLD_TRIAL_ALIASES = {"flow_results", "flow_summary"}
 PAIRED_VIEWS = {"v_trial_periods", "v_trial_speedups"}  # 0010
+SCHEDULE_VIEWS = {"v_item_runs"}  # 0011
 TRIAL_VIEWS = {"v_flow_results", "v_flow_summary"} | PAIRED_VIEWS
 ATLAS_VIEWS = {
     "v_atlas_whole_drop", "v_atlas_split_drop", "v_size_drop_by_source",
@@ -115,6 +125,10 @@ VIEW_COLUMNS = {
         "start_offset_s", "duration_s", "actual_start_offset_s", "start_deviation_s",
         "period_started_at",
     ],
+    "v_item_runs": [
+        "id", "item", "kind", "due_at", "host", "attempt", "claimed_at", "heartbeat_at",
+        "finished_at", "outcome", "reason", "counts", "duration_s", "dead_attempts",
+    ],
     "v_trial_speedups": [
         "scope", "key", "destination", "access_capacity_bps", "arm", "baseline_arm",
         "size_bucket", "pairs", "matched", "speedup", "speedup_low", "speedup_high",
@@ -177,25 +191,28 @@ def test_upgrade_downgrade_upgrade(empty_database_url: str) -> None:
     url = empty_database_url
     assert kickass("db", "upgrade", "--database-url", url) == 0
     assert schema(url) == (TABLES, set(VIEW_COLUMNS))
-    before_0010 = set(VIEW_COLUMNS) - PAIRED_VIEWS | OLD_TRIAL_ALIASES
+    assert kickass("db", "downgrade", "0010", "--database-url", url) == 0
+    assert schema(url) == (TABLES - SCHEDULE_TABLES, set(VIEW_COLUMNS) - SCHEDULE_VIEWS)
+    before_0010 = set(VIEW_COLUMNS) - SCHEDULE_VIEWS - PAIRED_VIEWS | OLD_TRIAL_ALIASES
+    newer = PAIRED_TABLES | SCHEDULE_TABLES
     assert kickass("db", "downgrade", "0009", "--database-url", url) == 0
-    assert schema(url) == (TABLES - PAIRED_TABLES, before_0010)
+    assert schema(url) == (TABLES - newer, before_0010)
     assert kickass("db", "downgrade", "0007", "--database-url", url) == 0
-    assert schema(url) == (TABLES - SIGNING_TABLES - PAIRED_TABLES, before_0010)
+    assert schema(url) == (TABLES - SIGNING_TABLES - newer, before_0010)
     assert kickass("db", "downgrade", "0005", "--database-url", url) == 0
     assert schema(url) == (
-        TABLES - ATLAS_TABLES - SIGNING_TABLES - PAIRED_TABLES,
+        TABLES - ATLAS_TABLES - SIGNING_TABLES - newer,
         before_0010 - ATLAS_VIEWS,
     )
     assert kickass("db", "downgrade", "0004", "--database-url", url) == 0
     assert schema(url) == (
         STUDY_TABLES | ROUTER_TABLES,
-        set(VIEW_COLUMNS) - TRIAL_VIEWS - ATLAS_VIEWS,
+        set(VIEW_COLUMNS) - TRIAL_VIEWS - ATLAS_VIEWS - SCHEDULE_VIEWS,
     )
     assert kickass("db", "downgrade", "0002", "--database-url", url) == 0
     assert schema(url) == (
         STUDY_TABLES,
-        set(VIEW_COLUMNS) - TRIAL_VIEWS - ATLAS_VIEWS - {"v_router_telemetry"},
+        set(VIEW_COLUMNS) - TRIAL_VIEWS - ATLAS_VIEWS - SCHEDULE_VIEWS - {"v_router_telemetry"},
     )
     assert kickass("db", "downgrade", "0001", "--database-url", url) == 0
     assert schema(url) == (STUDY_TABLES, set())

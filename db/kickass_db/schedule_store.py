@@ -1,0 +1,288 @@
+"""Claims and records of scheduled work (``item_runs``, migration 0011).
+
+Exactly once across hosts, without lock files: a run is claimed by inserting
+its (item, due time) row; ``ON CONFLICT DO NOTHING`` lets exactly one of any
+number of concurrent claimers win. While it runs, its host refreshes the
+heartbeat; hosts that reach the database directly also hold a session-level
+advisory lock on the run's id on their claiming connection, so a run whose
+process died (SIGKILL, a crash) is seen dead at once by the next claimer
+(the lock is free), and one whose host went silent once its heartbeat is
+older than the stale limit. A dead run is taken over in place: its attempt
+is incremented and the dead attempt kept in ``history``, with why.
+
+Used by ``kickass_operations`` (hosts with database access) and by the
+server's schedule API (trial runner hosts, which hold only a runner token).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Connection, text
+
+from .tx import StoreBase
+
+# A run not heard of for this long is dead (the heartbeat comes every
+# HEARTBEAT_S): kept well above it, so a busy host is not robbed of its run.
+HEARTBEAT_S = 10.0
+STALE_S = 45.0
+# Advisory lock namespace of scheduled runs (the first key of the pair).
+LOCK_NAMESPACE = 0x4B41
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A run this host holds: carry it out, heartbeat it, finish it."""
+
+    run_id: int
+    item: str
+    due_at: datetime
+    attempt: int
+    # Set when a dead run was taken over: what its previous attempt was.
+    took_over: dict[str, Any] | None = None
+
+
+def host_id() -> str:
+    """This process's host name (what ``item_runs.host`` says)."""
+    return os.environ.get("KICKASS_HOST_ID") or socket.gethostname()
+
+
+class ScheduleStore(StoreBase):
+    """``item_runs`` through one transaction per call; ``hold`` keeps the
+    advisory locks of this process's runs on a connection of its own."""
+
+    def __init__(self, database_url: str | None = None) -> None:
+        super().__init__(database_url)
+        self._holder: Connection | None = None
+
+    def close(self) -> None:
+        if self._holder is not None:
+            self._holder.close()
+            self._holder = None
+        super().close()
+
+    # -- claims ------------------------------------------------------------------------
+
+    def claim(
+        self,
+        item: str,
+        kind: str,
+        due_at: datetime,
+        host: str,
+        definition_hash: str | None = None,
+        *,
+        stale_s: float = STALE_S,
+        lock: bool = True,
+    ) -> Claim | None:
+        """The run of ``item`` at ``due_at`` for this host, or None (another
+        host has it, alive, or it is over). A dead run is taken over."""
+
+        def work(conn: Connection) -> tuple[Claim | None, bool]:
+            row = conn.execute(
+                text(
+                    "INSERT INTO item_runs (item, kind, due_at, host, definition_hash) "
+                    "VALUES (:item, :kind, :due, :host, :hash) "
+                    "ON CONFLICT (item, due_at) DO NOTHING RETURNING id, attempt"
+                ),
+                {"item": item, "kind": kind, "due": due_at, "host": host, "hash": definition_hash},
+            ).first()
+            if row is not None:
+                return Claim(int(row[0]), item, due_at, int(row[1])), True
+            # Taken: alive, over, or dead?
+            existing = conn.execute(
+                text(
+                    "SELECT id, host, attempt, outcome, claimed_at, heartbeat_at, "
+                    "now() - heartbeat_at > make_interval(secs => :stale) AS stale "
+                    "FROM item_runs WHERE item = :item AND due_at = :due FOR UPDATE SKIP LOCKED"
+                ),
+                {"item": item, "due": due_at, "stale": stale_s},
+            ).first()
+            if existing is None or existing.outcome != "running":
+                return None, False
+            dead_why = None
+            if existing.stale:
+                dead_why = f"no heartbeat for more than {stale_s:g} s (host {existing.host})"
+            elif self._lock_free(conn, int(existing.id)):
+                dead_why = f"its process on {existing.host} is gone (its lock is free)"
+            if dead_why is None:
+                return None, False
+            previous = {
+                "attempt": existing.attempt,
+                "host": existing.host,
+                "claimed_at": existing.claimed_at.isoformat(),
+                "heartbeat_at": existing.heartbeat_at.isoformat(),
+                "outcome": "killed",
+                "reason": dead_why,
+            }
+            taken = conn.execute(
+                text(
+                    "UPDATE item_runs SET attempt = attempt + 1, host = :host, "
+                    "claimed_at = now(), heartbeat_at = now(), definition_hash = :hash, "
+                    # The dead attempt's lock mark goes: the new one sets its own once
+                    # it holds the lock (until then only the heartbeat tells).
+                    "counts = counts - '_locked', "
+                    "history = history || CAST(:prev AS jsonb) "
+                    "WHERE id = :id AND outcome = 'running' RETURNING attempt"
+                ),
+                {"host": host, "hash": definition_hash, "prev": json.dumps([previous]),
+                 "id": existing.id},  # fmt: skip
+            ).first()
+            if taken is None:
+                return None, False
+            return Claim(int(existing.id), item, due_at, int(taken[0]), previous), True
+
+        claim, won = self.run(work)
+        if claim is not None and won and lock:
+            self._lock(claim.run_id)
+        return claim
+
+    def _lock_free(self, conn: Connection, run_id: int) -> bool:
+        """Whether a run's advisory lock is free (its holder's session ended).
+        Only for runs of hosts that lock (a trial runner host does not: its
+        claims come through the server, and only the heartbeat tells)."""
+        got = conn.execute(
+            text("SELECT pg_try_advisory_xact_lock(:ns, :id)"),
+            {"ns": LOCK_NAMESPACE, "id": run_id},
+        ).scalar()
+        if not got:
+            return False
+        # Free now: but was it ever held? Runs claimed without a lock (through
+        # the server) have a lock nobody takes; those die by the heartbeat.
+        locked = conn.execute(
+            text("SELECT counts ? '_locked' FROM item_runs WHERE id = :id"), {"id": run_id}
+        ).scalar()
+        return bool(locked)
+
+    def _lock(self, run_id: int) -> None:
+        if self._holder is None:
+            self._holder = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+        self._holder.execute(
+            text("SELECT pg_advisory_lock(:ns, :id)"), {"ns": LOCK_NAMESPACE, "id": run_id}
+        )
+        self.run(
+            lambda c: c.execute(
+                text("UPDATE item_runs SET counts = counts || '{\"_locked\": true}' WHERE id = :id"),
+                {"id": run_id},
+            )
+        )
+
+    def _unlock(self, run_id: int) -> None:
+        if self._holder is not None:
+            self._holder.execute(
+                text("SELECT pg_advisory_unlock(:ns, :id)"), {"ns": LOCK_NAMESPACE, "id": run_id}
+            )
+
+    # -- a run's life ------------------------------------------------------------------------
+
+    def heartbeat(self, run_id: int, host: str) -> bool:
+        """Still alive; False if the run is no longer ours (taken over)."""
+        return self.run(
+            lambda c: c.execute(
+                text(
+                    "UPDATE item_runs SET heartbeat_at = now() "
+                    "WHERE id = :id AND host = :host AND outcome = 'running'"
+                ),
+                {"id": run_id, "host": host},
+            ).rowcount
+            > 0
+        )
+
+    def finish(
+        self,
+        run_id: int,
+        host: str,
+        outcome: str,
+        reason: str | None = None,
+        counts: dict[str, Any] | None = None,
+    ) -> bool:
+        """Record the outcome; False if the run is no longer ours."""
+        done = self.run(
+            lambda c: c.execute(
+                text(
+                    "UPDATE item_runs SET outcome = :outcome, reason = :reason, "
+                    "counts = (counts - '_locked') || CAST(:counts AS jsonb), "
+                    "finished_at = now(), heartbeat_at = now() "
+                    "WHERE id = :id AND host = :host AND outcome = 'running'"
+                ),
+                {"id": run_id, "host": host, "outcome": outcome, "reason": reason,
+                 "counts": json.dumps(counts or {})},  # fmt: skip
+            ).rowcount
+            > 0
+        )
+        self._unlock(run_id)
+        return done
+
+    # -- reads ----------------------------------------------------------------------------
+
+    def existing(self, keys: Sequence[tuple[str, datetime]]) -> dict[tuple[str, datetime], str]:
+        """The outcome of each (item, due) that has a row (one query)."""
+        if not keys:
+            return {}
+
+        def work(conn: Connection) -> dict[tuple[str, datetime], str]:
+            rows = conn.execute(
+                text(
+                    "SELECT r.item, r.due_at, r.outcome FROM item_runs r "
+                    "JOIN unnest(CAST(:items AS text[]), CAST(:dues AS timestamptz[])) "
+                    "AS k(item, due_at) ON r.item = k.item AND r.due_at = k.due_at"
+                ),
+                {"items": [k[0] for k in keys], "dues": [k[1] for k in keys]},
+            )
+            return {(r.item, r.due_at): r.outcome for r in rows}
+
+        return self.run(work)
+
+    def last_runs(self, items: Sequence[str], per_item: int = 1) -> dict[str, list[dict[str, Any]]]:
+        """The newest runs of each item."""
+
+        def work(conn: Connection) -> dict[str, list[dict[str, Any]]]:
+            rows = conn.execute(
+                text(
+                    "SELECT * FROM (SELECT r.*, row_number() OVER "
+                    "(PARTITION BY item ORDER BY due_at DESC) AS n FROM item_runs r "
+                    "WHERE item = ANY(:items)) x WHERE n <= :k ORDER BY item, due_at DESC"
+                ),
+                {"items": list(items), "k": per_item},
+            ).mappings()
+            out: dict[str, list[dict[str, Any]]] = {}
+            for r in rows:
+                out.setdefault(r["item"], []).append(dict(r))
+            return out
+
+        return self.run(work)
+
+    def failures(self, items: Sequence[str], limit: int = 20) -> list[dict[str, Any]]:
+        return self.run(
+            lambda c: [
+                dict(r)
+                for r in c.execute(
+                    text(
+                        "SELECT item, due_at, host, attempt, outcome, reason, finished_at "
+                        "FROM item_runs WHERE item = ANY(:items) AND outcome IN "
+                        "('failed', 'timeout') ORDER BY finished_at DESC NULLS LAST LIMIT :n"
+                    ),
+                    {"items": list(items), "n": limit},
+                ).mappings()
+            ]
+        )
+
+    def counts_since(self, items: Sequence[str], since: datetime) -> list[dict[str, Any]]:
+        """Counts of the runs of ``items`` finished since ``since``."""
+        return self.run(
+            lambda c: [
+                dict(r)
+                for r in c.execute(
+                    text(
+                        "SELECT item, kind, outcome, counts FROM item_runs "
+                        "WHERE item = ANY(:items) AND finished_at >= :since"
+                    ),
+                    {"items": list(items), "since": since},
+                ).mappings()
+            ]
+        )
