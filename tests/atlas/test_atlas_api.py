@@ -1,11 +1,12 @@
-"""`kickass atlas plan|create|fetch|status` against a local HTTPS stand-in of
-the RIPE Atlas v2 API (tests/atlas_standin.py) and a real PostgreSQL.
+"""`kickass atlas plan|create|fetch|import|status` against a local HTTPS
+stand-in of the RIPE Atlas v2 API (tests/atlas/atlas_standin.py) and a real
+PostgreSQL.
 
 The stand-in speaks the real shapes: Cousteau builds the URLs, sends
 ``Authorization: Key``, verifies TLS against the stand-in's CA bundle. The
 results here are synthetic but consistent with a reply log written through
 the real store (what the responder would have logged); the namespace test
-(test_atlas_e2e_netns.py) makes them from real packets.
+(test_atlas_evping_netns.py) makes them with the real probe firmware.
 """
 
 from __future__ import annotations
