@@ -3,9 +3,9 @@
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
-PKGS := -e core -e db -e probe-client -e server -e atlas -e analysis -e testbed -e wan-agents
+PKGS := -e core -e db -e probe-client -e server -e atlas -e analysis -e operations -e testbed -e wan-agents
 PYPROJECTS := core/pyproject.toml db/pyproject.toml probe-client/pyproject.toml atlas/pyproject.toml \
-	analysis/pyproject.toml \
+	analysis/pyproject.toml operations/pyproject.toml \
 	server/pyproject.toml testbed/pyproject.toml wan-agents/pyproject.toml requirements-dev.txt
 RUST_BINS := ka-router ka-linkem ka-blast ka-agent-recv ka-send
 

@@ -25,6 +25,8 @@ iperf3                               iperf3          router benchmark sender
 docker-compose                       docker-compose  offline check of docker-compose.yml (tests)
 /usr/lib/postgresql/*/bin/postgres   postgresql      the real PostgreSQL the tests run against
 pypy3                                pypy3           a Python 3.9: the one-file client kickass-probe.pyz run on its oldest Python (tests)
+crontab                              cron            `kickass schedule crontab --install` and the line it writes, run as cron would (tests)
+systemd-analyze                      systemd         the timer units of `kickass schedule crontab --systemd`, verified (tests)
 '
 
 mode=install

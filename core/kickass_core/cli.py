@@ -24,7 +24,10 @@ from . import __version__
 GROUP = "kickass.commands"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole command tree; with ``only``, just that subcommand's module is
+    imported (a command run from cron every minute should not pay for the
+    imports of every other room: they cost half a second)."""
     parser = argparse.ArgumentParser(
         prog="kickass",
         description="Kick-Ass measurement platform: run the measurement server, manage the "
@@ -32,7 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"kickass {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for ep in sorted(_commands(), key=lambda e: e.name):
+    eps = sorted(_commands(), key=lambda e: e.name)
+    if only is not None and any(ep.name == only for ep in eps):
+        eps = [ep for ep in eps if ep.name == only]
+    for ep in eps:
         try:
             module = importlib.import_module(ep.value)
         except Exception as exc:  # noqa: BLE001 - one broken package must not hide the others
@@ -68,7 +74,10 @@ def _broken(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    first = next((a for a in argv if not a.startswith("-")), None)
+    # Options before the command (--help, --version) need the whole tree.
+    parser = build_parser(first if argv and argv[0] == first else None)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

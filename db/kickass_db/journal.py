@@ -157,3 +157,58 @@ def _replay_file(
         counts["failed"] += len(failed)
     path.unlink()
     counts["files"] += 1
+
+
+def _flocked_inodes() -> set[tuple[int, int]]:
+    """(device, inode) of every file someone holds a flock on (/proc/locks):
+    how ``pending`` tells a live journal without taking its lock, which could
+    make a server starting at that moment put off its replay."""
+    held: set[tuple[int, int]] = set()
+    try:
+        text = Path("/proc/locks").read_text()
+    except OSError:
+        return held
+    for line in text.splitlines():
+        parts = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF" ("->" marks waiters)
+        if "->" in parts or len(parts) < 6 or parts[1] != "FLOCK":
+            continue
+        try:
+            major, minor, inode = parts[5].split(":")
+            held.add((os.makedev(int(major, 16), int(minor, 16)), int(inode)))
+        except ValueError:
+            continue
+    return held
+
+
+def pending(directory: str | Path) -> dict[str, int]:
+    """What a journal directory holds that no live process owns: files whose
+    writer is gone with records never stored (replayed by that server's next
+    start), and records set aside as refused. Reads only; never removes, never
+    locks."""
+    d = Path(directory)
+    out = {"live": 0, "unreplayed_files": 0, "unreplayed_records": 0,
+           "failed_files": 0, "failed_records": 0}  # fmt: skip
+    if not d.is_dir():
+        return out
+    held = _flocked_inodes()
+    for path in sorted(d.glob("journal-*.ndjson")):
+        try:
+            st = path.stat()
+            if (st.st_dev, st.st_ino) in held:
+                out["live"] += 1  # its writer holds it
+                continue
+            records = open_records(path)
+        except FileNotFoundError:
+            continue  # replayed and removed meanwhile
+        if records:
+            out["unreplayed_files"] += 1
+            out["unreplayed_records"] += len(records)
+    for path in sorted(d.glob("failed-*")):
+        try:
+            with path.open("rb") as f:
+                out["failed_records"] += sum(1 for _ in f)
+            out["failed_files"] += 1
+        except FileNotFoundError:
+            continue
+    return out

@@ -16,16 +16,20 @@ server's schedule API (trial runner hosts, which hold only a runner token).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Connection, text
+from sqlalchemy.exc import InterfaceError, OperationalError
 
+from .engine import describe_url
+from .retry import DatabaseUnavailable, unavailable
 from .tx import StoreBase
 
 # A run not heard of for this long is dead (the heartbeat comes every
@@ -60,6 +64,8 @@ class ScheduleStore(StoreBase):
     def __init__(self, database_url: str | None = None) -> None:
         super().__init__(database_url)
         self._holder: Connection | None = None
+        self._held: set[int] = set()
+        self._relock: set[int] = set()
 
     def close(self) -> None:
         if self._holder is not None:
@@ -130,8 +136,12 @@ class ScheduleStore(StoreBase):
                     "history = history || CAST(:prev AS jsonb) "
                     "WHERE id = :id AND outcome = 'running' RETURNING attempt"
                 ),
-                {"host": host, "hash": definition_hash, "prev": json.dumps([previous]),
-                 "id": existing.id},  # fmt: skip
+                {
+                    "host": host,
+                    "hash": definition_hash,
+                    "prev": json.dumps([previous]),
+                    "id": existing.id,
+                },  # fmt: skip
             ).first()
             if taken is None:
                 return None, False
@@ -141,6 +151,64 @@ class ScheduleStore(StoreBase):
         if claim is not None and won and lock:
             self._lock(claim.run_id)
         return claim
+
+    def reap(
+        self, current: Mapping[str, datetime], *, stale_s: float = STALE_S
+    ) -> list[dict[str, Any]]:
+        """Runs of these items due before their ``current`` due time, still
+        marked running, whose host died: nobody will take them over any more
+        (their due time has passed on), so they are closed as ``failed``,
+        with why. One query over the running runs (a partial index)."""
+        if not current:
+            return []
+
+        def work(conn: Connection) -> list[dict[str, Any]]:
+            rows = conn.execute(
+                text(
+                    "SELECT id, item, host, attempt, due_at, "
+                    "now() - heartbeat_at > make_interval(secs => :stale) AS stale "
+                    "FROM item_runs WHERE outcome = 'running' AND item = ANY(:items) "
+                    "FOR UPDATE SKIP LOCKED"
+                ),
+                {"items": list(current), "stale": stale_s},
+            ).all()
+            out = []
+            for r in rows:
+                if r.due_at >= current[r.item]:
+                    continue  # the current run: claim() takes it over if dead
+                if r.stale:
+                    why = f"no heartbeat for more than {stale_s:g} s (host {r.host})"
+                elif self._lock_free(conn, int(r.id)):
+                    why = f"its process on {r.host} is gone (its lock is free)"
+                else:
+                    continue
+                reason = f"killed: {why}; its next due time came before anyone took it over"
+                conn.execute(
+                    text(
+                        "UPDATE item_runs SET outcome = 'failed', reason = :reason, "
+                        "finished_at = now(), counts = counts - '_locked' WHERE id = :id"
+                    ),
+                    {"reason": reason, "id": r.id},
+                )
+                out.append(
+                    {"item": r.item, "run_id": int(r.id), "due_at": r.due_at,
+                     "host": r.host, "attempt": int(r.attempt), "reason": reason}
+                )  # fmt: skip
+            return out
+
+        return self.run(work)
+
+    def last_ok(self, item: str) -> dict[str, Any] | None:
+        """The counts of the item's newest ``ok`` run (an export's watermark)."""
+        return self.run(
+            lambda c: c.execute(
+                text(
+                    "SELECT counts FROM item_runs WHERE item = :item AND outcome = 'ok' "
+                    "ORDER BY due_at DESC LIMIT 1"
+                ),
+                {"item": item},
+            ).scalar()
+        )
 
     def _lock_free(self, conn: Connection, run_id: int) -> bool:
         """Whether a run's advisory lock is free (its holder's session ended).
@@ -159,39 +227,85 @@ class ScheduleStore(StoreBase):
         ).scalar()
         return bool(locked)
 
-    def _lock(self, run_id: int) -> None:
+    def _holder_conn(self) -> Connection:
+        """The connection holding this process's locks; a new one if the
+        database restarted under it (its locks went with it: re-taken by the
+        next heartbeat)."""
+        if self._holder is not None:
+            try:
+                self._holder.execute(text("SELECT 1"))
+            except (OperationalError, InterfaceError):
+                self._holder.invalidate()
+                self._holder.close()
+                self._holder = None
         if self._holder is None:
-            self._holder = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
-        self._holder.execute(
+            try:
+                self._holder = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+            except (OperationalError, InterfaceError) as exc:
+                raise unavailable(describe_url(self.database_url), exc) from exc
+            # A fresh session holds nothing yet.
+            self._relock = set(self._held)
+        return self._holder
+
+    def _lock(self, run_id: int) -> None:
+        conn = self._holder_conn()
+        conn.execute(
             text("SELECT pg_advisory_lock(:ns, :id)"), {"ns": LOCK_NAMESPACE, "id": run_id}
         )
+        self._held.add(run_id)
         self.run(
             lambda c: c.execute(
-                text("UPDATE item_runs SET counts = counts || '{\"_locked\": true}' WHERE id = :id"),
+                text(
+                    "UPDATE item_runs SET counts = counts || '{\"_locked\": true}' WHERE id = :id"
+                ),
                 {"id": run_id},
             )
         )
 
     def _unlock(self, run_id: int) -> None:
-        if self._holder is not None:
+        self._held.discard(run_id)
+        if self._holder is None:
+            return
+        # If the session is gone, its locks went with it.
+        with contextlib.suppress(OperationalError, InterfaceError):
             self._holder.execute(
                 text("SELECT pg_advisory_unlock(:ns, :id)"), {"ns": LOCK_NAMESPACE, "id": run_id}
             )
+
+    def _keep_lock(self, run_id: int) -> None:
+        """After a database restart, the lock of a run still ours is taken again."""
+        if run_id not in self._held:
+            return
+        try:
+            conn = self._holder_conn()
+            if run_id in self._relock:
+                conn.execute(
+                    text("SELECT pg_try_advisory_lock(:ns, :id)"),
+                    {"ns": LOCK_NAMESPACE, "id": run_id},
+                )
+                self._relock.discard(run_id)
+        except DatabaseUnavailable:
+            pass  # the heartbeat itself says whether the database is back
 
     # -- a run's life ------------------------------------------------------------------------
 
     def heartbeat(self, run_id: int, host: str) -> bool:
         """Still alive; False if the run is no longer ours (taken over)."""
-        return self.run(
-            lambda c: c.execute(
-                text(
-                    "UPDATE item_runs SET heartbeat_at = now() "
-                    "WHERE id = :id AND host = :host AND outcome = 'running'"
-                ),
-                {"id": run_id, "host": host},
-            ).rowcount
-            > 0
+        ours = self.run(
+            lambda c: (
+                c.execute(
+                    text(
+                        "UPDATE item_runs SET heartbeat_at = now() "
+                        "WHERE id = :id AND host = :host AND outcome = 'running'"
+                    ),
+                    {"id": run_id, "host": host},
+                ).rowcount
+                > 0
+            )
         )
+        if ours:
+            self._keep_lock(run_id)
+        return ours
 
     def finish(
         self,
@@ -203,17 +317,24 @@ class ScheduleStore(StoreBase):
     ) -> bool:
         """Record the outcome; False if the run is no longer ours."""
         done = self.run(
-            lambda c: c.execute(
-                text(
-                    "UPDATE item_runs SET outcome = :outcome, reason = :reason, "
-                    "counts = (counts - '_locked') || CAST(:counts AS jsonb), "
-                    "finished_at = now(), heartbeat_at = now() "
-                    "WHERE id = :id AND host = :host AND outcome = 'running'"
-                ),
-                {"id": run_id, "host": host, "outcome": outcome, "reason": reason,
-                 "counts": json.dumps(counts or {})},  # fmt: skip
-            ).rowcount
-            > 0
+            lambda c: (
+                c.execute(
+                    text(
+                        "UPDATE item_runs SET outcome = :outcome, reason = :reason, "
+                        "counts = (counts - '_locked') || CAST(:counts AS jsonb), "
+                        "finished_at = now(), heartbeat_at = now() "
+                        "WHERE id = :id AND host = :host AND outcome = 'running'"
+                    ),
+                    {
+                        "id": run_id,
+                        "host": host,
+                        "outcome": outcome,
+                        "reason": reason,
+                        "counts": json.dumps(counts or {}),
+                    },  # fmt: skip
+                ).rowcount
+                > 0
+            )
         )
         self._unlock(run_id)
         return done
@@ -283,6 +404,38 @@ class ScheduleStore(StoreBase):
                         "WHERE item = ANY(:items) AND finished_at >= :since"
                     ),
                     {"items": list(items), "since": since},
+                ).mappings()
+            ]
+        )
+
+    def flows_per_destination(self, since: datetime) -> dict[str, int]:
+        """Flows stored per agent (trial destination) that started since ``since``."""
+        return self.run(
+            lambda c: {
+                r.destination: int(r.n)
+                for r in c.execute(
+                    text(
+                        "SELECT t.destination, count(*) AS n FROM flows f "
+                        "JOIN trials t ON t.id = f.trial_pk WHERE f.started_at >= :since "
+                        "GROUP BY t.destination ORDER BY t.destination"
+                    ),
+                    {"since": since},
+                )
+            }
+        )
+
+    def outcome_counts(self, items: Sequence[str]) -> list[dict[str, Any]]:
+        """Runs per item, kind and outcome, with the newest finish of each."""
+        return self.run(
+            lambda c: [
+                dict(r)
+                for r in c.execute(
+                    text(
+                        "SELECT item, kind, outcome, count(*) AS runs, "
+                        "max(finished_at) AS last_finished FROM item_runs "
+                        "WHERE item = ANY(:items) GROUP BY item, kind, outcome"
+                    ),
+                    {"items": list(items)},
                 ).mappings()
             ]
         )

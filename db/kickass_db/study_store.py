@@ -476,6 +476,28 @@ class StudyStore(StoreBase):
 
     # -- reads ------------------------------------------------------------
 
+    def lingering_sessions(self, older_than_s: float) -> list[dict[str, Any]]:
+        """Per server instance: sessions still live with nothing written for
+        ``older_than_s`` (their server died, or stopped without closing
+        them). Each server closes its own at its next start; this only says
+        how many wait, and since when (the scheduled housekeeping)."""
+        owner = func.coalesce(_sessions.c.server_instance, "(none)")
+        stmt = (
+            select(
+                owner.label("server_instance"),
+                func.count().label("sessions"),
+                func.min(_sessions.c.updated_at).label("oldest_update"),
+            )
+            .where(
+                _sessions.c.state.in_(LIVE_STATES),
+                _sessions.c.updated_at
+                < func.now() - func.make_interval(0, 0, 0, 0, 0, 0, older_than_s),
+            )
+            .group_by(owner)
+            .order_by(owner)
+        )
+        return self.run(lambda conn: [dict(r._mapping) for r in conn.execute(stmt)])
+
     def cookie_hash(self, session_id: str) -> bytes | None:
         stmt = select(_sessions.c.cookie_hash).where(_sessions.c.session_id == session_id)
         return self.run(lambda conn: conn.execute(stmt).scalar_one_or_none())

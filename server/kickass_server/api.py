@@ -30,7 +30,7 @@ from kickass_core.errors import KickassError
 from kickass_core.plan import PlanError
 from kickass_core.states import CREATED, FINAL_STATES, LIVE_STATES
 
-from . import __version__, http, schemas, trials_api
+from . import __version__, http, schedule_api, schemas, trials_api
 from .client_report import ReportError, parse_report
 from .engine import AdmissionDenied, EngineUnavailable, ProbeEngine
 from .http import ApiError, RateLimited, accepts, parse_body
@@ -84,6 +84,8 @@ class _Services:
     trials: Any  # kickass_db.trial_store.TrialStore, or None: uploads refused (503)
     config: ApiConfig
     health: _DatabaseCheck
+    # kickass_db.schedule_store.ScheduleStore, or None: scheduled claims refused (503)
+    schedule: Any = None
 
 
 def _services() -> _Services:
@@ -331,6 +333,7 @@ def create_app(
     config: ApiConfig | Mapping[str, Any] | None = None,
     *,
     trials: Any = None,
+    schedule: Any = None,
 ) -> Flask:
     """The Flask app around ``engine``, ``store`` and ``trials`` (a TrialStore;
     None: the trials endpoints answer 503); ``config`` is an ApiConfig or a
@@ -339,9 +342,9 @@ def create_app(
     app = Flask("kickass_server")
     app.config["MAX_CONTENT_LENGTH"] = cfg.max_body_bytes
     app.extensions["kickass"] = _Services(
-        engine, store, trials, cfg, _DatabaseCheck(store, cfg.health_cache_s)
+        engine, store, trials, cfg, _DatabaseCheck(store, cfg.health_cache_s), schedule
     )
-    for bp in (sessions, health, stats, trials_api.bp):
+    for bp in (sessions, health, stats, trials_api.bp, schedule_api.bp):
         app.register_blueprint(bp)
     http.install(
         app,

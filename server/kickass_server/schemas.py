@@ -437,3 +437,40 @@ def flows_example(args: dict[str, str]) -> dict[str, Any]:
             }
         ]
     }
+
+
+# -- /api/v1/schedule (trial runner hosts' scheduled items) -------------------------------
+
+
+class ClaimBody(Strict):
+    """``POST /api/v1/schedule/claims``: a runner host claims the run of one of
+    its trials items at one due time (kickass_operations.claims.ApiClaims)."""
+
+    item: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
+    kind: Literal["trials"]
+    due_at: AwareTime
+    definition_hash: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{1,64}$")] | None = None
+    # The runner's own dead-run limit (its heartbeat comes at most every stale_s / 2).
+    stale_s: Annotated[float, Field(ge=2, le=86_400, allow_inf_nan=False)] = 45.0
+
+
+class FinishBody(Strict):
+    """``PUT /api/v1/schedule/runs/<run_id>``: the run's outcome."""
+
+    outcome: Literal["ok", "failed", "skipped", "timeout"]
+    reason: Text(2000) | None = None  # type: ignore[valid-type]
+    counts: JsonObject(64 * 1024) = Field(default_factory=dict)  # type: ignore[valid-type]
+
+
+def claim_example(_args: dict[str, str]) -> dict[str, Any]:
+    return {
+        "item": "round-example",
+        "kind": "trials",
+        "due_at": "2026-11-25T03:00:00+00:00",
+        "definition_hash": "0123456789abcdef",
+        "stale_s": 45.0,
+    }
+
+
+def finish_example(_args: dict[str, str]) -> dict[str, Any]:
+    return {"outcome": "ok", "reason": None, "counts": {"flows_failed": 0, "trials": {}}}

@@ -160,6 +160,7 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> int:
     from kickass_core import study_events
     from kickass_db import journal
+    from kickass_db.schedule_store import ScheduleStore
     from kickass_db.study_store import StudyStore
     from kickass_db.trial_store import TrialStore
 
@@ -213,6 +214,8 @@ def run(args: argparse.Namespace) -> int:
         store,
         {"PROBE_HOST": args.probe_host or None},
         trials=TrialStore(args.database_url),
+        # Trial runner hosts claim their scheduled rounds here (schedule_api).
+        schedule=ScheduleStore(args.database_url),
     )
     try:
         # The front resolves X-Forwarded-For itself (only from the trusted

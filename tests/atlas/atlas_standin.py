@@ -184,6 +184,7 @@ class StandIn:
 
     def __post_init__(self) -> None:
         self.lock = threading.Lock()
+        self.gates: list[tuple[str, str, threading.Event]] = []
         self.ca_bundle, chain, key = make_tls(self.directory)
         self.ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         self.ctx.load_cert_chain(chain, key)
@@ -251,6 +252,14 @@ class StandIn:
     ) -> None:
         with self.lock:
             self.failures.append(Failure(method, path_prefix, status, body, times, commit))
+
+    def gate(self, method: str, path_prefix: str) -> threading.Event:
+        """Requests matching are held (unanswered) until the returned event is
+        set: a fetch caught in the middle, for a test to kill it there."""
+        ev = threading.Event()
+        with self.lock:
+            self.gates.append((method, path_prefix, ev))
+        return ev
 
     def set_status(self, msm_id: int, status_id: int) -> None:
         with self.lock:
@@ -323,6 +332,13 @@ class StandIn:
                     )
                     if failure is not None:
                         failure.times -= 1
+                held = [
+                    ev
+                    for m, prefix, ev in list(standin.gates)
+                    if m == method and url.path.startswith(prefix)
+                ]
+                for ev in held:
+                    ev.wait(120)
                 if failure is not None and failure.commit:
                     standin.route(method, url.path, query, dict(self.headers), body)
                 if failure is not None:

@@ -35,6 +35,8 @@ ALL_PACKAGES = {
     "docker-compose",
     "postgresql",
     "pypy3",
+    "cron",
+    "systemd",
 }
 
 

@@ -15,6 +15,7 @@ import json
 import logging
 import secrets
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -23,6 +24,7 @@ from flask.testing import FlaskClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kickass_core import signing
+from kickass_db.schedule_store import ScheduleStore
 from kickass_db.study_store import StudyStore
 from kickass_db.trial_store import TrialStore
 from kickass_server.api import ApiConfig, create_app
@@ -70,7 +72,10 @@ class Api:
             bytes_per_address_hour=10**15, bytes_per_prefix_hour=10**15, max_sessions=10**6,
         )  # fmt: skip
         self.engine = ProbeEngine(self.study, policy, probe_port=9000, server_version="fuzz")
-        self.app: Flask = create_app(self.engine, self.study, ApiConfig(), trials=self.trials)
+        self.schedule = ScheduleStore(database_url)
+        self.app: Flask = create_app(
+            self.engine, self.study, ApiConfig(), trials=self.trials, schedule=self.schedule
+        )
         self.client: FlaskClient = self.app.test_client()
         self.token = self.trials.add_runner("fuzz")
         # A session that is over (the report endpoint takes only those).
@@ -85,7 +90,15 @@ class Api:
             self.session_id, "ended", "inconclusive", "fixture", "ended by the test"
         )
         self.trial_id = secrets.token_hex(16)
-        self.args = {"session_id": self.session_id, "trial_id": self.trial_id}
+        # A scheduled run this runner holds (the runs/<run_id> endpoints).
+        run = self.schedule.claim(
+            "round-held", "trials", datetime(2026, 11, 25, 3, tzinfo=UTC), "runner:fuzz",
+            lock=False,
+        )  # fmt: skip
+        assert run is not None
+        self.args = {
+            "session_id": self.session_id, "trial_id": self.trial_id, "run_id": str(run.run_id)
+        }  # fmt: skip
         trial = self.view("trials.put_trial").body_example(self.args)
         assert self.request("PUT", f"/api/v1/trials/{self.trial_id}", trial).status_code == 200
 
@@ -106,7 +119,7 @@ class Api:
     def request(self, method: str, path: str, body: Any, raw: bytes | None = None) -> Any:
         data = raw if raw is not None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json", "X-Kickass-Cookie": self.cookie}
-        if path.startswith("/api/v1/trials"):
+        if path.startswith(("/api/v1/trials", "/api/v1/schedule")):
             key, name = signing.key_from_secret(self.token), signing.runner_name(self.token)
             headers |= signing.sign(key, name, method, path, data)
         return self.client.open(
@@ -118,6 +131,7 @@ class Api:
         self.engine.stop()
         self.study.close()
         self.trials.close()
+        self.schedule.close()
 
 
 @pytest.fixture

@@ -176,6 +176,9 @@ class TrialConfig:
     max_concurrent: int = 256
     # The TCP metrics cache: "disable" for the trial, or "leave" it.
     tcp_metrics: str = "disable"
+    # A scheduled round says which item and due time it ran for, with the
+    # seed and the agents' order drawn for it (kickass_operations).
+    scheduled: dict[str, Any] | None = None
 
     def the_arms(self) -> tuple[Arm, ...]:
         if self.arms is not None:
@@ -196,6 +199,7 @@ class TrialConfig:
             "flow_timeout_s": self.flow_timeout_s,
             "max_concurrent": self.max_concurrent,
             "paired": True,
+            **({"scheduled": self.scheduled} if self.scheduled else {}),
         }
 
 

@@ -10,6 +10,7 @@ Neither prints nor exits.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -205,10 +206,13 @@ def run_round(
     secret_dir: str | Path | None = None,
     progress: Callable[[Period], None] | None = None,
     stop: threading.Event | None = None,
+    scheduled: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run one round; its result (trial ids, FCT summary, failures, what is
-    still spooled). ``stop`` ends it early (results so far stay spooled)."""
-    cfg = settings.trial_config(secret_dir)
+    still spooled). ``stop`` ends it early (results so far stay spooled).
+    ``scheduled`` (item, due time, seed, agents' order) is stored with the
+    trial's parameters."""
+    cfg = dataclasses.replace(settings.trial_config(secret_dir), scheduled=scheduled)
     spool = Spool(settings.spool_dir)
     up = uploader(settings.server, settings.runner_token_file, spool) if settings.server else None
     runner = TrialRunner(cfg, spool, up)

@@ -1,0 +1,187 @@
+"""Where claims are made: the database itself, or the measurement server's
+schedule API (a trial runner host holds a runner token, not database
+credentials). Both give the same guarantee, since the server claims in the
+same table: one run per item and due time, whatever the number of hosts.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Protocol
+
+from kickass_core import signing
+from kickass_core.errors import KickassError
+
+
+@dataclass(frozen=True)
+class Claim:
+    run_id: int
+    item: str
+    due_at: datetime
+    attempt: int
+    took_over: dict[str, Any] | None = None
+
+
+class Claims(Protocol):
+    """What the runner needs of a claim backend."""
+
+    host: str
+    # True where claims go through the server (no database on this host).
+    api: bool
+
+    def claim(
+        self, item: str, kind: str, due_at: datetime, definition_hash: str
+    ) -> Claim | None: ...
+
+    def heartbeat(self, claim: Claim) -> bool: ...
+
+    def finish(
+        self, claim: Claim, outcome: str, reason: str | None, counts: dict[str, Any]
+    ) -> bool: ...
+
+    def existing(self, keys: list[tuple[str, datetime]]) -> dict[tuple[str, datetime], str]: ...
+
+    def reap(self, current: dict[str, datetime]) -> list[dict[str, Any]]: ...
+
+    def last_ok(self, item: str) -> dict[str, Any] | None: ...
+
+    def close(self) -> None: ...
+
+
+class DatabaseClaims:
+    """Claims in PostgreSQL (``kickass_db.schedule_store``)."""
+
+    api = False
+
+    def __init__(self, database_url: str | None, host: str, stale_s: float) -> None:
+        try:
+            from kickass_db.schedule_store import ScheduleStore
+        except ImportError:
+            raise KickassError(
+                "this host has no database package (kickass-db)",
+                hint="give --server and a runner token to claim through the measurement server",
+            ) from None
+        self.store = ScheduleStore(database_url)
+        self.host = host
+        self.stale_s = stale_s
+
+    def claim(self, item: str, kind: str, due_at: datetime, definition_hash: str) -> Claim | None:
+        c = self.store.claim(item, kind, due_at, self.host, definition_hash, stale_s=self.stale_s)
+        return None if c is None else Claim(c.run_id, c.item, c.due_at, c.attempt, c.took_over)
+
+    def heartbeat(self, claim: Claim) -> bool:
+        return self.store.heartbeat(claim.run_id, self.host)
+
+    def finish(
+        self, claim: Claim, outcome: str, reason: str | None, counts: dict[str, Any]
+    ) -> bool:
+        return self.store.finish(claim.run_id, self.host, outcome, reason, counts)
+
+    def existing(self, keys: list[tuple[str, datetime]]) -> dict[tuple[str, datetime], str]:
+        return self.store.existing(keys)
+
+    def reap(self, current: dict[str, datetime]) -> list[dict[str, Any]]:
+        return self.store.reap(current, stale_s=self.stale_s)
+
+    def last_ok(self, item: str) -> dict[str, Any] | None:
+        return self.store.last_ok(item)
+
+    def close(self) -> None:
+        self.store.close()
+
+
+class ApiClaims:
+    """Claims through the measurement server, signed with the runner token
+    (``/api/v1/schedule``): for trial runner hosts, which have no database."""
+
+    api = True
+
+    def __init__(
+        self, server_url: str, runner_token: str, stale_s: float, timeout_s: float = 15.0
+    ) -> None:
+        self.stale_s = stale_s
+        self.base = server_url.rstrip("/") + "/api/v1/schedule"
+        self.name = signing.runner_name(runner_token)
+        self.key = signing.key_from_secret(runner_token)
+        self.host = self.name
+        self.timeout_s = timeout_s
+
+    def _call(self, method: str, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        url = self.base + path
+        data = json.dumps(body).encode()
+        req = urllib.request.Request(url, data=data, method=method)
+        req.add_header("Content-Type", "application/json")
+        parts = urllib.parse.urlsplit(url)
+        for k, v in signing.sign(self.key, self.name, method, parts.path, data).items():
+            req.add_header(k, v)
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                return resp.status, json.loads(resp.read() or b"{}")
+        except urllib.error.HTTPError as exc:
+            try:
+                payload = json.loads(exc.read() or b"{}")
+            except ValueError:
+                payload = {}
+            if exc.code in (400, 401, 403):
+                raise KickassError(
+                    f"the server refused a schedule call ({exc.code}): "
+                    f"{payload.get('message', '')}",
+                    hint="check the runner token and the server's clock",
+                ) from None
+            return exc.code, payload if isinstance(payload, dict) else {}
+        except (OSError, ValueError) as exc:
+            raise KickassError(
+                f"the measurement server is unreachable at {self.base}: {exc}",
+                hint="the item is left for the next run",
+            ) from None
+
+    def claim(self, item: str, kind: str, due_at: datetime, definition_hash: str) -> Claim | None:
+        status, body = self._call(
+            "POST",
+            "/claims",
+            {
+                "item": item,
+                "kind": kind,
+                "due_at": due_at.isoformat(),
+                "definition_hash": definition_hash,
+                "stale_s": self.stale_s,
+            },  # fmt: skip
+        )
+        if status == 409:
+            return None
+        if status != 201:
+            raise KickassError(f"claim of {item} failed: HTTP {status} {body.get('message', '')}")
+        return Claim(int(body["run_id"]), item, due_at, int(body["attempt"]), body.get("took_over"))
+
+    def heartbeat(self, claim: Claim) -> bool:
+        status, _ = self._call("POST", f"/runs/{claim.run_id}/heartbeat", {})
+        return status == 200
+
+    def finish(
+        self, claim: Claim, outcome: str, reason: str | None, counts: dict[str, Any]
+    ) -> bool:
+        status, _ = self._call(
+            "PUT",
+            f"/runs/{claim.run_id}",
+            {"outcome": outcome, "reason": reason, "counts": counts},
+        )
+        return status == 200
+
+    def existing(self, keys: list[tuple[str, datetime]]) -> dict[tuple[str, datetime], str]:
+        # The claim itself answers (409 for a run already held or over).
+        return {}
+
+    def reap(self, current: dict[str, datetime]) -> list[dict[str, Any]]:
+        # The server reaps the items it is asked to claim.
+        return []
+
+    def last_ok(self, item: str) -> dict[str, Any] | None:
+        return None
+
+    def close(self) -> None:
+        pass

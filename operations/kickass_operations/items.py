@@ -1,0 +1,335 @@
+"""What each kind of scheduled item does when its run is claimed.
+
+Each kind is a function ``(item, context) -> Result`` that calls the room
+that owns the work (``kickass_atlas.service``, ``kickass_wan.service``,
+``kickass_analysis``, ``kickass_db``) and says what it did in counts. The
+rooms are imported when an item of theirs runs, so a trial runner host (core,
+wan-agents and this package only) never imports the database.
+
+Each run happens in a child process of ``kickass schedule run`` (see
+``runner``), which heartbeats the claim and ends the child at the item's
+timeout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from kickass_core.errors import KickassError
+
+from .schedule_file import Item
+
+OK = "ok"
+FAILED = "failed"
+SKIPPED = "skipped"
+TIMEOUT = "timeout"
+OUTCOMES = (OK, FAILED, SKIPPED, TIMEOUT)
+
+# A session still live with nothing written for this long has lost its server
+# (the study's own time limits end a session long before).
+LINGERING_S = 3600.0
+
+
+@dataclass
+class Result:
+    outcome: str
+    reason: str | None = None
+    counts: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Context:
+    """What a run knows besides its item."""
+
+    base_dir: Path
+    database_url: str | None
+    host: str
+    due_at: datetime
+    run_id: int
+    attempt: int
+    # The dead attempt this run took over, if any (what it was, and why dead).
+    took_over: dict[str, Any] | None
+    stop: threading.Event
+    progress: Callable[[str, dict[str, Any]], None]
+    # The counts of this item's last ``ok`` run (the export's watermark).
+    last_ok: dict[str, Any] | None = None
+
+    def path(self, value: str) -> Path:
+        p = Path(value).expanduser()
+        return p if p.is_absolute() else self.base_dir / p
+
+
+def round_seed(item: str, due_at: datetime) -> int:
+    """The seed of a scheduled round: drawn from the item and its due time, so
+    the same round is the same on every host and a takeover replays it."""
+    digest = hashlib.sha256(f"{item}|{due_at.isoformat()}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+# -- atlas ------------------------------------------------------------------------------
+
+
+def run_atlas(item: Item, ctx: Context) -> Result:
+    from kickass_atlas import service
+    from kickass_atlas.campaign import Campaign
+
+    assert item.campaign is not None
+    campaign = Campaign.load(ctx.path(item.campaign))
+    settings = service.AtlasSettings.resolve(database_url=ctx.database_url)
+    counts: dict[str, Any] = {"campaign": campaign.name}
+    warnings: list[str] = []
+
+    def warn(exc: KickassError) -> None:
+        warnings.append(exc.message)
+        ctx.progress("warning", {"message": exc.message})
+
+    before = _atlas_credits(settings, campaign)
+    if before is None or before["missing"]:
+        # Never twice: create() makes only what the database does not hold,
+        # and first adopts what an earlier (killed) run created unanswered.
+        created = service.create(settings, campaign, warn=warn)
+        counts["created"] = created.created
+        ctx.progress("created", {"measurements": created.created})
+    report = service.fetch(
+        settings,
+        campaign,
+        progress=lambda msg: ctx.progress("fetch", {"message": msg}),
+    )
+    after = _atlas_credits(settings, campaign)
+    counts.update(
+        measurements=report.measurements,
+        results_new=report.results_new,
+        results_late=report.results_late,
+        results_seen=report.results_seen,
+        join=dict(report.join),
+        credits_spent=(after or {}).get("spent", 0),
+        credits_delta=(after or {}).get("spent", 0) - (before or {}).get("spent", 0),
+    )
+    warnings += [w.message for w in report.warnings]
+    if warnings:
+        counts["warnings"] = warnings[:20]
+    if after and after["settled"] and report.results_new == 0 and report.results_late == 0:
+        why = "settled: every measurement has stopped and its results are in"
+        return Result(SKIPPED, why, counts)
+    return Result(OK, None, counts)
+
+
+def _atlas_credits(settings: Any, campaign: Any) -> dict[str, Any] | None:
+    """What the database holds of the campaign: measurements missing from its
+    plan, credits spent so far, and whether all have stopped long enough ago."""
+    from kickass_atlas.ingest import DEFAULT_LATE_HORIZON_S
+
+    with settings.store() as store:
+        campaign_id = store.campaign_id(campaign.name)
+        if campaign_id is None:
+            return None
+        rows = store.measurements(campaign_id)
+        st = store.status(campaign.name)
+    have = {r["key"] for r in rows}
+    missing = [m.key for m in campaign.plan().measurements if m.key not in have]
+    now = datetime.now(UTC)
+    horizon = timedelta(seconds=DEFAULT_LATE_HORIZON_S)
+    settled = bool(rows) and all(
+        r.get("stop_time") is not None and r["stop_time"] + horizon < now for r in rows
+    )
+    spent = sum(m.get("credits_spent") or 0 for m in st["measurements"])
+    return {"missing": missing, "spent": int(spent), "settled": settled}
+
+
+# -- trials -----------------------------------------------------------------------------
+
+
+def run_trials(item: Item, ctx: Context) -> Result:
+    from kickass_wan.service import RoundSettings, run_round
+
+    assert item.trials is not None
+    data = dict(item.trials)
+    # Paths in the schedule file are read from its folder.
+    for key in ("spool_dir", "runner_token_file"):
+        if isinstance(data.get(key), str):
+            data[key] = str(ctx.path(data[key]))
+    if isinstance(data.get("agents"), list):
+        data["agents"] = [
+            {**a, "secret_file": str(ctx.path(a["secret_file"]))}
+            if isinstance(a, dict) and isinstance(a.get("secret_file"), str)
+            else a
+            for a in data["agents"]
+        ]
+    seed = round_seed(item.name, ctx.due_at)
+    rng = random.Random(seed)
+    agents = list(data.get("agents") or [])
+    rng.shuffle(agents)  # the order the agents take turns in, per round
+    data["agents"] = agents
+    workload = dict(data.get("workload") or {})
+    workload["seed"] = seed  # the periods' order and the flows, per round
+    data["workload"] = workload
+    settings = RoundSettings.from_mapping(data, where=f"item {item.name!r}: trials")
+    scheduled = {
+        "item": item.name,
+        "due_at": ctx.due_at.isoformat(),
+        "run_id": ctx.run_id,
+        "attempt": ctx.attempt,
+        "seed": seed,
+        "agent_order": [a.name for a in settings.agents],
+    }
+    ctx.progress("round", {"seed": seed, "agent_order": scheduled["agent_order"]})
+    out = run_round(
+        settings,
+        stop=ctx.stop,
+        scheduled=scheduled,
+        progress=lambda p: ctx.progress(
+            "period", {"index": p.index, "destination": p.destination, "arm": p.arm}
+        ),
+    )
+    completed = {
+        dest: {arm: len(fcts) for arm, fcts in arms.items()}
+        for dest, arms in (out.get("summary") or {}).items()
+    }
+    counts = {
+        "trials": out.get("trials"),
+        "agent_order": scheduled["agent_order"],
+        "seed": seed,
+        "flows_completed": completed,
+        "flows_failed": out.get("failed_flows", 0),
+        "skipped_periods": len(out.get("skipped_periods") or []),
+        "late_periods": len(out.get("late_periods") or []),
+        "upload_backlog": out.get("spooled", 0),
+        "rejected": out.get("rejected", 0),
+    }
+    if ctx.stop.is_set():
+        return Result(FAILED, "stopped before the round ended (results so far spooled)", counts)
+    if out.get("spooled"):
+        errors = out.get("upload_errors") or []
+        return Result(
+            OK,
+            f"{out['spooled']} records still spooled for the next upload"
+            + (f" ({errors[-1]})" if errors else ""),
+            counts,
+        )
+    return Result(OK, None, counts)
+
+
+# -- refresh ----------------------------------------------------------------------------
+
+
+def run_refresh(item: Item, ctx: Context) -> Result:
+    from kickass_analysis import rollups
+
+    t0 = time.monotonic()
+    counts: dict[str, Any] = dict(rollups.refresh(ctx.database_url))
+    counts["seconds"] = round(time.monotonic() - t0, 3)
+    return Result(OK, None, counts)
+
+
+# -- export -----------------------------------------------------------------------------
+
+
+def run_export(item: Item, ctx: Context) -> Result:
+    from kickass_analysis.export import export_view  # type: ignore[import-not-found,unused-ignore]
+
+    assert item.directory is not None
+    directory = ctx.path(item.directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    assert item.views is not None
+    views = item.views
+    # What arrived since the last export: from its upper bound to this due time.
+    since_text = (ctx.last_ok or {}).get("until")
+    since = datetime.fromisoformat(since_text) if since_text else None
+    until = ctx.due_at
+    counts: dict[str, Any] = {
+        "since": since.isoformat() if since else None,
+        "until": until.isoformat(),
+        "rows": {},
+        "files": [],
+    }
+    for view in views:
+        if ctx.stop.is_set():
+            return Result(FAILED, "stopped", counts)
+        res = export_view(ctx.database_url, view, item.format, directory, since=since, until=until)
+        counts["rows"][view] = res.rows
+        counts["files"] += [str(p) for p in res.paths]
+        ctx.progress("exported", {"view": view, "rows": res.rows})
+    return Result(OK, None, counts)
+
+
+# -- housekeeping -----------------------------------------------------------------------
+
+
+def run_housekeeping(item: Item, ctx: Context) -> Result:
+    from kickass_db.journal import pending
+    from kickass_db.study_store import StudyStore
+
+    with StudyStore(ctx.database_url) as store:
+        lingering = store.lingering_sessions(LINGERING_S)
+    journals = {d: pending(ctx.path(d)) for d in (item.journals or [])}
+    counts: dict[str, Any] = {
+        "lingering_sessions": {
+            r["server_instance"]: {
+                "sessions": int(r["sessions"]),
+                "oldest_update": r["oldest_update"].isoformat(),
+            }
+            for r in lingering
+        },
+        "journals": journals,
+    }
+    findings = []
+    n = sum(int(r["sessions"]) for r in lingering)
+    if n:
+        findings.append(
+            f"{n} sessions live with nothing written for {LINGERING_S / 3600:g} h "
+            f"(instances: {', '.join(r['server_instance'] for r in lingering)}; "
+            "each server closes its own at its next start)"
+        )
+    waiting = sum(j["unreplayed_records"] for j in journals.values())
+    if waiting:
+        findings.append(f"{waiting} journaled records wait for their server's next start")
+    refused = sum(j["failed_records"] for j in journals.values())
+    if refused:
+        findings.append(f"{refused} records the database refused are set aside (failed-*)")
+    return Result(OK, "; ".join(findings) or None, counts)
+
+
+def check(item: Item, base_dir: Path) -> str | None:
+    """What ``schedule check`` can tell of an item's own settings on this host
+    (the room that runs it validates them; None: fine). Reads no secret."""
+    try:
+        if item.kind == "trials" and item.trials is not None:
+            from kickass_wan.service import RoundSettings
+
+            RoundSettings.from_mapping(item.trials, where="trials")
+        elif item.kind == "atlas" and item.campaign is not None:
+            from kickass_atlas.campaign import Campaign
+
+            Campaign.load(Path(item.campaign) if Path(item.campaign).is_absolute()
+                          else base_dir / item.campaign).plan()  # fmt: skip
+    except ImportError as exc:
+        return f"not checked here ({exc.name} is not installed on this host)"
+    except KickassError as exc:
+        return "ERROR " + exc.message
+    return None
+
+
+KIND_FUNCTIONS: dict[str, Callable[[Item, Context], Result]] = {
+    "atlas": run_atlas,
+    "trials": run_trials,
+    "refresh": run_refresh,
+    "export": run_export,
+    "housekeeping": run_housekeeping,
+}
+
+
+def execute(item: Item, ctx: Context) -> Result:
+    """The item's work; a domain failure is a ``failed`` result with its message."""
+    try:
+        return KIND_FUNCTIONS[item.kind](item, ctx)
+    except KickassError as exc:
+        reason = exc.message + (f" (hint: {exc.hint})" if exc.hint else "")
+        return Result(FAILED, reason)

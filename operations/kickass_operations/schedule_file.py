@@ -1,0 +1,211 @@
+"""The schedule file: items of scheduled work, each with its cron expression,
+its random slip and its kind, validated before anything runs.
+
+A schedule file is TOML (the platform's one configuration style; an Atlas
+campaign keeps its own YAML file, named by the item)::
+
+    [schedule]
+    name = "wide-area"          # for logs and metrics
+    stale_s = 45                # a run not heard of this long is dead
+
+    [[item]]
+    name = "atlas-nightly"
+    kind = "atlas"
+    cron = "0 3 * * *"          # minute hour day month weekday, UTC
+    slip_s = 900                # start somewhere in the 15 minutes after
+    campaign = "/etc/kickass/atlas/nightly.yaml"
+
+Kinds and their settings:
+
+* ``atlas``: ``campaign`` (the Atlas campaign file); creates its
+  measurements when due (never twice), then fetches on every run until they
+  settle, each fetch bounded by ``timeout_s``.
+* ``trials``: ``trials`` (a ``kickass_wan.service.RoundSettings`` table): one
+  round of interleaved trials; the order of the agents and the seed of the
+  periods are drawn per round and stored with the trial. ``host``: the
+  runner host that runs it (others leave it alone).
+* ``refresh``: the analysis rollups (``kickass_analysis.rollups``).
+* ``export``: ``directory``, ``views``, ``format`` (csv or parquet): what
+  arrived since the last export, in dated files.
+* ``housekeeping``: what the study servers left behind (sessions still live
+  past their time, per server instance); never deletes anything.
+
+Every item has ``timeout_s`` (a run still going then ends ``timeout``).
+Paths are read relative to the schedule file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tomllib
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from croniter import croniter
+from kickass_core.errors import KickassError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+SLIP_CHECK_FROM = datetime(2026, 1, 5, tzinfo=UTC)  # a Monday: weekday fields start there
+KINDS = ("atlas", "trials", "refresh", "export", "housekeeping")
+# Kinds that need the database (and run only where it is reachable).
+DATABASE_KINDS = ("atlas", "refresh", "export", "housekeeping")
+
+
+def _cron(value: str) -> str:
+    if not croniter.is_valid(value) or len(value.split()) != 5:
+        raise ValueError(f"not a cron expression with 5 fields: {value!r}")
+    return value
+
+
+Cron = Annotated[str, AfterValidator(_cron)]
+Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+
+class Item(_Model):
+    name: Name
+    kind: Literal["atlas", "trials", "refresh", "export", "housekeeping"]
+    cron: Cron
+    # The schedule's spread: each due time starts at a random offset in
+    # [0, slip_s), the same on every host (drawn from the item and the time).
+    slip_s: Annotated[float, Field(ge=0, le=86_400)] = 0.0
+    timeout_s: Annotated[float, Field(gt=0, le=7 * 86_400)] = 3600.0
+    # A due time not started within this long of its (slipped) time is not
+    # run late: it is recorded ``skipped`` (no host ran the schedule then).
+    late_s: Annotated[float, Field(ge=60, le=30 * 86_400)] = 3600.0
+    # Only this host runs the item (None: any host that can).
+    host: Name | None = None
+    enabled: bool = True
+    # atlas
+    campaign: str | None = None
+    # trials
+    trials: dict[str, Any] | None = None
+    # export
+    directory: str | None = None
+    views: list[str] | None = None
+    format: Literal["csv", "parquet"] = "parquet"
+    # housekeeping: the study servers' journal folders readable from here
+    journals: list[str] | None = None
+
+    @model_validator(mode="after")
+    def _kind_settings(self) -> Item:
+        if self.slip_s > 0:
+            # Due times must start in their order: the slip is shorter than
+            # the time between them (checked over the next few; croniter is
+            # slow enough that a thousand items must not cost a second here).
+            it = croniter(self.cron, SLIP_CHECK_FROM)
+            times = [it.get_next(datetime) for _ in range(6)]
+            gap = min((b - a).total_seconds() for a, b in zip(times, times[1:], strict=False))
+            if self.slip_s >= gap:
+                raise ValueError(
+                    f"slip_s ({self.slip_s:g}) must be shorter than the time between "
+                    f"due times ({gap:g} s)"
+                )
+        needs = {"atlas": ("campaign",), "trials": ("trials",), "export": ("directory", "views")}
+        for need in needs.get(self.kind, ()):
+            if getattr(self, need) is None:
+                raise ValueError(f"a {self.kind} item needs {need!r}")
+        return self
+
+    def definition_hash(self) -> str:
+        """What the item is (its settings), so a run says what it ran."""
+        blob = json.dumps(self.model_dump(), sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def slip(self, due: datetime) -> timedelta:
+        if self.slip_s <= 0:
+            return timedelta(0)
+        h = hashlib.sha256(f"{self.name}|{due.isoformat()}".encode()).digest()
+        return timedelta(seconds=int.from_bytes(h[:8], "big") / 2**64 * self.slip_s)
+
+    def due_now(self, now: datetime) -> datetime | None:
+        """The latest due time whose slipped start has come: what a run at
+        ``now`` does, if nobody has done it yet. Any due time at least
+        ``slip_s`` ago has started, so the walk back ends there."""
+        it = croniter(self.cron, now)
+        for _ in range(10_000):
+            due: datetime = it.get_prev(datetime)
+            if due + self.slip(due) <= now:
+                return due.astimezone(UTC)
+        return None
+
+    def next_start(self, now: datetime) -> datetime:
+        """When the next due time starts (its slip included)."""
+        it = croniter(self.cron, now)
+        for _ in range(3):
+            due: datetime = it.get_next(datetime)
+            start = due + self.slip(due)
+            if start > now:
+                return start.astimezone(UTC)
+        return start.astimezone(UTC)
+
+    def previous_dues(self, now: datetime, n: int) -> list[datetime]:
+        it = croniter(self.cron, now)
+        return [it.get_prev(datetime).astimezone(UTC) for _ in range(n)]
+
+
+class Settings(_Model):
+    name: Name = "kickass"
+    # A run not heard of this long is dead (kept well above heartbeat_s).
+    stale_s: Annotated[float, Field(ge=2, le=86_400)] = 45.0
+    heartbeat_s: Annotated[float, Field(gt=0, le=3600)] = 10.0
+    # Where claims are made when no database URL is given: the measurement
+    # server's schedule API, with this host's runner token.
+    server: Annotated[str, Field(pattern=r"^https?://", max_length=200)] | None = None
+    runner_token_file: str | None = None
+
+    @model_validator(mode="after")
+    def _heartbeat_below_stale(self) -> Settings:
+        if self.heartbeat_s * 2 > self.stale_s:
+            raise ValueError("heartbeat_s must be at most half of stale_s")
+        return self
+
+
+class Schedule(_Model):
+    schedule: Settings = Field(default_factory=Settings)
+    item: list[Item] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _unique(self) -> Schedule:
+        names = [i.name for i in self.item]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"item names must be unique: {sorted(dup)}")
+        return self
+
+
+def load(path: str | Path) -> tuple[Schedule, Path]:
+    """The schedule and its file's folder (relative paths are read from it)."""
+    p = Path(path)
+    try:
+        with p.open("rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise KickassError(
+            f"no schedule file {p}", hint="see operations/example-schedule.toml"
+        ) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise KickassError(f"{p} is not TOML: {exc}") from None
+    return parse(data, str(p)), p.resolve().parent
+
+
+def parse(data: dict[str, Any], where: str = "schedule") -> Schedule:
+    try:
+        return Schedule.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False, include_input=False)[0]
+        loc = first.get("loc", ())
+        field = ".".join(str(x) for x in loc) or "schedule"
+        if len(loc) >= 2 and loc[0] == "item" and isinstance(loc[1], int):
+            items = data.get("item") or []
+            name = items[loc[1]].get("name") if loc[1] < len(items) else None
+            field = f"item {name or loc[1]!r}: " + ".".join(str(x) for x in loc[2:])
+        raise KickassError(
+            f"{where}: {field}: {first.get('msg')}",
+            hint="see operations/example-schedule.toml",
+        ) from None
