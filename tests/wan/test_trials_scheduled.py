@@ -1,0 +1,210 @@
+"""Scheduled trial rounds (`kickass schedule run`, kind ``trials``), on loopback
+with a real agent, a real server and real TCP flows (Kick-Ass periods need
+the emulated edge router: the namespace trial tests cover the transport).
+
+- A trial runner host: a fresh virtual environment built from the wheels of
+  core, wan-agents and operations only, run under ``env -i``, where
+  ``import kickass_db`` fails; with a runner token and no database URL it
+  claims and reports its round through the server's schedule API.
+- A round killed with SIGKILL half-way: the next run finds it dead, takes it
+  over, uploads what the dead attempt had measured and runs the round; no
+  flow is stored twice.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import kickass_db as db
+import pytest
+from kickass_db.trial_store import TrialStore
+from sqlalchemy import create_engine, text
+from support.live_server import free_port, server
+from support.schedule import (
+    KICKASS,
+    alive,
+    children,
+    events,
+    item_runs,
+    run_schedule,
+    schedule_env,
+    stable_cron,
+    wait_until,
+    write_schedule,
+)
+from test_wan_agent import SECRET, agent
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the server's probe engine needs root")
+
+
+def rows(database_url: str, sql: str) -> list[dict[str, Any]]:
+    engine = create_engine(db.sqlalchemy_url(database_url))
+    try:
+        with engine.connect() as conn:
+            return [dict(r) for r in conn.execute(text(sql)).mappings()]
+    finally:
+        engine.dispose()
+
+
+def trials_item(
+    name: str, agent_port: int, tmp: Path, *, server_url: str | None, pairs: int, period: float,
+    host: str | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    secret = tmp / "far-1.secret"
+    secret.write_text(SECRET)
+    cron, _ = stable_cron()
+    trials: dict[str, Any] = {
+        "agents": [{"name": "far-1", "url": f"http://127.0.0.1:{agent_port}",
+                    "secret_file": str(secret)}],
+        "protocols": ["tcp"], "pairs": pairs, "period_s": period, "gap_s": 0.5,
+        "workload": {"mean_gap_s": 0.15, "max_packets": 200, "mean_packets": 20},
+        "spool_dir": str(tmp / "spool"), "agent_retry_s": 5.0,
+    }  # fmt: skip
+    if server_url:
+        trials |= {"server": server_url, "runner_token_file": str(tmp / "runner-token")}
+    it = {"name": name, "kind": "trials", "cron": cron, "timeout_s": 300, "trials": trials}
+    if host:
+        it["host"] = host
+    return it
+
+
+@pytest.mark.slow
+def test_a_runner_host_without_database_runs_its_scheduled_round(
+    database_url: str, tmp_path: Path
+) -> None:
+    wheels = tmp_path / "wheels"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(wheels),
+         str(REPO / "core"), str(REPO / "wan-agents"), str(REPO / "operations")],
+        check=True, timeout=600,
+    )  # fmt: skip
+    venv = tmp_path / "runner-venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    subprocess.run(
+        [str(venv / "bin" / "pip"), "install", "--quiet", *map(str, sorted(wheels.glob("*.whl")))],
+        check=True, timeout=600,
+    )  # fmt: skip
+    home = tmp_path / "home"
+    home.mkdir()
+    bare = {"PATH": "/usr/bin:/bin", "HOME": str(home)}
+    probe = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import kickass_db"], env=bare,
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert probe.returncode != 0 and "No module named 'kickass_db'" in probe.stderr
+    frozen = subprocess.run(
+        [str(venv / "bin" / "pip"), "freeze"], capture_output=True, text=True, check=True
+    ).stdout.lower()
+    for heavy in ("flask", "scapy", "sqlalchemy", "psycopg", "kickass-server", "kickass-db"):
+        assert heavy not in frozen, frozen
+
+    store = TrialStore(database_url)
+    (tmp_path / "runner-token").write_text(store.add_runner("edge-1"))
+    store.close()
+    http = free_port(socket.SOCK_STREAM)
+    url = f"http://127.0.0.1:{http}"
+    with (
+        agent(tmp_path / "agent") as (agent_port, _),
+        server(database_url, free_port(socket.SOCK_DGRAM), http),
+    ):
+        item = trials_item("round-edge-1", agent_port, tmp_path, server_url=url, pairs=1,
+                           period=1.5, host="edge-1")  # fmt: skip
+        schedule = write_schedule(
+            tmp_path / "s.toml",
+            [item,
+             # Not this host's: a database kind, and another runner's round.
+             {"name": "refresh", "kind": "refresh", "cron": item["cron"]},
+             {**item, "name": "round-edge-2", "host": "edge-2"}],
+            name="runner-host", server=url, runner_token_file=str(tmp_path / "runner-token"),
+        )  # fmt: skip
+        argv = [str(venv / "bin" / "kickass"), "schedule", "run", str(schedule), "--json"]
+        first = subprocess.run(argv, env=bare, capture_output=True, text=True, timeout=300)
+        assert first.returncode == 0, first.stdout + first.stderr
+        summary = events(first.stdout)[-1]
+        assert [r["item"] for r in summary["ran"]] == ["round-edge-1"]
+        assert summary["ran"][0]["outcome"] == "ok", first.stdout
+        again = subprocess.run(argv, env=bare, capture_output=True, text=True, timeout=300)
+        assert again.returncode == 0 and events(again.stdout)[-1]["ran"] == []
+
+    [run] = item_runs(database_url)
+    assert (run["item"], run["host"], run["outcome"], run["attempt"]) == (
+        "round-edge-1", "runner:edge-1", "ok", 1,
+    )  # fmt: skip
+    assert run["counts"]["upload_backlog"] == 0
+    [trial] = rows(database_url, "SELECT trial_id, parameters FROM trials")
+    scheduled = trial["parameters"]["scheduled"]
+    assert scheduled["item"] == "round-edge-1" and scheduled["run_id"] == run["id"]
+    assert scheduled["agent_order"] == ["far-1"]
+    assert trial["parameters"]["workload"]["seed"] == scheduled["seed"]
+    [flows] = rows(database_url, "SELECT count(*) AS n, count(DISTINCT flow_id) AS d FROM flows")
+    assert flows["n"] == flows["d"] > 0
+
+
+def test_a_round_killed_half_way_is_taken_over_and_nothing_is_stored_twice(
+    database_url: str, tmp_path: Path
+) -> None:
+    store = TrialStore(database_url)
+    (tmp_path / "runner-token").write_text(store.add_runner("edge-1"))
+    store.close()
+    http = free_port(socket.SOCK_STREAM)
+    url = f"http://127.0.0.1:{http}"
+    with (
+        agent(tmp_path / "agent") as (agent_port, _),
+        server(database_url, free_port(socket.SOCK_DGRAM), http),
+    ):
+        item = trials_item("round", agent_port, tmp_path, server_url=url, pairs=2, period=3.0)
+        schedule = write_schedule(
+            tmp_path / "s.toml", [item], name="kill-round", stale_s=30, heartbeat_s=1
+        )
+        first = subprocess.Popen(
+            [KICKASS, "schedule", "run", str(schedule)],
+            env=schedule_env(database_url, "host-a"),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            # Half-way: the first period's flows are in the database.
+            wait_until(
+                lambda: rows(database_url, "SELECT count(*) AS n FROM flows")[0]["n"] > 0,
+                60, "the first period's flows",
+            )  # fmt: skip
+            kids = children(first.pid)
+            first.send_signal(signal.SIGKILL)
+            first.wait(10)
+            wait_until(lambda: not any(alive(k) for k in kids), 10, "the round's process to die")
+        finally:
+            if first.poll() is None:
+                first.kill()
+        [dead] = item_runs(database_url)
+        assert (dead["outcome"], dead["attempt"]) == ("running", 1)
+        before = rows(database_url, "SELECT count(*) AS n FROM flows")[0]["n"]
+
+        second = run_schedule(schedule, schedule_env(database_url, "host-b"))
+        assert second.returncode == 0, second.stdout + second.stderr
+    log = events(second.stdout)
+    [took] = [e for e in log if e["event"] == "took-over"]
+    assert took["previous"]["host"] == "host-a" and "lock is free" in took["previous"]["reason"]
+    [run] = item_runs(database_url)
+    assert (run["outcome"], run["attempt"], run["host"]) == ("ok", 2, "host-b")
+    # Two trials for the due time: the dead attempt's (what it measured, never
+    # finished) and the takeover's; the same seed and agent order in both.
+    trials = rows(
+        database_url,
+        "SELECT trial_id, finished_at, parameters->'scheduled' AS s "
+        "FROM trials ORDER BY started_at",
+    )
+    assert len(trials) == 2
+    assert [t["s"]["attempt"] for t in trials] == [1, 2]
+    assert trials[0]["s"]["seed"] == trials[1]["s"]["seed"]
+    assert trials[0]["finished_at"] is None and trials[1]["finished_at"] is not None
+    [flows] = rows(database_url, "SELECT count(*) AS n, count(DISTINCT flow_id) AS d FROM flows")
+    assert flows["n"] == flows["d"] > before
+    # Nothing left behind: the dead attempt's spool went up with the takeover.
+    assert not list((tmp_path / "spool").rglob("*.json"))
