@@ -424,8 +424,9 @@ class ScheduleStore(StoreBase):
             }
         )
 
-    def outcome_counts(self, items: Sequence[str]) -> list[dict[str, Any]]:
-        """Runs per item, kind and outcome, with the newest finish of each."""
+    def outcome_counts(self, items: Sequence[str] | None) -> list[dict[str, Any]]:
+        """Runs per item (None: every item), kind and outcome, with the newest
+        finish of each."""
         return self.run(
             lambda c: [
                 dict(r)
@@ -433,9 +434,10 @@ class ScheduleStore(StoreBase):
                     text(
                         "SELECT item, kind, outcome, count(*) AS runs, "
                         "max(finished_at) AS last_finished FROM item_runs "
-                        "WHERE item = ANY(:items) GROUP BY item, kind, outcome"
+                        "WHERE CAST(:all AS boolean) OR item = ANY(:items) "
+                        "GROUP BY item, kind, outcome"
                     ),
-                    {"items": list(items)},
+                    {"all": items is None, "items": list(items or [])},
                 ).mappings()
             ]
         )

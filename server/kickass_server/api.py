@@ -30,7 +30,7 @@ from kickass_core.errors import KickassError
 from kickass_core.plan import PlanError
 from kickass_core.states import CREATED, FINAL_STATES, LIVE_STATES
 
-from . import __version__, http, schedule_api, schemas, trials_api
+from . import __version__, http, metrics, schedule_api, schemas, trials_api
 from .client_report import ReportError, parse_report
 from .engine import AdmissionDenied, EngineUnavailable, ProbeEngine
 from .http import ApiError, RateLimited, accepts, parse_body
@@ -63,6 +63,8 @@ class ApiConfig:
     rate_limited_retry_after_s: int = 60
     # How long /health trusts its last database check.
     health_cache_s: float = 2.0
+    # Who may read GET /metrics (networks); others get a 404.
+    metrics_from: tuple[str, ...] = ("127.0.0.0/8", "::1/128")
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any] | None) -> ApiConfig:
@@ -344,7 +346,7 @@ def create_app(
     app.extensions["kickass"] = _Services(
         engine, store, trials, cfg, _DatabaseCheck(store, cfg.health_cache_s), schedule
     )
-    for bp in (sessions, health, stats, trials_api.bp, schedule_api.bp):
+    for bp in (sessions, health, stats, trials_api.bp, schedule_api.bp, metrics.bp):
         app.register_blueprint(bp)
     http.install(
         app,

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 from kickass_core import signing
 from kickass_wan.tcpflow import send_flow
 
@@ -30,12 +31,14 @@ def agent(state: Path) -> Iterator[tuple[int, subprocess.Popen]]:
         proc.wait(10)
 
 
-def start_agent(state: Path, control: int = 0, tcp: int = 0) -> tuple[int, subprocess.Popen]:
+def start_agent(
+    state: Path, control: int = 0, tcp: int = 0, extra: tuple[str, ...] = ()
+) -> tuple[int, subprocess.Popen]:
     """A kickass-agent on loopback (0: any free port); returns its control
     port once it is ready. The caller stops it."""
     proc = subprocess.Popen(
         [AGENT, "--listen", f"127.0.0.1:{control}", "--tcp-port", str(tcp),
-         "--kickass-receiver", "none", "--state-dir", str(state), "--name", "far-1"],
+         "--kickass-receiver", "none", "--state-dir", str(state), "--name", "far-1", *extra],
         env={**os.environ, "KICKASS_AGENT_SECRET": SECRET}, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     assert proc.stderr is not None
@@ -83,6 +86,10 @@ def test_agent_serves_tcp_flows_to_token_holders_and_survives_restarts(tmp_path:
         tcp = ("127.0.0.1", issued["port"])
         first = bytes.fromhex(issued["tokens"][0])
         assert send_flow(tcp, first, 30_000).completed
+        metrics = _metrics(port)
+        assert metrics['kickass_agent_tokens_issued_total{kind="tcp"}'] == 2.0
+        assert metrics["kickass_agent_requests_refused_total"] == 2.0  # unsigned, wrong key
+        assert metrics['kickass_agent_tcp_flows_total{result="completed"}'] == 1.0
     # Restarted on the same state: the used token stays used, the other still works.
     with agent(state) as (port, proc):
         status, health = _call(port, "/v1/health")
@@ -90,6 +97,30 @@ def test_agent_serves_tcp_flows_to_token_holders_and_survives_restarts(tmp_path:
         assert not send_flow(tcp, first, 30_000).completed
         assert send_flow(tcp, bytes.fromhex(issued["tokens"][1]), 30_000).completed
         assert _call(port, "/v1/health")[1]["receivers"]["tcp"]["refused"] == 1
+
+
+def _metrics(port: int) -> dict[str, float]:
+    """GET /metrics, parsed: sample name with labels -> value."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        assert r.headers["Content-Type"].startswith("text/plain")
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_agent_metrics_only_for_the_networks_allowed(tmp_path: Path) -> None:
+    port, proc = start_agent(tmp_path / "state", extra=("--metrics-from", "10.0.0.0/8"))
+    try:
+        with pytest.raises(urllib.error.HTTPError) as exc:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
+        assert exc.value.code == 404
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 def test_agent_refuses_to_start_without_a_secret(tmp_path: Path) -> None:

@@ -15,6 +15,8 @@ and a small control API on ``--listen`` (HTTP, JSON):
     POST /v1/tokens    {"kind": "tcp"|"kickass", "count": N}  ->  {"tokens": [hex], ...}
                        signed with the agent secret's key (kickass_core.signing:
                        the secret never travels, a replayed request is refused)
+    GET  /metrics      Prometheus text: flows by result, tokens issued, refused
+                       requests, receiver restarts (only from --metrics-from networks)
 
 Flows are refused without a valid, unexpired, unused token. The secret comes
 from ``--secret-file`` or ``KICKASS_AGENT_SECRET``; used tokens are kept in
@@ -24,6 +26,7 @@ from ``--secret-file`` or ``KICKASS_AGENT_SECRET``; used tokens are kept in
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import logging
 import os
@@ -33,12 +36,16 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from kickass_core import config, signing, strictjson
 from kickass_core.errors import KickassError
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from . import __version__, environment
@@ -65,6 +72,7 @@ class Agent:
         kickass_receiver: str | None,
         token_lifetime_s: float = 600.0,
         max_flows: int = DEFAULT_MAX_FLOWS,
+        metrics_from: tuple[str, ...] = ("127.0.0.0/8", "::1/128"),
     ) -> None:
         if len(secret) < 16:
             raise KickassError("the agent secret is too short", hint="use at least 16 bytes")
@@ -85,6 +93,11 @@ class Agent:
         self.kickass_port = kickass_port
         self.kickass_receiver = kickass_receiver
         self.kickass_restarts = 0
+        # For GET /metrics: tokens issued by kind, control requests refused.
+        self.metrics_from = tuple(ipaddress.ip_network(n, strict=False) for n in metrics_from)
+        self.tokens_issued = {"tcp": 0, "kickass": 0}
+        self.refused = 0
+        self._count_lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
         self._stop = threading.Event()
         handler = type("Handler", (_Handler,), {"agent": self})
@@ -179,6 +192,8 @@ class Agent:
             tk.issue(self.secret, kinds[kind], now, self.token_lifetime_s).hex()
             for _ in range(count)
         ]
+        with self._count_lock:
+            self.tokens_issued[kind] += count
         port = self.tcp.address[1] if kind == "tcp" else self.kickass_port
         return {"kind": kind, "tokens": tokens, "port": port, "expires_in_s": self.token_lifetime_s}
 
@@ -195,10 +210,63 @@ class Agent:
                 lambda kid: key if kid == signing.AGENT_KEY_ID else None,
             )
         except signing.SignatureError as exc:
+            self._refuse()
             return str(exc)
         if self.nonces.seen(signed.nonce):
+            self._refuse()
             return "replayed request (its nonce was seen before)"
         return None
+
+    def _refuse(self) -> None:
+        with self._count_lock:
+            self.refused += 1
+
+    def metrics_text(self) -> bytes:
+        """The agent's counters in the Prometheus text format."""
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_AgentCollector(self))
+        return generate_latest(registry)
+
+    def may_read_metrics(self, address: str) -> bool:
+        try:
+            ip = ipaddress.ip_address(address)
+        except ValueError:
+            return False
+        return any(ip in net for net in self.metrics_from)
+
+
+class _AgentCollector(Collector):
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+
+    def collect(self) -> Iterator[Metric]:
+        a = self.agent
+        flows = CounterMetricFamily(
+            "kickass_agent_tcp_flows",
+            "TCP flows received, by what became of them",
+            labels=["result"],
+        )
+        for result, n in sorted(a.tcp.counts.items()):
+            flows.add_metric([result], float(n))
+        tokens = CounterMetricFamily(
+            "kickass_agent_tokens_issued", "Flow tokens issued to runners", labels=["kind"]
+        )
+        with a._count_lock:
+            for kind, n in sorted(a.tokens_issued.items()):
+                tokens.add_metric([kind], float(n))
+            refused = float(a.refused)
+        ref = CounterMetricFamily(
+            "kickass_agent_requests_refused",
+            "Control requests refused: unsigned, bad or stale signature, replayed nonce",
+        )
+        ref.add_metric([], refused)
+        restarts = CounterMetricFamily(
+            "kickass_agent_kickass_receiver_restarts", "Restarts of the Kick-Ass receiver"
+        )
+        restarts.add_metric([], float(a.kickass_restarts))
+        up = GaugeMetricFamily("kickass_agent_uptime_seconds", "Seconds since the agent started")
+        up.add_metric([], time.monotonic() - a.started)
+        yield from (flows, tokens, ref, restarts, up)
 
 
 class TokenRequest(BaseModel):
@@ -228,6 +296,17 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(200, self.agent.health())
         elif self.path == "/v1/version":
             self._reply(200, {"agent": __version__, "name": self.agent.name})
+        elif self.path == "/metrics":
+            # Prometheus cannot sign: only the networks of --metrics-from may read it.
+            if not self.agent.may_read_metrics(self.client_address[0]):
+                self._reply(404, {"error": "not-found"})
+                return
+            data = self.agent.metrics_text()
+            self.send_response(200)
+            self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
         elif self.path == "/v1/environment":
             # Signed: a host's kernel and settings are a runner's business.
             refused = self.agent.authorize(self.headers, "GET", self.path, b"")
@@ -309,6 +388,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="flows of each kind (TCP, Kick-Ass) in progress at once "
         f"(default {DEFAULT_MAX_FLOWS})",
     )
+    p.add_argument(
+        "--metrics-from",
+        help="comma-separated networks that may read GET /metrics (default loopback only)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--version", action="version", version=f"kickass-agent {__version__}")
     return p
@@ -352,6 +435,11 @@ def main(argv: list[str] | None = None) -> int:
             max_flows=int(get("max_flows", DEFAULT_MAX_FLOWS, int)),
             kickass_port=int(get("kickass_port", 8702, int)),
             kickass_receiver=receiver,
+            metrics_from=tuple(
+                n.strip()
+                for n in str(get("metrics_from", "127.0.0.0/8,::1/128")).split(",")
+                if n.strip()
+            ),
         )
     except KickassError as exc:
         print(exc.render(), file=sys.stderr)
