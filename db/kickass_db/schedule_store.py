@@ -17,10 +17,11 @@ server's schedule API (trial runner hosts, which hold only a runner token).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -441,3 +442,34 @@ class ScheduleStore(StoreBase):
                 ).mappings()
             ]
         )
+
+    @contextlib.contextmanager
+    def exclusive(self, name: str, wait_s: float = 600.0) -> Iterator[None]:
+        """Held by one process at a time across hosts (a session advisory lock
+        named ``name``): work that must not overlap itself, like refreshing
+        the rollups, which two items or two late runs could otherwise do at
+        once and fail on each other's rows."""
+        key = int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "big") & 0x7FFFFFFF
+        try:
+            conn = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+        except (OperationalError, InterfaceError) as exc:
+            raise unavailable(describe_url(self.database_url), exc) from exc
+        try:
+            # SET takes no parameters: set_config does the same, bound.
+            conn.execute(
+                text("SELECT set_config('lock_timeout', :t, false)"),
+                {"t": f"{int(wait_s * 1000)}ms"},
+            )
+            conn.execute(
+                text("SELECT pg_advisory_lock(:ns, :k)"), {"ns": LOCK_NAMESPACE + 1, "k": key}
+            )
+            try:
+                yield
+            finally:
+                with contextlib.suppress(OperationalError, InterfaceError):
+                    conn.execute(
+                        text("SELECT pg_advisory_unlock(:ns, :k)"),
+                        {"ns": LOCK_NAMESPACE + 1, "k": key},
+                    )
+        finally:
+            conn.close()

@@ -222,9 +222,15 @@ def run_trials(item: Item, ctx: Context) -> Result:
 
 def run_refresh(item: Item, ctx: Context) -> Result:
     from kickass_analysis import rollups
+    from kickass_db.schedule_store import ScheduleStore
 
     t0 = time.monotonic()
-    counts: dict[str, Any] = dict(rollups.refresh(ctx.database_url))
+    # One refresh at a time, whatever the number of refresh items or hosts:
+    # two at once fail on each other's rows (serialization errors).
+    with ScheduleStore(ctx.database_url) as store, store.exclusive("refresh"):
+        waited = time.monotonic() - t0
+        counts: dict[str, Any] = dict(rollups.refresh(ctx.database_url))
+    counts["waited_s"] = round(waited, 3)
     counts["seconds"] = round(time.monotonic() - t0, 3)
     return Result(OK, None, counts)
 

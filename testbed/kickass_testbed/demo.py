@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -199,11 +200,18 @@ def run(args: argparse.Namespace) -> int:
             )
         out_console.print(table)
         trial = None if args.no_trials else _second_act(args, url, console, out_console)
+        scheduled = _third_act(url, out_dir, console, out_console)
         if args.json:
-            print(json.dumps({"version": 1, "clients": summary, "trial": trial}, default=str))
+            print(
+                json.dumps(
+                    {"version": 1, "clients": summary, "trial": trial, "schedule": scheduled},
+                    default=str,
+                )
+            )
     bad = [s for s in summary if s["verdict"] != s["expected"]]
     trial_bad = trial is not None and (trial["failed_flows"] or not trial["kickass_flows"])
-    return 1 if bad or len(summary) != len(kinds) or trial_bad else 0
+    schedule_bad = scheduled["exit_code"] != 0
+    return 1 if bad or len(summary) != len(kinds) or trial_bad or schedule_bad else 0
 
 
 def _second_act(
@@ -236,6 +244,43 @@ def _second_act(
         "summary": out.summary,
         "speedups": out.speedups,
     }
+
+
+def _third_act(url: str, work: Path, console: Any, out_console: Any) -> dict[str, Any]:
+    """Act three: scheduled work, unattended. The demo's schedule (the analysis
+    rollups and the housekeeping report) runs as cron would run it, with
+    `kickass schedule run`, then `kickass schedule status` says what it did."""
+    due = datetime.now(UTC) - timedelta(minutes=1)
+    cron = f"{due.minute} {due.hour} * * *"
+    schedule = work / "schedule.toml"
+    schedule.write_text(
+        '[schedule]\nname = "demo"\n\n'
+        f'[[item]]\nname = "rollups"\nkind = "refresh"\ncron = "{cron}"\n\n'
+        f'[[item]]\nname = "housekeeping"\nkind = "housekeeping"\ncron = "{cron}"\n'
+        f'journals = ["{work / "journal"}"]\n'
+    )
+    console.print(
+        f"[bold]schedule[/]: {schedule.name} (rollups and housekeeping, due {due:%H:%M} UTC), "
+        "run unattended: kickass schedule run"
+    )
+    env = {**os.environ, "KICKASS_DATABASE_URL": url, "KICKASS_HOST_ID": "demo-host"}
+    kickass = str(Path(sys.executable).with_name("kickass"))
+    log = work / "schedule.log"
+    run = subprocess.run(
+        [kickass, "schedule", "run", str(schedule), "--log-file", str(log), "--json"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    status = subprocess.run(
+        [kickass, "schedule", "status", str(schedule)],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    out_console.print(status.stdout.rstrip() or status.stderr.rstrip(), highlight=False)
+    summary: dict[str, Any] = {"exit_code": run.returncode}
+    with contextlib.suppress(json.JSONDecodeError, IndexError):
+        summary.update(json.loads(run.stdout.splitlines()[-1]))
+    if run.returncode != 0:
+        console.print(f"[red]schedule run failed (exit {run.returncode})[/]: {run.stderr.strip()}")
+    return summary
 
 
 def _pct(x: float | None) -> str:

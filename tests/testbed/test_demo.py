@@ -60,4 +60,10 @@ def test_demo_quick_json(database_url: str) -> None:
     (every,) = [r for r in trial["speedups"] if r["size_bucket"] == "all"]
     assert every["matched"] == trial["kickass_flows"] == trial["tcp_flows"], every
     assert every["speedup"] > 1.1, every
+    # Act three: the demo's schedule ran unattended, each item once, all ok.
+    scheduled = summary["schedule"]
+    assert scheduled["exit_code"] == 0, scheduled
+    assert sorted((r["item"], r["outcome"]) for r in scheduled["ran"]) == [
+        ("housekeeping", "ok"), ("rollups", "ok"),
+    ]  # fmt: skip
     assert not _netns() - before  # every namespace it built is gone
