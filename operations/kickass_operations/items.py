@@ -239,7 +239,7 @@ def run_refresh(item: Item, ctx: Context) -> Result:
 
 
 def run_export(item: Item, ctx: Context) -> Result:
-    from kickass_analysis.export import export_view  # type: ignore[import-not-found,unused-ignore]
+    from kickass_analysis.export import VIEWS, export_view
 
     assert item.directory is not None
     directory = ctx.path(item.directory)
@@ -256,13 +256,24 @@ def run_export(item: Item, ctx: Context) -> Result:
         "rows": {},
         "files": [],
     }
+    whole = []
     for view in views:
         if ctx.stop.is_set():
             return Result(FAILED, "stopped", counts)
-        res = export_view(ctx.database_url, view, item.format, directory, since=since, until=until)
+        spec = VIEWS.get(view)
+        dated = spec is not None and (spec.time is not None or spec.session_time)
+        # A view that pools all time (no time column) is exported whole each time.
+        res = export_view(
+            ctx.database_url, view, item.format, directory,
+            since=since if dated else None, until=until if dated else None,
+        )  # fmt: skip
+        if not dated:
+            whole.append(view)
         counts["rows"][view] = res.rows
-        counts["files"] += [str(p) for p in res.paths]
+        counts["files"] += [str(res.data_path), str(res.schema_path)]
         ctx.progress("exported", {"view": view, "rows": res.rows})
+    if whole:
+        counts["whole_views"] = whole
     return Result(OK, None, counts)
 
 
