@@ -21,10 +21,15 @@ import sys
 import psycopg
 from psycopg import sql
 
+# The analysis views (and any materialised view named like one; the rollups of
+# migration 0012 are read through plain v_* views over them).
 VIEWS = """
 SELECT viewname FROM pg_views
 WHERE schemaname = 'public' AND viewname LIKE 'v\\_%'
-ORDER BY viewname
+UNION
+SELECT matviewname FROM pg_matviews
+WHERE schemaname = 'public' AND matviewname LIKE 'v\\_%'
+ORDER BY 1
 """
 
 

@@ -11,15 +11,33 @@ Which arms are compared: in a trial with Kick-Ass and TCP arms, each
 Kick-Ass arm against each TCP arm (speedup = FCT(TCP) / FCT(Kick-Ass)); in
 one with a single protocol (an A/A calibration, or TCP against TCP), each
 arm against the first of the trial's arms (speedup = FCT(first) / FCT(arm)).
+
+``refresh`` brings every rollup of migration 0012 up to date too (the
+dashboards read them; db/README.md, "Rollups"):
+
+* the materialised views, with ``REFRESH MATERIALIZED VIEW CONCURRENTLY``
+  (readers keep the old rows meanwhile): the study's two
+  (``mv_session_summary``, ``mv_probe_daily``) in one REPEATABLE READ
+  transaction, so they hold the same sessions (the views over them add the
+  sessions missing from the first, live); then Atlas and the trials';
+* the router telemetry per second and per minute, incrementally: per run,
+  from the last second (minute) already rolled up, which is recomputed (it
+  may have been partial); a run whose raw samples end before that (pruned)
+  is left as it is.
+
+Each refresh is recorded in ``rollup_refreshes`` (``v_rollup_status``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
+from functools import partial
 from typing import Any
 
 from kickass_db.tx import StoreBase
@@ -203,7 +221,197 @@ class RollupStore(StoreBase):
         return self.run(lambda c: [dict(r) for r in c.execute(text(sql), params).mappings()])
 
 
+# -- the rollups of migration 0012 --------------------------------------------------
+
+STUDY_MATVIEWS = ("mv_session_summary", "mv_probe_daily")
+OTHER_MATVIEWS = ("mv_atlas_probe_drop", "mv_flow_summary", "mv_flow_hourly")
+
+# Before any sample (Python's datetime has no -infinity).
+_BEFORE_ANY = datetime(1970, 1, 1, tzinfo=UTC)
+
+_RECORD = text("""
+INSERT INTO rollup_refreshes (name, refreshed_at, rows, seconds)
+VALUES (:name, now(), :rows, :seconds)
+ON CONFLICT (name) DO UPDATE SET
+    refreshed_at = excluded.refreshed_at, rows = excluded.rows, seconds = excluded.seconds
+""")
+
+# Per run: its last second rolled up (and of how many samples), and where its
+# raw samples end.
+_ROUTER_RUNS = text("""
+SELECT r.id AS run_id, date_trunc('second', r.started_at) AS base, x.at AS last_at,
+       x.samples AS last_samples,
+       (SELECT max(s.t) FROM router_telemetry s WHERE s.run_id = r.id) AS raw_max_t
+FROM router_runs r
+LEFT JOIN LATERAL (
+    SELECT at, samples FROM router_telemetry_1s WHERE run_id = r.id ORDER BY at DESC LIMIT 1
+) x ON true
+ORDER BY r.id
+""")
+_RAW_SINCE = text("SELECT count(*) FROM router_telemetry WHERE run_id = :r AND t >= :t")
+
+_ROLL_SECONDS = text("""
+INSERT INTO router_telemetry_1s (
+    run_id, at, samples, advertised_rate_sum, advertised_rate_min, advertised_rate_max,
+    leading_fragment_sum, leading_fragment_n, leading_fragment_min, leading_fragment_max,
+    input_rate_sum, output_rate_sum, output_rate_n, queue_bytes_sum, queue_bytes_max,
+    kickass_samples, tcp_samples, rtt_ms_sum, rtt_ms_n, drops_max, fragmented_max,
+    mode_switches_max)
+SELECT s.run_id, CAST(:base AS timestamptz) + make_interval(secs => floor(s.t)),
+       count(*), sum(s.advertised_rate_bps), min(s.advertised_rate_bps),
+       max(s.advertised_rate_bps),
+       coalesce(sum(s.leading_fragment_len), 0), count(s.leading_fragment_len),
+       min(s.leading_fragment_len), max(s.leading_fragment_len),
+       sum(s.input_rate_bps), coalesce(sum(s.output_rate_bps), 0), count(s.output_rate_bps),
+       sum(s.queue_bytes), max(s.queue_bytes),
+       count(*) FILTER (WHERE s.marking_mode = 'kickass'),
+       count(*) FILTER (WHERE s.marking_mode = 'tcp'),
+       coalesce(sum(s.rtt_ms), 0), count(s.rtt_ms),
+       max(s.drops), max(s.fragmented), max(s.mode_switches)
+FROM router_telemetry s
+WHERE s.run_id = :run_id AND s.t >= :t_from
+GROUP BY s.run_id, floor(s.t)
+""")
+
+_MINUTE_RUNS = text("""
+SELECT r.id AS run_id, m.at AS last_at, m.samples AS last_samples,
+       (SELECT max(x.at) FROM router_telemetry_1s x WHERE x.run_id = r.id) AS src_max
+FROM router_runs r
+LEFT JOIN LATERAL (
+    SELECT at, samples FROM router_telemetry_1m WHERE run_id = r.id ORDER BY at DESC LIMIT 1
+) m ON true
+ORDER BY r.id
+""")
+_SECONDS_SINCE = text(
+    "SELECT coalesce(sum(samples), 0) FROM router_telemetry_1s WHERE run_id = :r AND at >= :a"
+)
+
+_ROLL_MINUTES = text("""
+INSERT INTO router_telemetry_1m (
+    run_id, at, samples, advertised_rate_sum, advertised_rate_min, advertised_rate_max,
+    leading_fragment_sum, leading_fragment_n, leading_fragment_min, leading_fragment_max,
+    input_rate_sum, output_rate_sum, output_rate_n, queue_bytes_sum, queue_bytes_max,
+    kickass_samples, tcp_samples, rtt_ms_sum, rtt_ms_n, drops_max, fragmented_max,
+    mode_switches_max)
+SELECT run_id, date_trunc('minute', at, 'UTC'), sum(samples), sum(advertised_rate_sum),
+       min(advertised_rate_min), max(advertised_rate_max), sum(leading_fragment_sum),
+       sum(leading_fragment_n), min(leading_fragment_min), max(leading_fragment_max),
+       sum(input_rate_sum), sum(output_rate_sum), sum(output_rate_n), sum(queue_bytes_sum),
+       max(queue_bytes_max), sum(kickass_samples), sum(tcp_samples), sum(rtt_ms_sum),
+       sum(rtt_ms_n), max(drops_max), max(fragmented_max), max(mode_switches_max)
+FROM router_telemetry_1s
+WHERE run_id = :run_id AND at >= :at_from
+GROUP BY run_id, date_trunc('minute', at, 'UTC')
+""")
+
+
+def _refresh_matviews(conn: Connection, names: Iterable[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for name in names:
+        started = time.monotonic()
+        # Names from the constants above, never from input.
+        conn.execute(text(f"REFRESH MATERIALIZED VIEW CONCURRENTLY {name}"))
+        rows = int(conn.execute(text(f"SELECT count(*) FROM {name}")).scalar_one())
+        _record(conn, name, rows, started)
+        out[name] = rows
+    return out
+
+
+def _record(conn: Connection, name: str, rows: int, started: float) -> None:
+    conn.execute(_RECORD, {"name": name, "rows": rows, "seconds": time.monotonic() - started})
+
+
+def _roll_seconds(conn: Connection) -> int:
+    written = 0
+    for run in conn.execute(_ROUTER_RUNS).mappings().all():
+        if run["raw_max_t"] is None:
+            continue  # no raw samples (never had any, or pruned): keep what is rolled up
+        t_from = -1.0
+        if run["last_at"] is not None:
+            t_from = (run["last_at"] - run["base"]).total_seconds()
+            if run["raw_max_t"] < t_from:
+                continue  # raw samples end before the last second: pruned, keep it
+            since = conn.execute(_RAW_SINCE, {"r": run["run_id"], "t": t_from}).scalar_one()
+            if since == run["last_samples"]:
+                continue  # nothing new since the last second rolled up
+            conn.execute(
+                text("DELETE FROM router_telemetry_1s WHERE run_id = :r AND at >= :a"),
+                {"r": run["run_id"], "a": run["last_at"]},
+            )
+        params = {"run_id": run["run_id"], "base": run["base"], "t_from": t_from}
+        written += conn.execute(_ROLL_SECONDS, params).rowcount
+    return written
+
+
+def _roll_minutes(conn: Connection) -> int:
+    written = 0
+    for run in conn.execute(_MINUTE_RUNS).mappings().all():
+        if run["src_max"] is None:
+            continue
+        at_from = run["last_at"]
+        if at_from is not None:
+            if run["src_max"] < at_from:
+                continue
+            since = conn.execute(_SECONDS_SINCE, {"r": run["run_id"], "a": at_from}).scalar_one()
+            if since == run["last_samples"]:
+                continue  # nothing new since the last minute rolled up
+            conn.execute(
+                text("DELETE FROM router_telemetry_1m WHERE run_id = :r AND at >= :a"),
+                {"r": run["run_id"], "a": at_from},
+            )
+        params = {"run_id": run["run_id"], "at_from": at_from or _BEFORE_ANY}
+        written += conn.execute(_ROLL_MINUTES, params).rowcount
+    return written
+
+
+class Rollups(RollupStore):
+    """Every rollup of migrations 0010 and 0012, refreshed."""
+
+    def refresh_study(self) -> dict[str, int]:
+        # One snapshot for both: they must hold the same finished sessions.
+        def work(conn: Connection) -> dict[str, int]:
+            return _refresh_matviews(conn, STUDY_MATVIEWS)
+
+        return self.run(work, isolation="REPEATABLE READ")
+
+    def refresh_matviews(self, names: Iterable[str] = OTHER_MATVIEWS) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for name in names:  # one transaction each: no lock held longer than needed
+            out.update(self.run(partial(_refresh_matviews, names=(name,))))
+        return out
+
+    def refresh_router(self) -> dict[str, int]:
+        return {
+            "router_telemetry_1s": self._recorded("router_telemetry_1s", _roll_seconds),
+            "router_telemetry_1m": self._recorded("router_telemetry_1m", _roll_minutes),
+        }
+
+    def refresh_trial_speedups(self) -> int:
+        started = time.monotonic()
+        rows = self.refresh_speedups()
+        self.run(partial(_record, name="trial_speedups", rows=rows, started=started))
+        return rows
+
+    def _recorded(self, name: str, roll: Callable[[Connection], int]) -> int:
+        started = time.monotonic()
+
+        def work(conn: Connection) -> int:
+            rows = roll(conn)
+            _record(conn, name, rows, started)
+            return rows
+
+        return self.run(work)
+
+
 def refresh(database_url: str | None = None) -> dict[str, int]:
-    """Every rollup, recomputed (the scheduled ``refresh`` item's work)."""
-    with RollupStore(database_url) as store:
-        return {"trial_speedups": store.refresh_speedups()}
+    """Every rollup, brought up to date (the scheduled ``refresh`` item's work).
+
+    Returns rows per rollup: what a materialised view or ``trial_speedups``
+    holds now, what this refresh (re)wrote of the router's seconds and minutes.
+    """
+    with Rollups(database_url) as store:
+        out = {"trial_speedups": store.refresh_trial_speedups()}
+        out.update(store.refresh_study())
+        out.update(store.refresh_matviews())
+        out.update(store.refresh_router())
+        return out

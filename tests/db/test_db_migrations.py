@@ -36,6 +36,7 @@ ATLAS_TABLES = {
 SIGNING_TABLES = {"request_nonces"}  # 0008
 PAIRED_TABLES = {"trial_speedups"}  # 0010
 SCHEDULE_TABLES = {"item_runs"}  # 0011
+ROLLUP_TABLES = {"router_telemetry_1s", "router_telemetry_1m", "rollup_refreshes"}  # 0012
 TABLES = (
     STUDY_TABLES
     | ROUTER_TABLES
@@ -44,11 +45,22 @@ TABLES = (
     | SIGNING_TABLES
     | PAIRED_TABLES
     | SCHEDULE_TABLES
+    | ROLLUP_TABLES
 )
+# 0012: refreshed by kickass_analysis.rollups, read through the v_* views below.
+MATVIEWS = {
+    "mv_session_summary", "mv_probe_daily", "mv_atlas_probe_drop", "mv_flow_summary",
+    "mv_flow_hourly",
+}  # fmt: skip
 # 0010 kept one name per view: the non-v_ aliases of 0005 exist only before it.
 OLD_TRIAL_ALIASES = {"flow_results", "flow_summary"}
 PAIRED_VIEWS = {"v_trial_periods", "v_trial_speedups"}  # 0010
 SCHEDULE_VIEWS = {"v_item_runs"}  # 0011
+ROLLUP_VIEWS = {
+    "v_session_rollup", "v_verdicts_rollup", "v_drop_rollup", "v_flow_summary_rollup",
+    "v_flow_hourly", "v_router_runs", "v_router_telemetry_1s", "v_router_telemetry_1m",
+    "v_item_health", "v_atlas_campaigns", "v_rollup_status",
+}  # fmt: skip  # 0012
 TRIAL_VIEWS = {"v_flow_results", "v_flow_summary"} | PAIRED_VIEWS
 ATLAS_VIEWS = {
     "v_atlas_whole_drop", "v_atlas_split_drop", "v_size_drop_by_source",
@@ -164,6 +176,67 @@ VIEW_COLUMNS = {
         "last_fetch_at", "last_error", "created_at", "start_time", "stop_time",
         "results_late", "rechecked_until", "results_invalid",  # 0009
     ],
+    # 0012: the dashboards' rollups (db/README.md, "Rollups"); the first two and
+    # v_flow_summary_rollup keep the columns of the views they stand for.
+    "v_session_rollup": [
+        "session_id", "state", "verdict", "verdict_reason", "created_at", "finished_at",
+        "client_version", "server_version", "source_address", "whole_sent", "whole_acked",
+        "whole_drop_rate", "split_sent", "split_acked", "split_drop_rate",
+        "split_to_whole_ratio", "whole_reassembly_invalid", "split_reassembly_invalid",
+        "split_excess_drop", "split_excess_low", "split_excess_high",
+        "whole_fragmented_on_arrival", "split_largest_fragment_as_sent",
+        "split_fragments_observed", "split_leading_as_sent", "split_leading_swapped",
+        "reassembly_refused", "reassembly_max_memory", "reassembly_high_thresh",
+    ],
+    "v_verdicts_rollup": [
+        "source", "session_id", "verdict", "verdict_reason", "finished_at", "whole_sent",
+        "whole_acked", "whole_drop_rate", "split_sent", "split_acked", "split_drop_rate",
+        "split_to_whole_ratio", "campaign", "prb_id", "asn", "country_code",
+    ],
+    "v_drop_rollup": [
+        "source", "day", "campaign", "country_code", "asn", "phase", "ip_len", "sessions",
+        "sent", "acked", "late", "drop_rate", "reassembly_invalid", "frag_observed",
+        "largest_fragment_as_sent", "fragments_observed", "fragmented_observed",
+        "leading_as_sent", "leading_swapped", "unanswered", "rtt_ms_mean", "rtt_ms_sum",
+        "rtt_ms_n",
+    ],
+    "v_flow_summary_rollup": [
+        "destination", "access_capacity_bps", "protocol", "size_bucket", "flows", "completed",
+        "fct_ms_mean", "fct_ms_p50", "fct_ms_p95", "ka_mode_fraction_mean", "speedup",
+        "arm", "completion_rate",
+    ],
+    "v_flow_hourly": [
+        "hour", "destination", "access_capacity_bps", "protocol", "arm", "size_bucket",
+        "flows", "completed", "completion_rate", "fct_ms_mean", "ka_mode_fraction_mean",
+        "fct_ms_sum", "ka_mode_fraction_sum", "ka_mode_fraction_n", "mode_switches",
+        "retransmissions", "fell_back_to_tcp",
+    ],
+    "v_router_runs": [
+        "run_id", "run_name", "label", "router_kind", "capacity_bps", "program_version",
+        "started_at", "finished_at", "exit_reason",
+    ],
+    **{
+        f"v_router_telemetry_{res}": [
+            "run_id", "run_name", "label", "router_kind", "capacity_bps", "at", "samples",
+            "advertised_rate_bps", "advertised_rate_min_bps", "advertised_rate_max_bps",
+            "leading_fragment_len", "leading_fragment_len_min", "leading_fragment_len_max",
+            "fragmenting_samples", "input_rate_bps", "output_rate_bps", "utilization",
+            "queue_bytes", "queue_bytes_max", "ka_mode_share", "kickass_samples",
+            "tcp_samples", "rtt_ms", "drops", "fragmented", "mode_switches",
+        ]
+        for res in ("1s", "1m")
+    },
+    "v_item_health": [
+        "item", "kind", "runs", "ok_runs", "failed_runs", "running", "last_due_at",
+        "last_outcome", "last_reason", "last_ok_at", "last_failure_at", "period_s",
+        "since_ok_s", "overdue",
+    ],
+    "v_atlas_campaigns": [
+        "campaign", "credit_budget", "created_at", "measurements", "measurements_running",
+        "measurements_stopped", "measurements_failed", "estimated_credits", "credits_spent",
+        "results_fetched", "last_fetch_at", "measurements_with_errors",
+    ],
+    "v_rollup_status": ["name", "refreshed_at", "rows", "seconds", "age_s"],
 }  # fmt: skip
 
 
@@ -183,6 +256,14 @@ def schema(url: str) -> tuple[set[str], set[str]]:
         e.dispose()
 
 
+def matviews(url: str) -> set[str]:
+    e = db.make_engine(url)
+    try:
+        return set(inspect(e).get_materialized_view_names())
+    finally:
+        e.dispose()
+
+
 def kickass(*argv: str) -> int:
     return cli.main(list(argv))
 
@@ -191,10 +272,15 @@ def test_upgrade_downgrade_upgrade(empty_database_url: str) -> None:
     url = empty_database_url
     assert kickass("db", "upgrade", "--database-url", url) == 0
     assert schema(url) == (TABLES, set(VIEW_COLUMNS))
+    assert matviews(url) == MATVIEWS
+    assert kickass("db", "downgrade", "0011", "--database-url", url) == 0
+    views = set(VIEW_COLUMNS) - ROLLUP_VIEWS
+    assert schema(url) == (TABLES - ROLLUP_TABLES, views)
+    assert matviews(url) == set()
     assert kickass("db", "downgrade", "0010", "--database-url", url) == 0
-    assert schema(url) == (TABLES - SCHEDULE_TABLES, set(VIEW_COLUMNS) - SCHEDULE_VIEWS)
-    before_0010 = set(VIEW_COLUMNS) - SCHEDULE_VIEWS - PAIRED_VIEWS | OLD_TRIAL_ALIASES
-    newer = PAIRED_TABLES | SCHEDULE_TABLES
+    assert schema(url) == (TABLES - ROLLUP_TABLES - SCHEDULE_TABLES, views - SCHEDULE_VIEWS)
+    before_0010 = views - SCHEDULE_VIEWS - PAIRED_VIEWS | OLD_TRIAL_ALIASES
+    newer = PAIRED_TABLES | SCHEDULE_TABLES | ROLLUP_TABLES
     assert kickass("db", "downgrade", "0009", "--database-url", url) == 0
     assert schema(url) == (TABLES - newer, before_0010)
     assert kickass("db", "downgrade", "0007", "--database-url", url) == 0
@@ -207,12 +293,12 @@ def test_upgrade_downgrade_upgrade(empty_database_url: str) -> None:
     assert kickass("db", "downgrade", "0004", "--database-url", url) == 0
     assert schema(url) == (
         STUDY_TABLES | ROUTER_TABLES,
-        set(VIEW_COLUMNS) - TRIAL_VIEWS - ATLAS_VIEWS - SCHEDULE_VIEWS,
+        views - TRIAL_VIEWS - ATLAS_VIEWS - SCHEDULE_VIEWS,
     )
     assert kickass("db", "downgrade", "0002", "--database-url", url) == 0
     assert schema(url) == (
         STUDY_TABLES,
-        set(VIEW_COLUMNS) - TRIAL_VIEWS - ATLAS_VIEWS - SCHEDULE_VIEWS - {"v_router_telemetry"},
+        views - TRIAL_VIEWS - ATLAS_VIEWS - SCHEDULE_VIEWS - {"v_router_telemetry"},
     )
     assert kickass("db", "downgrade", "0001", "--database-url", url) == 0
     assert schema(url) == (STUDY_TABLES, set())
@@ -220,6 +306,7 @@ def test_upgrade_downgrade_upgrade(empty_database_url: str) -> None:
     assert schema(url) == (set(), set())
     assert kickass("db", "upgrade", "head", "--database-url", url) == 0
     assert schema(url) == (TABLES, set(VIEW_COLUMNS))
+    assert matviews(url) == MATVIEWS
 
 
 def test_cli_reports_revisions(empty_database_url: str, capsys: pytest.CaptureFixture[str]) -> None:
