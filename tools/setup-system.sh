@@ -27,6 +27,7 @@ docker-compose                       docker-compose  offline check of docker-com
 pypy3                                pypy3           a Python 3.9: the one-file client kickass-probe.pyz run on its oldest Python (tests)
 crontab                              cron            `kickass schedule crontab --install` and the line it writes, run as cron would (tests)
 systemd-analyze                      systemd         the timer units of `kickass schedule crontab --systemd`, verified (tests)
+chromium                             chromium        rendering tests: the report and the volunteer page
 '
 
 mode=install

@@ -196,3 +196,160 @@ def ecdf(values: Iterable[float]) -> tuple[list[float], list[float]]:
         return [], []
     ys = np.arange(1, xs.size + 1) / xs.size
     return xs.tolist(), ys.tolist()
+
+
+# -- drop rates per size, shares per group -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SizeRate:
+    """The drop rate of one size (whole packet IP length, or a split's
+    leading-fragment IP length), pooled over ``sessions`` contributors."""
+
+    size: int
+    sessions: int
+    rate: Rate
+
+    def to_json(self) -> dict[str, Any]:
+        return {"size": self.size, "sessions": self.sessions, **self.rate.to_json()}
+
+
+def drop_by_size(rows: Iterable[Mapping[str, Any]], key: str = "ip_len") -> list[SizeRate]:
+    """Rows with ``key``, ``sent`` and ``acked`` (a view's: one per session and
+    size, or already pooled with a ``sessions`` count) pooled per size, each
+    with its Wilson interval; sizes with nothing sent are left out."""
+    sent: dict[int, int] = {}
+    acked: dict[int, int] = {}
+    contributors: dict[int, int] = {}
+    for r in rows:
+        size = int(r[key])
+        sent[size] = sent.get(size, 0) + int(r.get("sent") or 0)
+        acked[size] = acked.get(size, 0) + int(r.get("acked") or 0)
+        n = r.get("sessions")
+        contributors[size] = contributors.get(size, 0) + (1 if n is None else int(n))
+    return [
+        SizeRate(size, contributors[size], drop(sent[size], acked[size]))
+        for size in sorted(sent)
+        if sent[size] > 0
+    ]
+
+
+INTOLERANT = "fragment-intolerant"
+CONCLUSIVE = ("fragments-ok", INTOLERANT)
+
+
+@dataclass(frozen=True)
+class GroupShare:
+    """The share of fragment-intolerant clients of one group (a source, a
+    country, a network): among the clients with a conclusive verdict, as the
+    paper counts its 8.3% of 405; ``inconclusive`` ones are counted aside."""
+
+    group: str
+    clients: int  # with a conclusive verdict
+    intolerant: int
+    inconclusive: int
+    share: Rate
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "group": self.group,
+            "clients": self.clients,
+            "intolerant": self.intolerant,
+            "inconclusive": self.inconclusive,
+            "share": self.share.rate,
+            "share_low": self.share.low,
+            "share_high": self.share.high,
+        }
+
+
+def intolerant_share(verdicts: Iterable[str | None], group: str = "all") -> GroupShare:
+    """The share of ``fragment-intolerant`` among conclusive ``verdicts``
+    (one per client), with its Wilson interval; None (no verdict) is skipped."""
+    conclusive = intolerant = inconclusive = 0
+    for v in verdicts:
+        if v in CONCLUSIVE:
+            conclusive += 1
+            intolerant += v == INTOLERANT
+        elif v is not None:
+            inconclusive += 1
+    return GroupShare(group, conclusive, intolerant, inconclusive, share(intolerant, conclusive))
+
+
+def intolerant_by_group(pairs: Iterable[tuple[str, str | None]]) -> list[GroupShare]:
+    """(group, verdict) per client -> the share per group, largest group first."""
+    by: dict[str, list[str | None]] = {}
+    for group, verdict in pairs:
+        by.setdefault(group, []).append(verdict)
+    out = [intolerant_share(vs, g) for g, vs in by.items()]
+    return sorted(out, key=lambda s: (-s.clients, s.group))
+
+
+# -- flows by size, time in Kick-Ass mode -------------------------------------------------
+
+
+def size_bin(size_packets: int) -> int:
+    """Flow sizes in powers of two (the FCT-against-size figures' bins): the
+    bin's lowest size, 1, 2, 4, 8, ... packets."""
+    return 1 << max(0, int(size_packets).bit_length() - 1)
+
+
+def fct_by_size_bin(flows: Iterable[tuple[int, float | None]]) -> dict[int, FctSummary]:
+    """(size in packets, FCT or None when the flow did not complete) ->
+    ``fct_summary`` per ``size_bin``, smallest bin first."""
+    by: dict[int, list[float | None]] = {}
+    for size, fct in flows:
+        by.setdefault(size_bin(size), []).append(fct)
+    return {b: fct_summary(by[b]) for b in sorted(by)}
+
+
+@dataclass(frozen=True)
+class KaModeTime:
+    """Time in Kick-Ass mode of a set of flows: per flow the fraction of its
+    FCT spent in Kick-Ass mode (the rest in TCP mode, paper §II-C)."""
+
+    flows: int
+    mean: float | None  # mean of the per-flow fractions
+    median: float | None
+    share_of_time: float | None  # total time in Kick-Ass mode / total FCT
+    cdf: tuple[list[float], list[float]]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "flows": self.flows,
+            "mean": self.mean,
+            "median": self.median,
+            "share_of_time": self.share_of_time,
+        }
+
+
+def time_in_kickass_mode(
+    fractions: Sequence[float | None], fct_ms: Sequence[float | None] | None = None
+) -> KaModeTime:
+    """``fractions``: each flow's ``ka_mode_fraction`` (None: not known, left
+    out); ``fct_ms`` the flows' FCTs in the same order, for the share of all
+    time (None: not computed)."""
+    xs, ys = ecdf(f for f in fractions if f is not None)
+    if not xs:
+        return KaModeTime(0, None, None, None, ([], []))
+    arr = np.array(xs, dtype=float)
+    weighted: float | None = None
+    if fct_ms is not None:
+        pairs = [
+            (f, t)
+            for f, t in zip(fractions, fct_ms, strict=True)
+            if f is not None and t is not None and t > 0
+        ]
+        total = sum(t for _, t in pairs)
+        weighted = sum(f * t for f, t in pairs) / total if total > 0 else None
+    return KaModeTime(int(arr.size), float(arr.mean()), float(np.median(arr)), weighted, (xs, ys))
+
+
+def thin(n: int, max_points: int) -> list[int]:
+    """At most ``max_points`` indices of ``range(n)`` evenly spread, first and
+    last kept: what a figure plots of a long series (an ECDF of a million
+    flows is drawn through a few hundred of its points)."""
+    if n <= max_points:
+        return list(range(n))
+    if max_points <= 1:
+        return [n - 1]
+    return sorted({round(i * (n - 1) / (max_points - 1)) for i in range(max_points)})

@@ -53,6 +53,9 @@ _HOST = re.compile(r"^[A-Za-z0-9._-]{1,253}$")
 
 
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
+# The path of the session's page on the server (its results next to other
+# volunteers'), as the server sends it once the session is final.
+_PAGE_PATH = re.compile(r"^(/[A-Za-z0-9._~-]+){1,8}$")
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
 _UPGRADE_HINT = "upgrade kickass-probe: pip install -U kickass-probe"
 
@@ -233,6 +236,15 @@ class ApiClient:
 
     def session_url(self, session_id: str) -> str:
         return f"{self.base_url}{API_PREFIX}/sessions/{session_id}"
+
+    def page_url(self, page_path: object) -> str | None:
+        """The session's page (HTML) from the ``page_path`` the server sent,
+        on the server this client talks to; None if none or not a plain path."""
+        if not isinstance(page_path, str) or not _PAGE_PATH.match(page_path):
+            return None
+        if any(part in (".", "..") for part in page_path.split("/")):
+            return None
+        return f"{self.base_url}{page_path}"
 
     # -- transport ----------------------------------------------------------------
 
@@ -544,7 +556,7 @@ def validate_result(reply: dict[str, Any]) -> dict[str, Any]:
     state = reply.get("state")
     if not isinstance(state, str) or not state:
         raise malformed("session has no state")
-    for key in ("verdict", "verdict_reason", "end_reason", "url", "server_version"):
+    for key in ("verdict", "verdict_reason", "end_reason", "url", "server_version", "page_path"):
         _optional_str(reply, key)
     for key in ("sent", "acked", "total_probes"):
         _optional_count(reply, key)

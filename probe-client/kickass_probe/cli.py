@@ -356,7 +356,8 @@ def _main(args: argparse.Namespace, stop: StopSignals, use_rich: bool = True) ->
         write_result(text, sys.stdout)
     except OSError as exc:  # e.g. EIO: the terminal went away; not a bug
         print(f"ERROR: cannot write the result: {exc.strerror or exc}", file=stderr)
-        print(f"hint: it is stored on the server: {printable(result.session_url)}", file=stderr)
+        where = result.page_url or result.session_url
+        print(f"hint: it is stored on the server: {printable(where)}", file=stderr)
         return EXIT_ERROR
     return result.exit_code
 

@@ -114,6 +114,8 @@ def result_json(result: RunResult) -> dict[str, Any]:
         "plan": srv.get("plan") or result.plan.to_json(),
         "server": result.server_url,
         "session_url": result.session_url,
+        # The session's page (HTML), to look at or share; null from a server without pages.
+        "page_url": result.page_url,
         "server_version": srv.get("server_version"),
         "client_version": __version__,
         "local": local_json(result.plan, result.local),
@@ -250,6 +252,9 @@ def format_summary(result: RunResult, verbose: bool = False) -> str:
         lines.append("  (Server unreachable: 'sent' counts up to the last probe received.)")
     url = printable(result.session_url)
     lines.append(f"  Session {result.session_id} ({state}): {url}")
+    if result.page_url:
+        # The last line: the page a volunteer looks at (and may share).
+        lines.append(f"  Your results beside other volunteers': {printable(result.page_url)}")
     return "\n".join(lines) + "\n"
 
 

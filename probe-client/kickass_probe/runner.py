@@ -92,6 +92,9 @@ class RunResult:
     report_sent: bool = False
     # --observe-fragments: what the fragments looked like before reassembly.
     observer: FragmentObserver | None = None
+    # The session's page on the server (HTML: this result next to other
+    # volunteers'), when the server gave one.
+    page_url: str | None = None
 
 
 class Runner:
@@ -439,6 +442,7 @@ class Runner:
             reassembly=ctx.reassembly,
             report_sent=ctx.report_sent,
             observer=ctx.shell.observation(),
+            page_url=self.api.page_url((res or {}).get("page_path")),
         )
 
     # -- the end-of-session report --------------------------------------------------------

@@ -35,6 +35,7 @@ from .client_report import ReportError, parse_report
 from .engine import AdmissionDenied, EngineUnavailable, ProbeEngine
 from .http import ApiError, RateLimited, accepts, parse_body
 from .schemas import ClientReportBody, PlanRequest, SessionRequest
+from .volunteer_page import PageConfig, add_page_path, install_page_state, volunteer_pages
 
 log = logging.getLogger("kickass.api")
 
@@ -143,7 +144,9 @@ def get_session(session_id: str) -> Response:
     # Liveness first: it is about the client, not about the database, and a
     # poll during a database outage still says the owner is there.
     svc.engine.touch(sid, request.headers.get(COOKIE_HEADER))
-    return jsonify(_results(svc, sid))
+    res = _results(svc, sid)
+    add_page_path(res, svc.store, sid, request.headers.get(COOKIE_HEADER))
+    return jsonify(res)
 
 
 @sessions.post("/<session_id>/end")
@@ -159,8 +162,11 @@ def end_session(session_id: str) -> Response:
         res = svc.store.session_results(sid)
         if res is None:
             raise ApiError(404, "not-found", "no such session")
+        add_page_path(res, svc.store, sid, request.headers.get(COOKIE_HEADER))
         return jsonify(res)
-    return jsonify(_results(svc, sid))
+    res = _results(svc, sid)
+    add_page_path(res, svc.store, sid, request.headers.get(COOKIE_HEADER))
+    return jsonify(res)
 
 
 @sessions.post("/<session_id>/report")
@@ -204,7 +210,9 @@ def report_session(session_id: str) -> Response:
         invalid_ranges=report.invalid_ranges,
         observations=None if obs is None else (obs.seqs, obs.leading, obs.fragments),
     )
-    return jsonify(_results(svc, sid))
+    res = _results(svc, sid)
+    add_page_path(res, svc.store, sid, cookie)
+    return jsonify(res)
 
 
 def _session_id(value: str) -> str:
@@ -336,6 +344,7 @@ def create_app(
     *,
     trials: Any = None,
     schedule: Any = None,
+    page: PageConfig | None = None,
 ) -> Flask:
     """The Flask app around ``engine``, ``store`` and ``trials`` (a TrialStore;
     None: the trials endpoints answer 503); ``config`` is an ApiConfig or a
@@ -348,6 +357,9 @@ def create_app(
     )
     for bp in (sessions, health, stats, trials_api.bp, schedule_api.bp, metrics.bp):
         app.register_blueprint(bp)
+    # The volunteer-facing pages: /, the one-file client, each session's page.
+    app.register_blueprint(volunteer_pages)
+    install_page_state(app, page)
     http.install(
         app,
         http.RetryAfter(cfg.unavailable_retry_after_s, cfg.rate_limited_retry_after_s),

@@ -9,12 +9,16 @@ import signal
 import socket
 import sys
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from kickass_core import config
 from kickass_core.errors import KickassError
 
 from . import __version__
+
+if TYPE_CHECKING:
+    from .volunteer_page import PageConfig
 
 log = logging.getLogger("kickass.server")
 
@@ -70,6 +74,11 @@ SETTINGS: tuple[tuple[str, object, Callable[[str], object] | None], ...] = (
     ("log_level", "info", str.lower),
     ("instance_id", None, str),
     ("journal_dir", ".kickass/journal", str),
+    # The volunteer-facing pages (volunteer_page.py).
+    ("client_dir", None, str),
+    ("network_table", None, str),
+    ("page_min_clients", 5, _positive_int),
+    ("public_url", None, str),
 )
 
 
@@ -123,6 +132,26 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--journal-dir",
         help="where writes the database has not confirmed are kept across a shutdown or "
         "crash, and stored at the next start (env KICKASS_JOURNAL_DIR; .kickass/journal)",
+    )
+    p.add_argument(
+        "--client-dir",
+        help="folder holding kickass-probe.pyz, served at /kickass-probe.pyz (env "
+        "KICKASS_CLIENT_DIR; default this Python's share/kickass, where `make zipapp` puts it)",
+    )
+    p.add_argument(
+        "--network-table",
+        help="ip2asn TSV file: volunteers' country and network by address, for the groups "
+        "their pages compare them with (env KICKASS_NETWORK_TABLE; default none)",
+    )
+    p.add_argument(
+        "--page-min-clients",
+        help="a volunteer's page shows a group (all, country, network) only with at least "
+        "this many other clients in it (env KICKASS_PAGE_MIN_CLIENTS; 5)",
+    )
+    p.add_argument(
+        "--public-url",
+        help="the URL volunteers reach this server at, shown in the pages' run command (env "
+        "KICKASS_PUBLIC_URL; default the URL a request came in on)",
     )
     p.set_defaults(func=run)
 
@@ -213,6 +242,7 @@ def run(args: argparse.Namespace) -> int:
         engine,
         store,
         {"PROBE_HOST": args.probe_host or None},
+        page=_page_config(args),
         trials=TrialStore(args.database_url),
         # Trial runner hosts claim their scheduled rounds here (schedule_api).
         schedule=ScheduleStore(args.database_url),
@@ -255,3 +285,17 @@ def run(args: argparse.Namespace) -> int:
         engine.stop()
         log.info("stopped")
     return 0
+
+
+def _page_config(args: argparse.Namespace) -> PageConfig:
+    from .volunteer_page import PageConfig
+
+    extra: dict[str, Any] = {}
+    if args.client_dir:
+        extra["client_dir"] = Path(args.client_dir)
+    return PageConfig(
+        network_table=Path(args.network_table) if args.network_table else None,
+        min_clients=args.page_min_clients,
+        public_url=args.public_url,
+        **extra,
+    )

@@ -208,6 +208,11 @@ def run(args: argparse.Namespace) -> int:
                     default=str,
                 )
             )
+        # The end: everything measured, as one HTML file (kickass report).
+        from kickass_analysis.report import write_report
+
+        report = write_report(url, args.report)
+        print(f"report: {report.path}", file=sys.stderr if args.json else sys.stdout, flush=True)
     bad = [s for s in summary if s["verdict"] != s["expected"]]
     trial_bad = trial is not None and (trial["failed_flows"] or not trial["kickass_flows"])
     schedule_bad = scheduled["exit_code"] != 0
@@ -313,6 +318,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds")
     p.add_argument("--json", action="store_true", help="also print a JSON summary on stdout")
+    p.add_argument(
+        "--report",
+        type=Path,
+        default=Path(".kickass/demo-report.html"),
+        help="write the measurement report (kickass report) here at the end",
+    )
     p.add_argument(
         "--no-trials", action="store_true", help="skip act two (the Kick-Ass vs TCP trial)"
     )

@@ -37,6 +37,7 @@ ALL_PACKAGES = {
     "pypy3",
     "cron",
     "systemd",
+    "chromium",
 }
 
 

@@ -1,0 +1,875 @@
+"""`kickass report`: one self-contained HTML file of everything measured.
+
+    write_report(database_url, path, campaign=None, since=None) -> ReportResult
+
+Four sections, each a few figures (inline SVG, ``figures``) and tables, every
+number from ``kickass_analysis.stats`` (so it agrees with the notebooks, the
+dashboards' rollups and the volunteer's page), the paper's numbers beside
+ours:
+
+- **the study**: drop rate against packet size and against the split's
+  leading-fragment length, with Wilson intervals, by source (volunteers,
+  RIPE Atlas); the share of fragment-intolerant clients overall, by country
+  and by network (ASN), the paper's 8.3% of 405 beside it;
+- **the trials**: FCT against flow size per access capacity and arm, the
+  paired speedup with its bootstrap interval (``v_trial_speedups``, the
+  ``refresh`` rollup), the CDF of the time in Kick-Ass mode; the paper's
+  1.2-4x beside it;
+- **the router**: advertised rate, leading-fragment length, queue and mode
+  over time (``v_router_telemetry``);
+- **campaign health**: scheduled item runs by outcome and the failures with
+  their reasons (``v_item_runs``), the Atlas measurements' status.
+
+It reads only the public ``v_*`` views, in one REPEATABLE READ transaction
+(one snapshot: the sections agree with each other). The file needs nothing
+else: CSS inline, figures inline, no script, no fetch. A section or figure
+with nothing to show says "no data yet".
+
+Filters: ``campaign`` keeps the RIPE Atlas parts (results, verdicts,
+measurements) to that Atlas campaign; volunteers, trials, the router and the
+scheduled runs have no campaign and are shown whole. ``since`` keeps
+volunteer sessions finished since then, Atlas probes whose verdict changed
+since then, flows started, router samples recorded and item runs due since
+then; the trials' speedup is then computed from those flows
+(``rollups.compute``) instead of read from the rollup.
+
+Volunteers' sessions store only an address: their country and network come
+from an ip2asn table when one is given (``network_table``,
+``kickass_analysis.networks``), else they are "unknown".
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import os
+import re
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import kickass_db as db
+from kickass_core.errors import KickassError
+from kickass_core.states import FINAL_STATES
+from kickass_db.tx import StoreBase
+from sqlalchemy import Connection, text
+
+from . import __version__, figures, rollups, stats
+from .figures import Figure
+from .networks import NetworkTable
+
+NO_DATA = "no data yet"
+MAX_ROUTER_RUNS = 6
+MAX_FAILURES = 50
+
+_FINAL = "(" + ", ".join(f"'{s}'" for s in FINAL_STATES) + ")"
+
+
+@dataclass(frozen=True)
+class Filters:
+    campaign: str | None = None
+    since: datetime | None = None
+
+    def params(self) -> dict[str, Any]:
+        return {"campaign": self.campaign, "since": self.since}
+
+
+# -- reading the views ---------------------------------------------------------------------
+
+_SINCE = "(CAST(:since AS timestamptz) IS NULL OR {col} >= CAST(:since AS timestamptz))"
+_CAMPAIGN = "(CAST(:campaign AS text) IS NULL OR {col} = CAST(:campaign AS text))"
+
+# Per size, pooled: the by-source views when nothing is filtered (what the
+# dashboards read), else the per-session views under the same rules.
+_SIZE_BY_SOURCE = """
+SELECT source, {size} AS size, sessions, sent, acked
+FROM v_{phase}_drop_by_source ORDER BY source, size
+"""
+_VOLUNTEER_SIZE = f"""
+SELECT 'volunteer' AS source, w.{{size}} AS size, count(*) AS sessions,
+       sum(w.sent) AS sent, sum(w.acked) AS acked
+FROM v_{{view}} w JOIN v_session_summary s ON s.session_id = w.session_id
+WHERE s.state IN {_FINAL} AND {_SINCE.format(col="s.finished_at")}
+GROUP BY w.{{size}}
+"""
+_ATLAS_SIZE = f"""
+SELECT 'atlas' AS source, a.{{size}} AS size, count(*) AS sessions,
+       sum(a.sent) AS sent, sum(a.acked) AS acked
+FROM v_atlas_{{phase}}_drop a
+WHERE {_CAMPAIGN.format(col="a.campaign")}
+  AND (CAST(:since AS timestamptz) IS NULL OR EXISTS (
+       SELECT 1 FROM v_verdicts_by_source v
+       WHERE v.source = 'atlas' AND v.campaign = a.campaign AND v.prb_id = a.prb_id
+         AND v.finished_at >= CAST(:since AS timestamptz)))
+GROUP BY a.{{size}}
+"""
+_VOLUNTEER_CLIENTS = f"""
+SELECT client_id, host(last_address) AS address, latest_verdict AS verdict
+FROM v_client_verdicts
+WHERE latest_verdict IS NOT NULL AND {_SINCE.format(col="latest_finished_at")}
+"""
+_ATLAS_VERDICTS = f"""
+SELECT campaign, prb_id, verdict, asn, country_code
+FROM v_verdicts_by_source
+WHERE source = 'atlas' AND {_CAMPAIGN.format(col="campaign")}
+  AND {_SINCE.format(col="finished_at")}
+"""
+_FLOWS = f"""
+SELECT trial_id, destination, access_capacity_bps, protocol,
+       coalesce(arm, protocol || coalesce(':' || congestion_control, '')) AS arm,
+       size_packets, completed, fct_ms, ka_mode_fraction, pair, flow_index
+FROM v_flow_results WHERE {_SINCE.format(col="started_at")}
+"""
+_SPEEDUPS = """
+SELECT * FROM v_trial_speedups WHERE scope = 'pooled'
+ORDER BY destination, access_capacity_bps, arm, baseline_arm, size_bucket
+"""
+_ROUTER_RUNS = f"""
+SELECT run_id, run_name, router_kind, capacity_bps, count(*) AS samples,
+       min(t) AS t0, max(t) AS t1, min(recorded_at) AS first_at, max(recorded_at) AS last_at,
+       avg(advertised_rate_bps)::float8 AS advertised_rate_mean,
+       avg(queue_bytes)::float8 AS queue_mean,
+       avg(CASE marking_mode WHEN 'kickass' THEN 1.0 WHEN 'tcp' THEN 0.0 END)::float8
+           AS kickass_share
+FROM v_router_telemetry WHERE {_SINCE.format(col="recorded_at")}
+GROUP BY run_id, run_name, router_kind, capacity_bps
+ORDER BY max(recorded_at) DESC, run_id DESC
+"""
+_ROUTER_COLUMNS = """
+       advertised_rate_bps::float8 AS advertised_rate, leading_fragment_len::float8,
+       queue_bytes::float8 AS queue,
+       (CASE marking_mode WHEN 'kickass' THEN 1.0 WHEN 'tcp' THEN 0.0 END)::float8 AS kickass_mode
+"""
+_ROUTER_RAW = f"""
+SELECT t - :t0 AS x, {_ROUTER_COLUMNS}
+FROM v_router_telemetry WHERE run_id = :run_id AND {_SINCE.format(col="recorded_at")}
+ORDER BY t
+"""
+# More samples than a figure draws: the mean of each of MAX_POINTS time buckets.
+_ROUTER_BUCKETS = f"""
+SELECT avg(t) - :t0 AS x, avg(advertised_rate) AS advertised_rate,
+       avg(leading_fragment_len) AS leading_fragment_len, avg(queue) AS queue,
+       avg(kickass_mode) AS kickass_mode
+FROM (SELECT t, floor((t - :t0) / :width) AS b, {_ROUTER_COLUMNS}
+      FROM v_router_telemetry
+      WHERE run_id = :run_id AND {_SINCE.format(col="recorded_at")}) s
+GROUP BY b ORDER BY b
+"""
+_ITEM_OUTCOMES = f"""
+SELECT item, kind, outcome, count(*) AS runs
+FROM v_item_runs WHERE {_SINCE.format(col="due_at")}
+GROUP BY item, kind, outcome ORDER BY item, outcome
+"""
+_ITEM_FAILURES = f"""
+SELECT item, kind, due_at, host, attempt, outcome, reason, duration_s, dead_attempts
+FROM v_item_runs
+WHERE outcome IN ('failed', 'timeout') AND {_SINCE.format(col="due_at")}
+ORDER BY due_at DESC, item LIMIT {MAX_FAILURES}
+"""
+_ATLAS_MEASUREMENTS = f"""
+SELECT campaign, msm_id, phase, ip_len, status_name, results_fetched, credits_spent,
+       last_fetch_at, last_error
+FROM v_atlas_measurements WHERE {_CAMPAIGN.format(col="campaign")}
+ORDER BY campaign, phase, ip_len, msm_id
+"""
+
+
+def _rows(conn: Connection, sql: str, params: Mapping[str, Any]) -> list[dict[str, Any]]:
+    return [dict(r) for r in conn.execute(text(sql), dict(params)).mappings()]
+
+
+@dataclass
+class ReportData:
+    """Everything the report shows, read in one snapshot."""
+
+    filters: Filters
+    generated_at: datetime
+    database: str
+    size: dict[str, list[stats.SizeRate]] = field(default_factory=dict)  # source -> rates
+    split: dict[str, list[stats.SizeRate]] = field(default_factory=dict)
+    verdicts: dict[str, list[tuple[str, str, str | None]]] = field(default_factory=dict)
+    flows: list[dict[str, Any]] = field(default_factory=list)
+    speedups: list[dict[str, Any]] = field(default_factory=list)
+    speedups_computed: bool = False
+    router_runs: list[dict[str, Any]] = field(default_factory=list)
+    router_series: list[figures.RunSeries] = field(default_factory=list)
+    item_outcomes: list[dict[str, Any]] = field(default_factory=list)
+    item_failures: list[dict[str, Any]] = field(default_factory=list)
+    atlas_measurements: list[dict[str, Any]] = field(default_factory=list)
+
+
+class ReportStore(StoreBase):
+    """Reads the views the report shows."""
+
+    def read(self, filters: Filters, networks: NetworkTable | None = None) -> ReportData:
+        def work(conn: Connection) -> ReportData:
+            return _read(conn, filters, networks, db.describe_url(self.database_url))
+
+        return self.run(work, isolation="REPEATABLE READ")
+
+
+def _read(
+    conn: Connection, filters: Filters, networks: NetworkTable | None, database: str
+) -> ReportData:
+    p = filters.params()
+    data = ReportData(filters, datetime.now(UTC), database)
+    unfiltered = filters.campaign is None and filters.since is None
+    for phase, size, view, attr in (
+        ("size", "ip_len", "whole_drop", "size"),
+        ("split", "leading_ip_len", "split_drop", "split"),
+    ):
+        if unfiltered:
+            rows = _rows(conn, _SIZE_BY_SOURCE.format(size=size, phase=phase), p)
+        else:
+            rows = _rows(conn, _VOLUNTEER_SIZE.format(size=size, view=view), p)
+            rows += _rows(conn, _ATLAS_SIZE.format(size=size, phase=view.split("_")[0]), p)
+        by: dict[str, list[dict[str, Any]]] = {}
+        for r in rows:
+            by.setdefault(r["source"], []).append(r)
+        setattr(data, attr, {s: stats.drop_by_size(rs, "size") for s, rs in sorted(by.items())})
+    # One verdict per client (volunteers: the latest session's; Atlas: per
+    # probe and campaign), with the client's country and network.
+    vol = []
+    for r in _rows(conn, _VOLUNTEER_CLIENTS, p):
+        net = networks.lookup(r["address"]) if networks is not None else None
+        vol.append(
+            (
+                net.country or "unknown" if net else "unknown",
+                f"AS{net.asn}" if net else "unknown",
+                r["verdict"],
+            )
+        )
+    atlas = [
+        (
+            r["country_code"] or "unknown",
+            f"AS{r['asn']}" if r["asn"] is not None else "unknown",
+            r["verdict"],
+        )
+        for r in _rows(conn, _ATLAS_VERDICTS, p)
+    ]
+    data.verdicts = {k: v for k, v in (("volunteer", vol), ("atlas", atlas)) if v}
+    data.flows = _rows(conn, _FLOWS, p)
+    if filters.since is None:
+        data.speedups = _rows(conn, _SPEEDUPS, p)
+    if not data.speedups:
+        # The rollup is empty (no refresh ran yet) or the flows are filtered:
+        # the same computation on the flows shown here.
+        paired = [
+            {**f, "parameters": None}
+            for f in data.flows
+            if f["pair"] is not None and f["flow_index"] is not None
+        ]
+        if paired:
+            computed = [r.to_row() for r in rollups.compute(paired) if r.scope == "pooled"]
+            data.speedups = computed
+            data.speedups_computed = bool(computed)
+    runs = _rows(conn, _ROUTER_RUNS, p)
+    data.router_runs = runs
+    for run in runs[:MAX_ROUTER_RUNS]:
+        t0, t1, n = float(run["t0"]), float(run["t1"]), int(run["samples"])
+        q = {**p, "run_id": run["run_id"], "t0": t0}
+        if n <= figures.MAX_POINTS or t1 <= t0:
+            pts = _rows(conn, _ROUTER_RAW, q)
+        else:
+            pts = _rows(conn, _ROUTER_BUCKETS, {**q, "width": (t1 - t0) / (figures.MAX_POINTS - 1)})
+        data.router_series.append(
+            figures.RunSeries(
+                _run_label(run),
+                [float(r["x"]) for r in pts],
+                {
+                    panel: [None if r[panel] is None else float(r[panel]) for r in pts]
+                    for panel, _, _ in figures.ROUTER_PANELS
+                },
+            )
+        )
+    data.item_outcomes = _rows(conn, _ITEM_OUTCOMES, p)
+    data.item_failures = _rows(conn, _ITEM_FAILURES, p)
+    data.atlas_measurements = _rows(conn, _ATLAS_MEASUREMENTS, p)
+    return data
+
+
+def _run_label(run: Mapping[str, Any]) -> str:
+    name = run["run_name"] or f"run {run['run_id']}"
+    return f"{name} ({run['router_kind']})"
+
+
+# -- the numbers and figures of each section --------------------------------------------------
+
+
+@dataclass
+class Section:
+    key: str
+    title: str
+    body: list[str] = field(default_factory=list)  # HTML fragments
+    figures: list[Figure] = field(default_factory=list)
+    empty: bool = True
+
+
+def _f(x: float | None, fmt: str = "{:.1%}") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return fmt.format(x)
+
+
+def _interval(r: stats.Rate) -> str:
+    return f"{_f(r.rate)} ({_f(r.low)}-{_f(r.high)})"
+
+
+def _table(head: Sequence[str], rows: Sequence[Sequence[Any]], cls: str = "") -> str:
+    e = html.escape
+    out = [f'<table class="{e(cls)}"><thead><tr>']
+    out += [f"<th>{e(h)}</th>" for h in head]
+    out.append("</tr></thead><tbody>")
+    for row in rows:
+        out.append("<tr>" + "".join(f"<td>{e(str(c))}</td>" for c in row) + "</tr>")
+    out.append("</tbody></table>")
+    return "".join(out)
+
+
+def _figure(fig: Figure | None, what: str, caption: str) -> str:
+    if fig is None:
+        return f'<p class="nodata" data-figure="{html.escape(what)}">{what}: {NO_DATA}.</p>'
+    return f"<figure>{fig.svg}<figcaption>{html.escape(caption)}</figcaption></figure>"
+
+
+def study_section(data: ReportData) -> tuple[Section, dict[str, Any]]:
+    sec = Section("study", "The fragment viability study")
+    summary: dict[str, Any] = {}
+    src_label = {"volunteer": "volunteers", "atlas": "RIPE Atlas probes"}
+    for attr, name, what, xlabel in (
+        ("size", "drop-by-size", "Drop rate against packet size (whole packets)", "IP length (B)"),
+        (
+            "split",
+            "drop-by-split",
+            "Drop rate against the split (1500-byte datagrams in two fragments)",
+            "leading fragment IP length (B)",
+        ),
+    ):
+        by: dict[str, list[stats.SizeRate]] = getattr(data, attr)
+        series = [
+            figures.rates(src_label.get(src, src), pts, colour=figures.COLOURS.get(src))
+            for src, pts in by.items()
+        ]
+        fig = figures.drop_rate(name, what, xlabel, series)
+        sec.body.append(
+            _figure(
+                fig,
+                what,
+                f"{what}: pooled over every session (volunteers) and probe (Atlas); "
+                "bars are 95% Wilson intervals.",
+            )
+        )
+        if fig is not None:
+            sec.figures.append(fig)
+            sec.empty = False
+        rows = []
+        for src, pts in by.items():
+            sent = sum(p.rate.sent for p in pts)
+            lost = sum(p.rate.lost for p in pts)
+            pooled = stats.drop(sent, sent - lost)
+            worst = max(pts, key=lambda p: p.rate.rate)
+            rows.append(
+                [
+                    src_label.get(src, src),
+                    len(pts),
+                    max(p.sessions for p in pts),
+                    f"{sent:,}",
+                    _interval(pooled),
+                    f"{worst.size} B: {_f(worst.rate.rate)}",
+                ]
+            )
+            summary[f"{attr}_{src}"] = {"sizes": len(pts), "pooled": pooled.to_json()}
+        if rows:
+            sec.body.append(
+                _table(
+                    ["source", "sizes", "sessions", "probes sent", "drop (95% CI)", "worst size"],
+                    rows,
+                )
+            )
+    # Fragment-intolerant clients: overall, by country, by network.
+    overall = []
+    by_country: dict[str, list[stats.GroupShare]] = {}
+    by_asn: dict[str, list[stats.GroupShare]] = {}
+    for src, vs in data.verdicts.items():
+        total = stats.intolerant_share([v for _, _, v in vs], src_label.get(src, src))
+        overall.append(total)
+        summary[f"intolerant_{src}"] = total.to_json()
+        by_country[src] = stats.intolerant_by_group((c, v) for c, _, v in vs)
+        by_asn[src] = stats.intolerant_by_group((a, v) for _, a, v in vs)
+    paper = stats.PAPER
+    paper_k = round(paper["intolerant_share"] * paper["clients"])
+    paper_share = stats.share(paper_k, int(paper["clients"]))
+    if overall:
+        sec.empty = False
+        rows = [
+            [g.group, g.clients, g.intolerant, g.inconclusive, _interval(g.share)] for g in overall
+        ]
+        # The paper states 8.3% of 405 (34 clients); the interval is 34 of 405's.
+        stated = f"{_f(paper['intolerant_share'])} ({_f(paper_share.low)}-{_f(paper_share.high)})"
+        rows.append(["the paper (Kick-Ass, §IV-C)", paper["clients"], paper_k, "-", stated])
+        sec.body.append("<h3>Fragment-intolerant clients</h3>")
+        sec.body.append(
+            _table(
+                ["clients", "conclusive", "fragment-intolerant", "inconclusive", "share (95% CI)"],
+                rows,
+                "shares",
+            )
+        )
+    for groups, name, what in (
+        (by_country, "intolerant-by-country", "Fragment-intolerant clients by country"),
+        (by_asn, "intolerant-by-asn", "Fragment-intolerant clients by network (ASN)"),
+    ):
+        fig = figures.shares(name, what, groups)
+        sec.body.append(
+            _figure(
+                fig,
+                what,
+                f"{what}: share among clients with a conclusive verdict, 95% "
+                f"Wilson interval; the dashed line is the paper's "
+                f"{paper['intolerant_share']:.1%} of {paper['clients']} clients.",
+            )
+        )
+        if fig is not None:
+            sec.figures.append(fig)
+    return sec, summary
+
+
+def _capacity(bps: float | None) -> str:
+    return f"{bps / 1e6:g} Mbit/s" if bps else "capacity unknown"
+
+
+def trials_section(data: ReportData) -> tuple[Section, dict[str, Any]]:
+    sec = Section("trials", "The wide-area trials")
+    summary: dict[str, Any] = {}
+    panels: dict[str, dict[str, list[tuple[int, float | None]]]] = {}
+    ka: dict[str, tuple[list[float | None], list[float | None]]] = {}
+    for f in data.flows:
+        cap = _capacity(f["access_capacity_bps"])
+        fct = f["fct_ms"] if f["completed"] else None
+        panels.setdefault(cap, {}).setdefault(f["arm"], []).append((int(f["size_packets"]), fct))
+        if f["protocol"] == "kickass":
+            fr, ts = ka.setdefault(f"{f['arm']} @ {cap}", ([], []))
+            fr.append(f["ka_mode_fraction"])
+            ts.append(fct)
+    binned = {
+        cap: {arm: stats.fct_by_size_bin(fl) for arm, fl in arms.items()}
+        for cap, arms in sorted(panels.items())
+    }
+    what = "FCT against flow size"
+    fig = figures.fct_by_size("fct-by-size", what, binned)
+    sec.body.append(
+        _figure(
+            fig,
+            what,
+            f"{what}, per access capacity and arm: the marker is the median FCT of "
+            "the completed flows in each power-of-two size bin, the bar reaches the 95th "
+            "percentile; flows that did not complete count in the table's completion rate.",
+        )
+    )
+    if fig is not None:
+        sec.figures.append(fig)
+        sec.empty = False
+    rows = []
+    for cap, arms in sorted(panels.items()):
+        for arm, fl in sorted(arms.items()):
+            for bucket in stats.SIZE_BUCKETS:
+                s = stats.fct_summary([t for n, t in fl if stats.size_bucket(n) == bucket])
+                if s.flows:
+                    rows.append(
+                        [
+                            cap,
+                            arm,
+                            bucket,
+                            s.flows,
+                            _f(s.completion_rate),
+                            _f(s.p50_ms, "{:.0f}"),
+                            _f(s.p95_ms, "{:.0f}"),
+                        ]
+                    )
+    if rows:
+        sec.body.append(
+            _table(
+                [
+                    "access",
+                    "arm",
+                    "size (packets)",
+                    "flows",
+                    "completed",
+                    "FCT p50 (ms)",
+                    "FCT p95 (ms)",
+                ],
+                rows,
+            )
+        )
+    what = "Speedup of Kick-Ass over the baseline, on matched flows"
+    fig = figures.speedups("speedup", what, data.speedups)
+    source = (
+        "computed from the flows shown (rollups.compute)"
+        if data.speedups_computed
+        else "v_trial_speedups, the refresh rollup"
+    )
+    sec.body.append(
+        _figure(
+            fig,
+            what,
+            f"{what}: geometric mean of FCT(baseline) / FCT(Kick-Ass) over the "
+            f"same flows under each arm, with a 95% bootstrap interval ({source}); the "
+            "shaded band is the paper's 1.2-4x.",
+        )
+    )
+    if fig is not None:
+        sec.figures.append(fig)
+        sec.empty = False
+    srows = []
+    for r in data.speedups:
+        if r.get("size_bucket") != rollups.ALL_SIZES or r.get("speedup") is None:
+            continue
+        srows.append(
+            [
+                r["destination"],
+                _capacity(r["access_capacity_bps"]),
+                r["arm"],
+                r["baseline_arm"],
+                f"{r['matched']}/{r['pairs']}",
+                f"{r['speedup']:.2f}x ({_f(r['speedup_low'], '{:.2f}')}-"
+                f"{_f(r['speedup_high'], '{:.2f}')})",
+                "1.2-4x",
+            ]
+        )
+    summary["speedups"] = [
+        {
+            k: r.get(k)
+            for k in (
+                "destination",
+                "arm",
+                "baseline_arm",
+                "size_bucket",
+                "matched",
+                "speedup",
+                "speedup_low",
+                "speedup_high",
+            )
+        }
+        for r in data.speedups
+    ]
+    if srows:
+        sec.body.append(
+            _table(
+                [
+                    "destination",
+                    "access",
+                    "arm",
+                    "baseline",
+                    "matched/pairs",
+                    "speedup, all sizes (95% CI)",
+                    "paper",
+                ],
+                srows,
+            )
+        )
+    modes = {k: stats.time_in_kickass_mode(fr, ts) for k, (fr, ts) in sorted(ka.items())}
+    what = "Time in Kick-Ass mode"
+    fig = figures.cdfs(
+        "kickass-mode-cdf",
+        what,
+        "share of the flow's time in Kick-Ass mode",
+        {k: m.cdf for k, m in modes.items()},
+    )
+    sec.body.append(
+        _figure(
+            fig,
+            what,
+            f"{what}: the CDF over Kick-Ass flows of the share of each flow's time "
+            "spent in Kick-Ass mode (the rest in TCP mode). The paper: at 10 Mbit/s flows "
+            "stay in Kick-Ass mode; at 100 Mbit/s on a ~2000-mile path about half the time "
+            "is in TCP mode.",
+        )
+    )
+    if fig is not None:
+        sec.figures.append(fig)
+        sec.empty = False
+    mrows = [
+        [k, m.flows, _f(m.mean), _f(m.median), _f(m.share_of_time)]
+        for k, m in modes.items()
+        if m.flows
+    ]
+    summary["kickass_mode"] = {k: m.to_json() for k, m in modes.items()}
+    if mrows:
+        sec.body.append(
+            _table(["arm @ access", "flows", "mean", "median", "share of all time"], mrows)
+        )
+    return sec, summary
+
+
+def router_section(data: ReportData) -> tuple[Section, dict[str, Any]]:
+    sec = Section("router", "The edge router")
+    what = "The router over time"
+    fig = figures.router("router", what, data.router_series)
+    sec.body.append(
+        _figure(
+            fig,
+            what,
+            f"{what}: advertised rate, leading-fragment length, queue and the "
+            "share of samples in Kick-Ass marking mode (0: TCP mode), per run; long runs "
+            f"are drawn as the means of {figures.MAX_POINTS} time buckets.",
+        )
+    )
+    if fig is not None:
+        sec.figures.append(fig)
+        sec.empty = False
+    rows = [
+        [
+            _run_label(r),
+            _capacity(r["capacity_bps"]),
+            r["samples"],
+            _f(float(r["t1"]) - float(r["t0"]), "{:.0f} s"),
+            _f(
+                r["advertised_rate_mean"] / 1e6 if r["advertised_rate_mean"] is not None else None,
+                "{:.2f}",
+            ),
+            _f(r["queue_mean"] / 1e3 if r["queue_mean"] is not None else None, "{:.1f}"),
+            _f(r["kickass_share"]),
+        ]
+        for r in data.router_runs
+    ]
+    if rows:
+        more = len(data.router_runs) - MAX_ROUTER_RUNS
+        if more > 0:
+            sec.body.append(
+                f"<p>The figure shows the {MAX_ROUTER_RUNS} latest runs of "
+                f"{len(data.router_runs)}.</p>"
+            )
+        sec.body.append(
+            _table(
+                [
+                    "run",
+                    "capacity",
+                    "samples",
+                    "duration",
+                    "mean advertised rate (Mbit/s)",
+                    "mean queue (kB)",
+                    "in Kick-Ass mode",
+                ],
+                rows,
+            )
+        )
+    return sec, {"router_runs": len(data.router_runs)}
+
+
+def health_section(data: ReportData) -> tuple[Section, dict[str, Any]]:
+    sec = Section("health", "Campaign health")
+    counts: dict[str, dict[str, int]] = {}
+    for r in data.item_outcomes:
+        counts.setdefault(f"{r['item']} ({r['kind']})", {})[r["outcome"]] = int(r["runs"])
+    what = "Scheduled runs by outcome"
+    fig = figures.stacked_counts("item-runs", what, counts)
+    sec.body.append(_figure(fig, what, f"{what}, per item of the schedule (v_item_runs)."))
+    if fig is not None:
+        sec.figures.append(fig)
+        sec.empty = False
+    if data.item_failures:
+        sec.body.append("<h3>Failed and timed-out runs</h3>")
+        sec.body.append(
+            _table(
+                ["item", "kind", "due", "host", "attempt", "outcome", "reason", "duration"],
+                [
+                    [
+                        r["item"],
+                        r["kind"],
+                        _when(r["due_at"]),
+                        r["host"],
+                        r["attempt"],
+                        r["outcome"],
+                        r["reason"] or "(no reason given)",
+                        _f(r["duration_s"], "{:.0f} s"),
+                    ]
+                    for r in data.item_failures
+                ],
+                "failures",
+            )
+        )
+    elif counts:
+        sec.body.append("<p>No run failed or timed out.</p>")
+    status: dict[str, dict[str, int]] = {}
+    for r in data.atlas_measurements:
+        row = status.setdefault(r["campaign"], {})
+        key = r["status_name"] or "unknown"
+        row[key] = row.get(key, 0) + 1
+    what = "RIPE Atlas measurements by status"
+    fig = figures.stacked_counts("atlas-status", what, status, colours={}, xlabel="measurements")
+    sec.body.append(_figure(fig, what, f"{what}, per campaign (v_atlas_measurements)."))
+    if fig is not None:
+        sec.figures.append(fig)
+        sec.empty = False
+        sec.body.append(
+            _table(
+                [
+                    "campaign",
+                    "msm_id",
+                    "phase",
+                    "IP length",
+                    "status",
+                    "results",
+                    "credits",
+                    "last fetch",
+                    "last error",
+                ],
+                [
+                    [
+                        r["campaign"],
+                        r["msm_id"],
+                        r["phase"],
+                        r["ip_len"],
+                        r["status_name"] or "-",
+                        r["results_fetched"],
+                        r["credits_spent"],
+                        _when(r["last_fetch_at"]),
+                        r["last_error"] or "",
+                    ]
+                    for r in data.atlas_measurements
+                ],
+            )
+        )
+    outcomes: dict[str, int] = {}
+    for r in data.item_outcomes:
+        outcomes[r["outcome"]] = outcomes.get(r["outcome"], 0) + int(r["runs"])
+    return sec, {"item_runs": outcomes, "atlas_measurements": len(data.atlas_measurements)}
+
+
+def _when(t: datetime | None) -> str:
+    return "-" if t is None else t.astimezone(UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
+# -- the page ---------------------------------------------------------------------------------
+
+CSS = """
+body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;margin:0 auto;max-width:62rem;
+padding:1rem 1.5rem;color:#222;line-height:1.45}
+h1{font-size:1.6rem;margin-bottom:.2rem}h2{border-bottom:1px solid #ccc;margin-top:2.2rem}
+h3{margin-bottom:.3rem}.meta{color:#555;font-size:.9rem}
+figure{margin:1rem 0}figure svg{width:100%;height:auto}
+figcaption{font-size:.85rem;color:#444}
+table{border-collapse:collapse;font-size:.85rem;margin:.6rem 0}
+th,td{border:1px solid #ddd;padding:.2rem .5rem;text-align:left;vertical-align:top}
+th{background:#f3f3f3}.nodata{color:#777;font-style:italic}
+nav a{margin-right:1rem}
+"""
+
+
+@dataclass(frozen=True)
+class ReportResult:
+    path: Path
+    bytes: int
+    sections: dict[str, bool]  # section -> has data
+    figures: dict[str, dict[str, int]]  # figure -> series -> marks
+    summary: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": str(self.path),
+            "bytes": self.bytes,
+            "sections": self.sections,
+            "figures": self.figures,
+            "summary": self.summary,
+        }
+
+
+def render(
+    data: ReportData,
+) -> tuple[str, dict[str, bool], dict[str, dict[str, int]], dict[str, Any]]:
+    """The report's HTML, which sections have data, the figures' marks, the headline numbers."""
+    sections = []
+    summary: dict[str, Any] = {}
+    for build in (study_section, trials_section, router_section, health_section):
+        sec, numbers = build(data)
+        sections.append(sec)
+        summary.update(numbers)
+    e = html.escape
+    f = data.filters
+    scope = []
+    if f.campaign:
+        scope.append(
+            f"Atlas campaign {e(f.campaign)} (volunteers, trials, router and "
+            "scheduled runs have no campaign: shown whole)"
+        )
+    if f.since:
+        scope.append(f"since {e(_when(f.since))}")
+    out = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        # Nothing to fetch, not even the favicon: the file stands alone.
+        '<link rel="icon" href="data:,">',
+        "<title>Kick-Ass measurement report</title>",
+        f"<style>{CSS}</style></head><body>",
+        "<h1>Kick-Ass measurement report</h1>",
+        f'<p class="meta">Generated {e(_when(data.generated_at))} from {e(data.database)} by '
+        f"kickass-analysis {e(__version__)}; "
+        + (e("; ".join(scope)) if scope else "everything measured")
+        + ". Every number from kickass_analysis.stats; the paper's numbers beside ours.</p>",
+        "<nav>" + "".join(f'<a href="#{s.key}">{e(s.title)}</a>' for s in sections) + "</nav>",
+    ]
+    for s in sections:
+        out.append(f'<section id="{s.key}" data-empty="{str(s.empty).lower()}">')
+        out.append(f"<h2>{e(s.title)}</h2>")
+        if s.empty:
+            out.append(f'<p class="nodata">{e(s.title)}: {NO_DATA}.</p>')
+        else:
+            out.extend(s.body)
+        out.append("</section>")
+    out.append("</body></html>")
+    marks = {fig.name: fig.marks for s in sections for fig in s.figures}
+    return "\n".join(out) + "\n", {s.key: not s.empty for s in sections}, marks, summary
+
+
+def write_report(
+    database_url: str | None,
+    path: str | Path,
+    campaign: str | None = None,
+    since: datetime | None = None,
+    *,
+    network_table: str | Path | None = None,
+) -> ReportResult:
+    """Write the report of the database at ``database_url`` (None: the
+    configured one) to ``path`` (replaced atomically) and say what it holds."""
+    networks = NetworkTable.load(network_table) if network_table else None
+    with ReportStore(database_url) as store:
+        data = store.read(Filters(campaign, since), networks)
+    page, sections, marks, summary = render(data)
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    raw = page.encode("utf-8")
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(raw)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return ReportResult(target.resolve(), len(raw), sections, marks, summary)
+
+
+_RELATIVE = re.compile(r"^(\d+)\s*([smhdw])$")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_since(value: str, now: datetime | None = None) -> datetime:
+    """``--since``: an ISO 8601 date or time (UTC when it names no zone), or
+    a span back from now: ``90m``, ``24h``, ``7d``, ``2w``."""
+    v = value.strip()
+    m = _RELATIVE.match(v)
+    if m:
+        return (now or datetime.now(UTC)) - timedelta(seconds=int(m.group(1)) * _UNITS[m.group(2)])
+    try:
+        t = datetime.fromisoformat(v)
+    except ValueError:
+        raise KickassError(
+            f"bad --since {value!r}",
+            hint="an ISO date or time (2026-11-01, 2026-11-01T12:00+01:00) or a span: 24h, 7d",
+        ) from None
+    return t if t.tzinfo is not None else t.replace(tzinfo=UTC)
