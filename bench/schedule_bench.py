@@ -115,7 +115,7 @@ def nothing_due(url: str, work: Path, n_items: int, n_past: int, repeats: int) -
 def contention(url: str, work: Path, n_procs: int, n_items: int) -> dict[str, Any]:
     now = datetime.now(UTC) - timedelta(minutes=2)
     cron = f"{now.minute} {now.hour} * * *"
-    items = [{"name": f"due-{i:03d}", "kind": "refresh", "cron": cron} for i in range(n_items)]
+    items = [{"name": f"due-{i:03d}", "kind": "housekeeping", "cron": cron} for i in range(n_items)]
     path = work / "contention.toml"
     write_schedule(path, items)
     engine = db.make_engine(url)

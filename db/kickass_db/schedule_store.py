@@ -28,6 +28,7 @@ from typing import Any
 
 from sqlalchemy import Connection, text
 from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.pool import NullPool
 
 from .engine import describe_url
 from .retry import DatabaseUnavailable, unavailable
@@ -63,7 +64,11 @@ class ScheduleStore(StoreBase):
     advisory locks of this process's runs on a connection of its own."""
 
     def __init__(self, database_url: str | None = None) -> None:
-        super().__init__(database_url)
+        # No pool: a scheduler process makes a few short calls a minute, and
+        # fifty of them started together must not each keep connections open
+        # (the database's connection limit is shared with the work itself).
+        # The lock holder below is the one connection kept while a run lasts.
+        super().__init__(database_url, poolclass=NullPool)
         self._holder: Connection | None = None
         self._held: set[int] = set()
         self._relock: set[int] = set()
@@ -444,32 +449,28 @@ class ScheduleStore(StoreBase):
         )
 
     @contextlib.contextmanager
-    def exclusive(self, name: str, wait_s: float = 600.0) -> Iterator[None]:
-        """Held by one process at a time across hosts (a session advisory lock
-        named ``name``): work that must not overlap itself, like refreshing
-        the rollups, which two items or two late runs could otherwise do at
-        once and fail on each other's rows."""
+    def exclusive(self, name: str) -> Iterator[bool]:
+        """Whether this process got the lock named ``name`` (held by one process
+        at a time across hosts, a session advisory lock, until the block
+        ends): for work that must not overlap itself, like refreshing the
+        rollups, which two runs at once would fail on each other's rows. Not
+        waited for: a loser is told at once and holds no connection."""
         key = int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "big") & 0x7FFFFFFF
+        args = {"ns": LOCK_NAMESPACE + 1, "k": key}
         try:
             conn = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
         except (OperationalError, InterfaceError) as exc:
             raise unavailable(describe_url(self.database_url), exc) from exc
         try:
-            # SET takes no parameters: set_config does the same, bound.
-            conn.execute(
-                text("SELECT set_config('lock_timeout', :t, false)"),
-                {"t": f"{int(wait_s * 1000)}ms"},
-            )
-            conn.execute(
-                text("SELECT pg_advisory_lock(:ns, :k)"), {"ns": LOCK_NAMESPACE + 1, "k": key}
-            )
+            got = bool(conn.execute(text("SELECT pg_try_advisory_lock(:ns, :k)"), args).scalar())
+            if not got:
+                conn.close()
+                yield False
+                return
             try:
-                yield
+                yield True
             finally:
                 with contextlib.suppress(OperationalError, InterfaceError):
-                    conn.execute(
-                        text("SELECT pg_advisory_unlock(:ns, :k)"),
-                        {"ns": LOCK_NAMESPACE + 1, "k": key},
-                    )
+                    conn.execute(text("SELECT pg_advisory_unlock(:ns, :k)"), args)
         finally:
             conn.close()

@@ -11,7 +11,7 @@ store write is idempotent, so that retry is always safe.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Self, TypeVar
+from typing import Any, Self, TypeVar
 
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import InterfaceError, OperationalError
@@ -25,9 +25,9 @@ T = TypeVar("T")
 class StoreBase:
     """An engine on ``database_url`` (flag > $KICKASS_DATABASE_URL > config file)."""
 
-    def __init__(self, database_url: str | None = None) -> None:
+    def __init__(self, database_url: str | None = None, **engine_options: Any) -> None:
         self.database_url = db.resolve_database_url(database_url)
-        self.engine: Engine = db.make_engine(self.database_url)
+        self.engine: Engine = db.make_engine(self.database_url, **engine_options)
 
     def close(self) -> None:
         self.engine.dispose()

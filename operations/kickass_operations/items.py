@@ -25,7 +25,7 @@ from typing import Any
 
 from kickass_core.errors import KickassError
 
-from .schedule_file import Item
+from .schedule_file import DATABASE_KINDS, Item
 
 OK = "ok"
 FAILED = "failed"
@@ -226,11 +226,12 @@ def run_refresh(item: Item, ctx: Context) -> Result:
 
     t0 = time.monotonic()
     # One refresh at a time, whatever the number of refresh items or hosts:
-    # two at once fail on each other's rows (serialization errors).
-    with ScheduleStore(ctx.database_url) as store, store.exclusive("refresh"):
-        waited = time.monotonic() - t0
+    # two at once fail on each other's rows (serialization errors), and the
+    # one running serves this due time too.
+    with ScheduleStore(ctx.database_url) as store, store.exclusive("refresh") as mine:
+        if not mine:
+            return Result(SKIPPED, "another refresh is running; it serves this due time too")
         counts: dict[str, Any] = dict(rollups.refresh(ctx.database_url))
-    counts["waited_s"] = round(waited, 3)
     counts["seconds"] = round(time.monotonic() - t0, 3)
     return Result(OK, None, counts)
 
@@ -343,10 +344,24 @@ KIND_FUNCTIONS: dict[str, Callable[[Item, Context], Result]] = {
 }
 
 
+# The database down or full (a restart, too many clients) while an item of a
+# database kind works: its work is safe to redo, so it is tried again after
+# these pauses before the run is called failed.
+DATABASE_RETRY_S = (2.0, 4.0, 8.0)
+
+
 def execute(item: Item, ctx: Context) -> Result:
     """The item's work; a domain failure is a ``failed`` result with its message."""
-    try:
-        return KIND_FUNCTIONS[item.kind](item, ctx)
-    except KickassError as exc:
-        reason = exc.message + (f" (hint: {exc.hint})" if exc.hint else "")
-        return Result(FAILED, reason)
+    pauses = list(DATABASE_RETRY_S) if item.kind in DATABASE_KINDS else []
+    while True:
+        try:
+            return KIND_FUNCTIONS[item.kind](item, ctx)
+        except KickassError as exc:
+            unavailable = type(exc).__name__ == "DatabaseUnavailable"
+            if unavailable and pauses and not ctx.stop.is_set():
+                pause = pauses.pop(0)
+                ctx.progress("retry", {"reason": exc.message, "in_s": pause})
+                if not ctx.stop.wait(pause):
+                    continue
+            reason = exc.message + (f" (hint: {exc.hint})" if exc.hint else "")
+            return Result(FAILED, reason)
