@@ -11,9 +11,13 @@ emulated WAN to a kickass-agent, and prints one JSON object:
   periods, then Kick-Ass with the paper's handshake;
 * heavy load: 10 Mbit/s, mean flow 1 MB, mean gap 8 s per sender.
 
-For each: mean and p95 FCT per size bucket and protocol, the speedup, the time
-in Kick-Ass mode, and the router's queueing delay (queue bytes / capacity,
-per 10 ms telemetry sample) as a CDF, per protocol period. The paper reports
+The periods of a pair run the same flows under each arm (Kick-Ass, CUBIC,
+and under light load Kick-Ass with the paper's handshake), in an order drawn
+per pair. For each: mean and p95 FCT per size bucket and arm, the paired
+speedup on matched flows with its bootstrap interval (kickass_analysis), the
+time in Kick-Ass mode, the router's queueing delay (queue bytes / capacity,
+per 10 ms telemetry sample) as a CDF per arm over the periods as they really
+started, and how well the eight senders kept the schedule. The paper reports
 Kick-Ass about 2x faster than CUBIC under light load and near-zero median
 queueing under heavy load. All figures come from one run on this machine.
 """
@@ -32,11 +36,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import kickass_db as db
+from kickass_analysis.rollups import RollupStore
 from kickass_testbed.pg import create_database, embedded_postgres
 from kickass_testbed.trials import TrialSpec, rate_bps, run_trial
 from kickass_testbed.wan import TestbedConfig
-from sqlalchemy import create_engine, text
 
 REPO = Path(__file__).resolve().parents[1]
 SENDERS = tuple(f"s{i}" for i in range(1, 9))
@@ -54,55 +57,52 @@ def fct_table(flows: list[dict[str, Any]]) -> dict[str, Any]:
     for f in flows:
         if f["fct_ms"] is None:
             continue
-        key = f"{f['size_bucket']}/{f['protocol']}" + (
-            "-paper" if f["protocol"] == "kickass" and f["handshake"] == "paper" else ""
-        )
-        out.setdefault(key, []).append(f["fct_ms"])
+        out.setdefault(f"{f['size_bucket']}/{f['arm']}", []).append(f["fct_ms"])
     return {
         k: {"n": len(v), "mean_ms": round(statistics.fmean(v), 1), "p95_ms": round(pct(v, 0.95), 1)}
         for k, v in sorted(out.items())
     }
 
 
-def pooled(flows: list[dict[str, Any]], protocol: str, handshake: str | None = None) -> dict:
-    sel = [
-        f
-        for f in flows
-        if f["protocol"] == protocol
-        and f["fct_ms"] is not None
-        and (handshake is None or f["handshake"] == handshake)
-    ]
+def pooled(flows: list[dict[str, Any]], arm: str) -> dict:
+    """One arm's flows (every sender, every pair): FCT, completion, time in Kick-Ass mode."""
+    mine = [f for f in flows if f["arm"] == arm]
+    sel = [f for f in mine if f["fct_ms"] is not None]
     fcts = [f["fct_ms"] for f in sel]
     ka = [f["ka_mode_fraction"] for f in sel if f["ka_mode_fraction"] is not None]
-    failed = sum(
-        1 for f in flows if f["protocol"] == protocol and not f["completed"]
-        and (handshake is None or f["handshake"] == handshake)
-    )  # fmt: skip
     return {
-        "flows": len(sel),
-        "failed": failed,
+        "flows": len(mine),
+        "completed": len(sel),
+        "failed": len(mine) - len(sel),
         "mean_fct_ms": round(statistics.fmean(fcts), 1) if fcts else None,
         "p95_fct_ms": round(pct(fcts, 0.95), 1) if fcts else None,
         "ka_mode_fraction_mean": round(statistics.fmean(ka), 4) if ka else None,
     }
 
 
-def periods(database_url: str, router_run_name: str) -> list[tuple[float, float, str]]:
-    """(start unix, end unix, protocol) of every period of the trials on this router run."""
-    engine = create_engine(db.sqlalchemy_url(database_url))
-    try:
-        with engine.connect() as conn:
-            rows = conn.execute(
-                text(
-                    "SELECT extract(epoch FROM t.started_at) + p.start_offset_s, p.duration_s, "
-                    "p.protocol FROM trial_periods p JOIN trials t ON t.id = p.trial_pk "
-                    "WHERE t.router_run_name = :r"
-                ),
-                {"r": router_run_name},
-            ).all()
-    finally:
-        engine.dispose()
-    return [(float(a), float(a) + float(d), p) for a, d, p in rows]
+def spans(periods: list[dict[str, Any]]) -> list[tuple[float, float, str]]:
+    """(start unix, end unix, arm) of every period as it really started."""
+    return [
+        (p["period_started_at"].timestamp(),
+         p["period_started_at"].timestamp() + float(p["duration_s"]), p["arm"])
+        for p in periods
+    ]  # fmt: skip
+
+
+def alignment(periods: list[dict[str, Any]]) -> dict[str, Any]:
+    """How well the senders kept the schedule: each period's start against its
+    scheduled offset, and the spread of the same period's start across senders."""
+    deviation = [abs(float(p["start_deviation_s"])) for p in periods
+                 if p["start_deviation_s"] is not None]  # fmt: skip
+    by_index: dict[int, list[float]] = {}
+    for p in periods:
+        by_index.setdefault(p["period_index"], []).append(p["period_started_at"].timestamp())
+    spread = [max(v) - min(v) for v in by_index.values() if len(v) > 1]
+    return {
+        "start_deviation_s_max": round(max(deviation), 3) if deviation else None,
+        "start_spread_across_senders_s_max": round(max(spread), 3) if spread else None,
+        "goal_s": 1.0,
+    }
 
 
 def queue_cdf(telemetry: list[dict], spans: list[tuple[float, float, str]], bps: float) -> dict:
@@ -110,15 +110,39 @@ def queue_cdf(telemetry: list[dict], spans: list[tuple[float, float, str]], bps:
     for s in telemetry:
         if s.get("type") != "sample" or "ts" not in s:
             continue
-        for a, b, proto in spans:
+        for a, b, arm in spans:
             if a <= s["ts"] < b:
-                by.setdefault(proto, []).append(s["queue_bytes"] * 8 / bps * 1000)
+                by.setdefault(arm, []).append(s["queue_bytes"] * 8 / bps * 1000)
                 break
     return {
-        proto: {f"p{int(q * 100)}": round(pct(v, q), 3) for q in (0.1, 0.5, 0.9, 0.99)}
+        arm: {f"p{int(q * 100)}": round(pct(v, q), 3) for q in (0.1, 0.5, 0.9, 0.99)}
         | {"samples": len(v)}
-        for proto, v in by.items()
+        for arm, v in by.items()
     }
+
+
+def speedups(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The paired speedup (kickass_analysis: matched flows, geometric mean,
+    bootstrap interval) pooled over the senders' trials, per arm and bucket."""
+    out: dict[str, Any] = {}
+    for r in rows:
+        if r["scope"] != "pooled":
+            continue
+        out.setdefault(f"{r['arm']} vs {r['baseline_arm']}", {})[r["size_bucket"]] = {
+            "matched": r["matched"],
+            "speedup": None if r["speedup"] is None else round(r["speedup"], 3),
+            "interval": [
+                None if r[k] is None else round(r[k], 3) for k in ("speedup_low", "speedup_high")
+            ],  # fmt: skip
+        }
+    return out
+
+
+def pooled_speedups(database: str) -> list[dict[str, Any]]:
+    """v_trial_speedups of this scenario's database: the senders' trials pooled
+    (same workload, arms, capacity and destination: one group)."""
+    with RollupStore(database) as store:
+        return store.speedups()
 
 
 def scenario(
@@ -126,7 +150,6 @@ def scenario(
     name: str,
     capacity: str,
     spec: TrialSpec,
-    extra: TrialSpec | None = None,
     router_args: list[str] | None = None,
 ) -> dict[str, Any]:
     database = create_database(url, f"bench_{name}_{os.getpid()}")
@@ -141,44 +164,29 @@ def scenario(
     t0 = time.monotonic()
     out = run_trial(database, config, spec, senders=SENDERS)
     flows = list(out.flows)
-    cdf = queue_cdf(out.telemetry, periods(database, out.router_run_name), bps)
-    if extra is not None:
-        paper = run_trial(database, config, extra, senders=SENDERS)
-        flows += [f for f in paper.flows if f["protocol"] == "kickass"]
-        cdf["kickass-paper"] = queue_cdf(
-            paper.telemetry, periods(database, paper.router_run_name), bps
-        ).get("kickass")
-    ka = pooled(flows, "kickass", "padded")
-    tcp = pooled(flows, "tcp")
-    result = {
+    arms = (spec.arms or "").split(",")
+    return {
         "capacity": capacity,
         "senders": len(SENDERS),
         "rtt_ms": 100,
         "period_s": spec.period_s,
+        "pairs": spec.pairs,
+        "arms": arms,
         "workload": {"mean_gap_s": spec.mean_gap_s, "mean_packets": spec.mean_packets},
-        "kickass": ka,
-        "tcp_cubic": tcp,
-        "speedup_mean_fct": round(tcp["mean_fct_ms"] / ka["mean_fct_ms"], 3)
-        if ka["mean_fct_ms"] and tcp["mean_fct_ms"]
-        else None,
+        "by_arm": {arm: pooled(flows, arm) for arm in sorted({f["arm"] for f in flows})},
+        "paired_speedup": speedups(pooled_speedups(database)),
         "by_size": fct_table(flows),
-        "queueing_delay_ms_cdf": cdf,
+        "queueing_delay_ms_cdf": queue_cdf(out.telemetry, spans(out.periods), bps),
+        "schedule": alignment(out.periods),
         "seconds": round(time.monotonic() - t0, 1),
     }
-    if extra is not None:
-        paper_hs = pooled(flows, "kickass", "paper")
-        result["kickass_paper_handshake"] = paper_hs
-        if paper_hs["mean_fct_ms"] and ka["mean_fct_ms"]:
-            result["padded_over_paper_handshake"] = round(
-                paper_hs["mean_fct_ms"] / ka["mean_fct_ms"], 3
-            )
-    return result
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--period", type=float, default=40.0, help="seconds per period (light load)")
     ap.add_argument("--heavy-period", type=float, default=90.0, help="seconds per period (heavy)")
+    ap.add_argument("--pairs", type=int, default=1, help="pairs of periods per trial")
     ap.add_argument("--quick", action="store_true", help="short periods, for a smoke run")
     ap.add_argument("--only", choices=["light", "heavy"], help="run one scenario (default: both)")
     ap.add_argument(
@@ -214,14 +222,14 @@ def main() -> int:
                 url,
                 "light",
                 "100mbit",
-                TrialSpec(pairs=1, period_s=light_p, mean_gap_s=0.5, seed=11),
-                extra=TrialSpec(
-                    pairs=1,
+                # Every pair replays the same flows under each arm, in an order
+                # drawn per pair: the paper's handshake beside ours and CUBIC.
+                TrialSpec(
+                    pairs=args.pairs,
                     period_s=light_p,
                     mean_gap_s=0.5,
-                    seed=12,
-                    protocols="kickass",
-                    handshake="paper",
+                    seed=11,
+                    arms="kickass,tcp:cubic,kickass:paper",
                 ),  # fmt: skip
                 router_args=args.router_arg,
             )
@@ -231,7 +239,14 @@ def main() -> int:
                 url,
                 "heavy",
                 "10mbit",
-                TrialSpec(pairs=1, period_s=heavy_p, mean_gap_s=8.0, mean_packets=694.0, seed=13),
+                TrialSpec(
+                    pairs=args.pairs,
+                    period_s=heavy_p,
+                    mean_gap_s=8.0,
+                    mean_packets=694.0,
+                    seed=13,
+                    arms="kickass,tcp:cubic",
+                ),  # fmt: skip
                 router_args=args.router_arg,
             )
     json.dump(report, sys.stdout, indent=1)
