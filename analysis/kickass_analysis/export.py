@@ -126,6 +126,18 @@ VIEWS: dict[str, ViewSpec] = {
     "v_trial_speedups": ViewSpec(time="computed_at"),
     "v_router_telemetry": ViewSpec(time="recorded_at"),
     "v_item_runs": ViewSpec(time="due_at"),
+    # 0012: the rollups (dashboards, report).
+    "v_session_rollup": ViewSpec(time="created_at", source="volunteer"),
+    "v_verdicts_rollup": ViewSpec(time="finished_at"),
+    "v_drop_rollup": ViewSpec(time="day"),  # a row's time: the start of its day
+    "v_flow_hourly": ViewSpec(time="hour"),
+    "v_flow_summary_rollup": ViewSpec(),
+    "v_router_runs": ViewSpec(time="started_at"),
+    "v_router_telemetry_1s": ViewSpec(time="at"),
+    "v_router_telemetry_1m": ViewSpec(time="at"),
+    "v_atlas_campaigns": ViewSpec(time="created_at", source="atlas"),
+    "v_item_health": ViewSpec(),
+    "v_rollup_status": ViewSpec(),
 }
 
 # PostgreSQL type (pg_type.typname) -> Arrow type; anything else is a string.
@@ -329,7 +341,9 @@ def _export(
             hint="exportable views: " + (", ".join(views) or "none (run: kickass db upgrade)"),
         )
     columns = _columns(conn, view)
-    where, applied = _where(view, {c.name for c in columns}, filters)
+    where, applied = _where(
+        view, {c.name for c in columns}, filters, lambda column: _views_with(conn, column)
+    )
     exported_at: datetime = conn.execute(text("SELECT transaction_timestamp()")).scalar_one()
     revision = _alembic_revision(conn)
     raw = conn.connection.driver_connection
@@ -417,6 +431,13 @@ WHERE schemaname = 'public' AND viewname LIKE 'v\_%'
 ORDER BY viewname
 """)
 
+_VIEWS_WITH = text(r"""
+SELECT table_name FROM information_schema.columns
+WHERE table_schema = 'public' AND table_name LIKE 'v\_%' AND column_name = :column
+  AND table_name IN (SELECT viewname FROM pg_views WHERE schemaname = 'public')
+ORDER BY table_name
+""")
+
 _COLUMNS = text("""
 SELECT a.attname, format_type(a.atttypid, a.atttypmod), t.typname, a.atttypid::bigint
 FROM pg_attribute a
@@ -430,6 +451,10 @@ ORDER BY a.attnum
 
 def _views(conn: Connection) -> list[str]:
     return [str(r[0]) for r in conn.execute(_VIEWS)]
+
+
+def _views_with(conn: Connection, column: str) -> list[str]:
+    return [str(r[0]) for r in conn.execute(_VIEWS_WITH, {"column": column})]
 
 
 def _columns(conn: Connection, view: str) -> list[Column]:
@@ -455,10 +480,11 @@ def _alembic_revision(conn: Connection) -> str | None:
 
 
 def _where(
-    view: str, columns: set[str], filters: Filters
+    view: str, columns: set[str], filters: Filters, having: Callable[[str], list[str]]
 ) -> tuple[sql.Composable, dict[str, str | None]]:
     """The WHERE clause of the filters (values as literals: COPY takes no parameters)
-    and how each was applied, for the schema file."""
+    and how each was applied, for the schema file. ``having(column)``: the views
+    with that column, for the hints."""
     spec = VIEWS.get(view, ViewSpec())
     clauses: list[sql.Composable] = []
     applied: dict[str, str | None] = {"time": None}
@@ -498,8 +524,9 @@ def _where(
             what = f"only {spec.source} rows" if spec.source else "no volunteer or Atlas rows"
             raise KickassError(
                 f"{view} holds {what}: --source {filters.source} would select nothing",
-                hint="views with a source column: v_size_drop_by_source, "
-                "v_split_drop_by_source, v_verdicts_by_source; "
+                hint="views with a source column: "
+                + ", ".join(having("source"))
+                + "; "
                 + "; ".join(
                     f"{src} rows only: " + ", ".join(v for v, x in VIEWS.items() if x.source == src)
                     for src in SOURCES
@@ -509,8 +536,7 @@ def _where(
         if "campaign" not in columns:
             raise KickassError(
                 f"{view} has no campaign column to filter with --campaign",
-                hint="views with a campaign: v_atlas_whole_drop, v_atlas_split_drop, "
-                "v_atlas_measurements, v_verdicts_by_source",
+                hint="views with a campaign column: " + ", ".join(having("campaign")),
             )
         clauses.append(sql.SQL("v.campaign = {}").format(sql.Literal(filters.campaign)))
     if not clauses:

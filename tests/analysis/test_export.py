@@ -395,6 +395,9 @@ FILTER_CASES = [
     ("v_atlas_measurements", {"since": "s"}, "created_at >= %(since)s"),
     ("v_split_drop_by_source", {"source": "volunteer"}, "source = 'volunteer'"),
     ("v_item_runs", {"since": "s", "until": "u"}, "due_at >= %(since)s AND due_at < %(until)s"),
+    ("v_session_rollup", {"since": "s", "source": "volunteer"}, "created_at >= %(since)s"),
+    ("v_verdicts_rollup", {"source": "atlas", "campaign": CAMPAIGN},
+     "source = 'atlas' AND campaign = %(campaign)s"),
 ]  # fmt: skip
 
 TIME_SPANS = {
@@ -406,6 +409,7 @@ TIME_SPANS = {
     "v_verdicts_by_source": "SELECT min(finished_at), max(finished_at) FROM v_verdicts_by_source",
     "v_atlas_measurements": "SELECT min(created_at), max(created_at) FROM v_atlas_measurements",
     "v_item_runs": "SELECT min(due_at), max(due_at) FROM v_item_runs",
+    "v_session_rollup": "SELECT min(created_at), max(created_at) FROM v_session_rollup",
 }
 
 
