@@ -492,7 +492,7 @@ def router(name: str, title: str, runs: Sequence[RunSeries]) -> Figure | None:
             ax.set_ylabel(ylabel, fontsize=8)
             if panel == "kickass_mode":
                 ax.set_ylim(-0.05, 1.05)
-        axes[0][0].legend(loc="upper right", fontsize=7)
+        axes[0][0].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
         axes[-1][0].set_xlabel("time since the run's first sample (s)")
         fig.suptitle(title)
         return _svg(fig, name, title, marks)

@@ -315,6 +315,8 @@ def _f(x: float | None, fmt: str = "{:.1%}") -> str:
 
 
 def _interval(r: stats.Rate) -> str:
+    if math.isnan(r.rate):
+        return "-"  # nothing to take a share of
     return f"{_f(r.rate)} ({_f(r.low)}-{_f(r.high)})"
 
 
