@@ -137,6 +137,8 @@ def run(args: argparse.Namespace) -> int:
                     console.print(f"[dim]{time.monotonic() - t0:5.0f}s[/] {line}", highlight=False)
                     if time.monotonic() - t0 > args.timeout:
                         raise KickassError(f"the demo took longer than {args.timeout}s")
+                act_one_s = round(time.monotonic() - t0, 1)
+                console.print(f"[bold]act one[/]: every client done in {act_one_s:.0f} s")
             finally:
                 for kind, p in procs.items():
                     if p.poll() is None:
@@ -204,7 +206,13 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print(
                 json.dumps(
-                    {"version": 1, "clients": summary, "trial": trial, "schedule": scheduled},
+                    {
+                        "version": 1,
+                        "clients": summary,
+                        "act_one_s": act_one_s,
+                        "trial": trial,
+                        "schedule": scheduled,
+                    },  # fmt: skip
                     default=str,
                 )
             )

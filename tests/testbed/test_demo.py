@@ -23,15 +23,25 @@ def _netns() -> set[str]:
     return {line.split()[0] for line in out.splitlines() if line.strip()}
 
 
-def test_demo_quick_json(database_url: str) -> None:
+def test_demo_json(database_url: str, tmp_path: Path) -> None:
+    """What `make demo` runs (the default plan: no --quick), with shorter
+    trial periods."""
     before = _netns()
     kickass = Path(sys.executable).parent / "kickass"
     env = {**os.environ, "KICKASS_DATABASE_URL": database_url}
     proc = subprocess.run(
-        [str(kickass), "demo", "--quick", "--json", "--trial-period", "8"],
+        [
+            str(kickass),
+            "demo",
+            "--json",
+            "--trial-period",
+            "8",
+            "--report",
+            str(tmp_path / "report.html"),
+        ],  # fmt: skip
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=420,
         env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -43,6 +53,10 @@ def test_demo_quick_json(database_url: str) -> None:
         "lossy": "fragments-ok",
         "natted": "fragments-ok",
     }
+    # Act one, the default plan from four clients, one of them behind a
+    # middlebox that drops every fragment: in-flight credit keeps that one
+    # from stalling (it took ~130 s before), so the act fits 90 s.
+    assert summary["act_one_s"] <= 90, summary["act_one_s"]
     # Act two: both protocols ran the same flows through the edge router,
     # every flow finished, Kick-Ass flows stayed in Kick-Ass mode most of the
     # time and were faster on the matched flows (paper: 1.2x-4x; measured
@@ -67,3 +81,6 @@ def test_demo_quick_json(database_url: str) -> None:
         ("housekeeping", "ok"), ("rollups", "ok"),
     ]  # fmt: skip
     assert not _netns() - before  # every namespace it built is gone
+    # The end: the report, written where it was asked to be.
+    assert f"report: {tmp_path / 'report.html'}" in proc.stderr
+    assert (tmp_path / "report.html").stat().st_size > 10_000
