@@ -175,6 +175,7 @@ def contention(url: str, work: Path, n_procs: int, n_items: int) -> dict[str, An
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller, for a smoke run")
+    ap.add_argument("--only", choices=["nothing-due", "contention"], help="one part only")
     args = ap.parse_args()
     n_items, n_past, procs, due = (100, 5_000, 8, 16) if args.quick else (1000, 100_000, 50, 100)
     with (
@@ -184,9 +185,12 @@ def main() -> int:
         url = create_database(server, "bench")
         db.upgrade(url)
         work = Path(tmp)
-        small = nothing_due(url, work, 10, 1_000, 5)
-        big = nothing_due(url, work, n_items, n_past, 5)
-        race = contention(url, work, procs, due)
+        small = big = race = None
+        if args.only in (None, "nothing-due"):
+            small = nothing_due(url, work, 10, 1_000, 5)
+            big = nothing_due(url, work, n_items, n_past, 5)
+        if args.only in (None, "contention"):
+            race = contention(url, work, procs, due)
     out = {
         "version": VERSION,
         "metadata": {
@@ -197,7 +201,9 @@ def main() -> int:
             ).stdout.strip(),  # fmt: skip
             "quick": args.quick,
         },
-        "nothing_due": {
+        "nothing_due": None
+        if small is None or big is None
+        else {
             "small": small,
             "large": big,
             "large_over_small": round(big["wall_s_median"] / small["wall_s_median"], 2),

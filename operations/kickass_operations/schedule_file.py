@@ -36,6 +36,7 @@ Paths are read relative to the schedule file.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import tomllib
@@ -53,8 +54,40 @@ KINDS = ("atlas", "trials", "refresh", "export", "housekeeping")
 DATABASE_KINDS = ("atlas", "refresh", "export", "housekeeping")
 
 
+# croniter expands an expression on every construction (a third of a
+# millisecond): a schedule of a thousand items, run every minute, must not
+# pay that a few thousand times. Items share few expressions; each is
+# expanded once, and its iterator moved to the time asked about.
+
+
+@functools.lru_cache(maxsize=4096)
+def _valid(value: str) -> bool:
+    return len(value.split()) == 5 and bool(croniter.is_valid(value))
+
+
+@functools.lru_cache(maxsize=4096)
+def _prototype(value: str) -> croniter:
+    return croniter(value, SLIP_CHECK_FROM)
+
+
+def _walk(value: str, start: datetime) -> croniter:
+    """An iterator over ``value``'s due times from ``start`` (a shared one:
+    used at once, by one thread)."""
+    it = _prototype(value)
+    it.set_current(start, force=True)
+    return it
+
+
+@functools.lru_cache(maxsize=4096)
+def _min_gap_s(value: str) -> float:
+    """The shortest time between due times, over the next few."""
+    it = _walk(value, SLIP_CHECK_FROM)
+    times: list[datetime] = [it.get_next(datetime) for _ in range(6)]
+    return min((b - a).total_seconds() for a, b in zip(times, times[1:], strict=False))
+
+
 def _cron(value: str) -> str:
-    if not croniter.is_valid(value) or len(value.split()) != 5:
+    if not _valid(value):
         raise ValueError(f"not a cron expression with 5 fields: {value!r}")
     return value
 
@@ -98,9 +131,7 @@ class Item(_Model):
             # Due times must start in their order: the slip is shorter than
             # the time between them (checked over the next few; croniter is
             # slow enough that a thousand items must not cost a second here).
-            it = croniter(self.cron, SLIP_CHECK_FROM)
-            times = [it.get_next(datetime) for _ in range(6)]
-            gap = min((b - a).total_seconds() for a, b in zip(times, times[1:], strict=False))
+            gap = _min_gap_s(self.cron)
             if self.slip_s >= gap:
                 raise ValueError(
                     f"slip_s ({self.slip_s:g}) must be shorter than the time between "
@@ -127,7 +158,7 @@ class Item(_Model):
         """The latest due time whose slipped start has come: what a run at
         ``now`` does, if nobody has done it yet. Any due time at least
         ``slip_s`` ago has started, so the walk back ends there."""
-        it = croniter(self.cron, now)
+        it = _walk(self.cron, now)
         for _ in range(10_000):
             due: datetime = it.get_prev(datetime)
             if due + self.slip(due) <= now:
@@ -136,7 +167,7 @@ class Item(_Model):
 
     def next_start(self, now: datetime) -> datetime:
         """When the next due time starts (its slip included)."""
-        it = croniter(self.cron, now)
+        it = _walk(self.cron, now)
         for _ in range(3):
             due: datetime = it.get_next(datetime)
             start = due + self.slip(due)
@@ -145,7 +176,7 @@ class Item(_Model):
         return start.astimezone(UTC)
 
     def previous_dues(self, now: datetime, n: int) -> list[datetime]:
-        it = croniter(self.cron, now)
+        it = _walk(self.cron, now)
         return [it.get_prev(datetime).astimezone(UTC) for _ in range(n)]
 
 
