@@ -105,14 +105,21 @@ class ProbeHeader:
         return _PREFIX.pack(MAGIC, Kind.PROBE, WIRE_VERSION, self.session_tag) + _SEQ.pack(self.seq)
 
 
+# An ACK's observed_frag_size when the client's system cannot observe it (no
+# fragment of an IPv4 datagram is 65535 bytes: the value is free).
+FRAG_SIZE_UNKNOWN = 0xFFFF
+
+
 @dataclass(frozen=True)
 class Ack:
     """The client's acknowledgement of one probe.
 
     ``received_len`` is the UDP payload length the client got (a truncated or
     padded datagram shows here); ``observed_frag_size`` is Linux's
-    IP_RECVFRAGSIZE (largest fragment's IP length, 0 if it arrived whole or
-    the platform cannot tell); ``echo_ts`` is opaque and unused by v1 servers.
+    IP_RECVFRAGSIZE (largest fragment's IP length, 0 if it arrived whole), or
+    ``FRAG_SIZE_UNKNOWN`` where the client cannot tell (not Linux, an old
+    kernel): stored as unknown, never as "arrived whole"; ``echo_ts`` is
+    opaque and unused by v1 servers.
     """
 
     session_tag: bytes

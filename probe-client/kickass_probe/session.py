@@ -296,7 +296,11 @@ class ProbeSession:
             self.session_tag,
             seq,
             min(len(data), _ACK_U16_MAX),
-            min(max(frag_size, 0), _ACK_U16_MAX),
+            # A system that cannot observe fragment sizes says so: a 0 would
+            # read as "arrived whole" on the server.
+            min(max(frag_size, 0), _ACK_U16_MAX - 1)
+            if c.frag_size_supported
+            else wire.FRAG_SIZE_UNKNOWN,
         ).encode()
         if self.phase in (Phase.HELLO, Phase.ECHOED):
             self.phase = Phase.PROBING

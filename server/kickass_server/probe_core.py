@@ -674,7 +674,7 @@ class ProbeCore:
         run.last_seen = max(run.last_seen, now)
         code = run.codes[seq]
         run.ack_counts[seq] = min(255, run.ack_counts[seq] + 1)
-        if msg.observed_frag_size and seq < run.plan.split_from:
+        if msg.observed_frag_size not in (0, wire.FRAG_SIZE_UNKNOWN) and seq < run.plan.split_from:
             run.min_fragmented_whole = min(run.min_fragmented_whole, self._ip_len(run, seq))
         if code == _OUT:
             sent_at = run.outstanding.pop(seq)
@@ -809,7 +809,10 @@ class ProbeCore:
                 None if outcome == LOST else run.acked_at[seq],
                 run.ack_counts[seq],
                 None if ack is None else ack.received_len,
-                None if ack is None else ack.observed_frag_size,
+                # Unknown (the client's system cannot observe it) is NULL.
+                None
+                if ack is None or ack.observed_frag_size == wire.FRAG_SIZE_UNKNOWN
+                else ack.observed_frag_size,
                 # Only a probe that never arrived can be invalid: a late one
                 # got through, whatever the kernel refused meanwhile.
                 outcome == LOST and bool(run.invalid) and bool(run.invalid[seq]),

@@ -216,7 +216,16 @@ def test_without_fragment_sizes_nothing_is_classified() -> None:
 def test_frag_size_is_clamped_to_16_bits() -> None:
     s = started()
     (ack,) = s.on_datagram(probe(0), 70000, 1.0)
-    assert wire.decode(ack).observed_frag_size == 0xFFFF  # type: ignore[union-attr]
+    # Clamped below 0xFFFF, which means "cannot tell" (wire.FRAG_SIZE_UNKNOWN).
+    assert wire.decode(ack).observed_frag_size == 0xFFFE  # type: ignore[union-attr]
+
+
+def test_a_system_that_cannot_observe_fragment_sizes_says_so_in_every_ack() -> None:
+    s = session(frag_size_supported=False)
+    s.start(0.0)
+    s.on_datagram(wire.Challenge(TAG, TOKEN).encode(), 0, 0.01)
+    (ack,) = s.on_datagram(probe(0), 0, 1.0)
+    assert wire.decode(ack).observed_frag_size == wire.FRAG_SIZE_UNKNOWN  # type: ignore[union-attr]
 
 
 def test_done_is_noted_and_late_probes_still_acked() -> None:

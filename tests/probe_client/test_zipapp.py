@@ -746,18 +746,44 @@ def test_the_interpreter_line_finds_python3(pyz: Path, tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def live_server(pg_server_url: str, _migrated_template: str) -> Iterator[str]:
-    """One real `kickass server` on loopback for this module's studies."""
-    if os.geteuid() != 0:
-        pytest.skip("the real server's probe engine needs a raw socket (root)")
+def live_database(pg_server_url: str, _migrated_template: str) -> Iterator[str]:
+    """The database of this module's server."""
     name = f"test_zipapp_{secrets.token_hex(4)}"
     database_url = create_database(pg_server_url, name, template=_migrated_template)
     try:
-        probe_port, http_port = free_port(socket.SOCK_DGRAM), free_port(socket.SOCK_STREAM)
-        with server(database_url, probe_port, http_port):
-            yield f"http://127.0.0.1:{http_port}"
+        yield database_url
     finally:
         drop_database(pg_server_url, name)
+
+
+@pytest.fixture(scope="module")
+def live_server(live_database: str) -> Iterator[str]:
+    """One real `kickass server` on loopback for this module's studies."""
+    if os.geteuid() != 0:
+        pytest.skip("the real server's probe engine needs a raw socket (root)")
+    probe_port, http_port = free_port(socket.SOCK_DGRAM), free_port(socket.SOCK_STREAM)
+    with server(live_database, probe_port, http_port):
+        yield f"http://127.0.0.1:{http_port}"
+
+
+def _frag_sizes_stored(database_url: str, session_id: str) -> tuple[int, int]:
+    """(probe outcomes, those with a fragment size) stored for the session."""
+    import kickass_db as db
+    from sqlalchemy import text
+
+    engine = db.make_engine(database_url)
+    try:
+        with engine.connect() as conn:
+            row = conn.execute(
+                text(
+                    "SELECT count(*), count(o.observed_frag_size) FROM probe_outcomes o "
+                    "JOIN sessions s ON s.id = o.session_pk WHERE s.session_id = :sid"
+                ),
+                {"sid": session_id},
+            ).one()
+            return int(row[0]), int(row[1])
+    finally:
+        engine.dispose()
 
 
 def _study(
@@ -860,7 +886,9 @@ def _check_counts(out: dict[str, Any], url: str) -> None:
 
 @needs_root
 @pytest.mark.parametrize("which", _interpreters())
-def test_a_real_study(which: str, pyz: Path, live_server: str, tmp_path: Path) -> None:
+def test_a_real_study(
+    which: str, pyz: Path, live_server: str, live_database: str, tmp_path: Path
+) -> None:
     proc = _study(_python(which), pyz, live_server, tmp_path, platform=None)
     out = json.loads(proc.stdout)
     _check_counts(out, live_server)
@@ -874,12 +902,16 @@ def test_a_real_study(which: str, pyz: Path, live_server: str, tmp_path: Path) -
     assert isinstance(reasm["during"]["max_memory"], int)
     assert reasm["during"]["refused"] == 0
     assert "progress: 100% (480 of 480 probes)" in proc.stderr
+    # Every acknowledged probe's fragment size is known (0: arrived whole).
+    stored, known = _frag_sizes_stored(live_database, out["session_id"])
+    answered = sum(r["acked"] + r.get("late", 0) for r in out["whole"] + out["split"])
+    assert stored == 480 and known == answered
 
 
 @needs_root
 @pytest.mark.parametrize("which", _interpreters())
 def test_a_real_study_without_linux_facilities(
-    which: str, pyz: Path, live_server: str, tmp_path: Path
+    which: str, pyz: Path, live_server: str, live_database: str, tmp_path: Path
 ) -> None:
     """As on macOS: no /proc, no IP_RECVFRAGSIZE. The study completes, and the
     JSON says what could not be told (null, never 0)."""
@@ -899,6 +931,8 @@ def test_a_real_study_without_linux_facilities(
     assert set(reasm["before"].values()) == {None}
     assert reasm["during"]["max_memory"] is None and reasm["during"]["refused"] is None
     assert reasm["budget"]["memory_in_use"] == "estimated"
+    # The server stored what the client could not tell as unknown, not "whole".
+    assert _frag_sizes_stored(live_database, out["session_id"]) == (480, 0)
 
 
 @needs_root

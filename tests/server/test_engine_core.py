@@ -125,8 +125,10 @@ class Volunteer:
         self.send(wire.Echo(self.tag, challenge.token).encode())
         return challenge
 
-    def ack(self, seq: int, addr: tuple[str, int] | None = None) -> list[Action]:
-        return self.send(wire.Ack(self.tag, seq, 16, 0).encode(), addr)
+    def ack(
+        self, seq: int, addr: tuple[str, int] | None = None, frag_size: int = 0
+    ) -> list[Action]:
+        return self.send(wire.Ack(self.tag, seq, 16, frag_size).encode(), addr)
 
     def probes(self, since: int = 0) -> list[int]:
         return [a.seq for a in self.sim.of(SendProbe, since) if a.session_id == self.sid]
@@ -335,6 +337,21 @@ def test_late_duplicate_reordered_stray_and_foreign_acks() -> None:
     assert (c["dup_acks"], c["late_acks"], c["stray_acks"], c["wrong_peer"]) == (2, 1, 1, 1)
     snap = v.snap()
     assert (snap.sent, snap.acked) == (5, 2)  # late is lost for drop rates
+
+
+def test_a_fragment_size_the_client_cannot_observe_is_stored_as_unknown() -> None:
+    """Linux says 0 for a datagram that arrived whole; a system without
+    IP_RECVFRAGSIZE says FRAG_SIZE_UNKNOWN, stored as NULL (not "whole")."""
+    sim = Sim(Policy(min_timeout_ms=200))
+    v = Volunteer(sim, small_plan(window=3))
+    v.handshake(rtt=0.01)
+    assert v.probes() == [0, 1, 2]
+    v.ack(0, frag_size=0)
+    v.ack(1, frag_size=wire.FRAG_SIZE_UNKNOWN)
+    v.ack(2, frag_size=1196)
+    sim.take(sim.core.flush())
+    rows = v.rows()
+    assert [rows[s].observed_frag_size for s in range(3)] == [0, None, 1196]
 
 
 def test_acks_after_the_run_ended_are_still_recorded_until_forgotten() -> None:
