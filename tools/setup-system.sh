@@ -23,6 +23,9 @@ sysctl                               procps          reassembly and forwarding k
 setpriv                              util-linux      unprivileged runs in tests (router errors)
 iperf3                               iperf3          router benchmark sender
 docker-compose                       docker-compose  offline check of docker-compose.yml (tests)
+docker                               docker.io       the compose deployment run for real (tests)
+dockerd                              docker.io       the Docker daemon, started by ../shared/oracles/docker/make-base-images.sh (tests)
+debootstrap                          debootstrap     base images of the compose test, from Debian packages (make-base-images.sh)
 /usr/lib/postgresql/*/bin/postgres   postgresql      the real PostgreSQL the tests run against
 pypy3                                pypy3           a Python 3.9: the one-file client kickass-probe.pyz run on its oldest Python (tests)
 crontab                              cron            `kickass schedule crontab --install` and the line it writes, run as cron would (tests)

@@ -33,6 +33,8 @@ ALL_PACKAGES = {
     "util-linux",
     "iperf3",
     "docker-compose",
+    "docker.io",
+    "debootstrap",
     "postgresql",
     "pypy3",
     "cron",
