@@ -15,8 +15,11 @@ Internet may talk to:
   ``trusted_proxy`` set it takes the client address from the entry that proxy
   appended (the rightmost), never the leftmost the client wrote itself.
 
-Behind a reverse proxy, the per-address cap sees only the proxy's address:
-the proxy must bound connections per client itself (docker/README.md).
+Behind a reverse proxy, every client arrives from the proxy's address: the
+trusted proxy is exempt from the per-address cap (else eight requests in
+flight from all volunteers together would be the server's limit) and must
+bound connections per client itself (docker/README.md: nginx allows 8); the
+total cap still holds.
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ class FrontServer(TcpWSGIServer):  # type: ignore[misc]  # waitress is untyped
         conn, addr = pair
         host = addr[0]
         same = sum(1 for ch in self.active_channels.values() if ch.addr[0] == host)
-        if same >= self.limits.per_address:
+        if same >= self.limits.per_address and host != self.adj.trusted_proxy:
             # Closed before a byte is read: costs the server one accept.
             self.refused[host] += 1
             if self.refused[host] in (1, 10, 100, 1000):

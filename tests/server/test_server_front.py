@@ -15,6 +15,7 @@ import socket
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -193,6 +194,27 @@ def test_trusted_proxy_gives_the_address_it_appended_never_the_clients_own() -> 
         finally:
             proxy.shutdown()
             proxy.server_close()
+
+
+def test_the_trusted_proxy_is_not_held_to_the_per_address_cap() -> None:
+    """All volunteers arrive from the proxy's address: capping it at 8 would
+    cap the whole API at 8 requests in flight. Others are still capped."""
+    limits = FrontLimits(per_address=8, request_timeout=5.0)
+    with front(trusted_proxy="127.0.0.3", limits=limits) as server:
+        port = server.effective_port
+        from_proxy = [_open_slow("127.0.0.1", port, "127.0.0.3") for _ in range(20)]
+        others = [_open_slow("127.0.0.1", port, "127.0.0.9") for _ in range(12)]
+        try:
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and server.refused["127.0.0.9"] < 4:
+                time.sleep(0.05)
+            time.sleep(0.2)  # the last accepts are done
+            held = Counter(ch.addr[0] for ch in server.active_channels.values())
+            assert (held["127.0.0.3"], held["127.0.0.9"]) == (20, 8)
+            assert server.refused["127.0.0.9"] == 4 and server.refused["127.0.0.3"] == 0
+        finally:
+            for s in from_proxy + others:
+                s.close()
 
 
 def test_without_a_trusted_proxy_the_header_is_ignored() -> None:
