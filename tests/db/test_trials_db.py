@@ -52,6 +52,36 @@ def test_uploads_are_idempotent_and_the_summary_is_right(
     assert (small["flows"], small["completed"], small["speedup"]) == (1, 0, None)
 
 
+def test_a_destination_with_old_and_paired_trials_has_one_summary_row_per_group(
+    trials: TrialStore, database_url: str
+) -> None:
+    """Trials before arms (TCP arm 'tcp') beside paired ones ('tcp:cubic'):
+    one row per group, and Kick-Ass's pooled ratio against tcp:cubic."""
+    runner = trials.authenticate(trials.add_runner("edge-1"))
+    assert runner is not None
+    old, paired = secrets.token_hex(16), secrets.token_hex(16)
+    trials.put_trial(runner, _trial(old))
+    trials.put_trial(runner, _trial(paired))
+    trials.put_flows(runner, old, [_flow(old, i, "tcp", 50, 900.0, None) for i in range(3)])
+    trials.put_flows(
+        runner,
+        paired,
+        [{**_flow(paired, i, "tcp", 50, 400.0, None), "arm": "tcp:cubic"} for i in range(3)]
+        + [
+            {**_flow(paired, 3 + i, "kickass", 50, 200.0, 1.0), "arm": "kickass"} for i in range(3)
+        ],  # fmt: skip
+    )
+    engine = create_engine(db.sqlalchemy_url(database_url))
+    with engine.connect() as conn:
+        rows = [dict(r) for r in conn.execute(text("SELECT * FROM v_flow_summary")).mappings()]
+    engine.dispose()
+    keys = [(r["destination"], r["arm"], r["size_bucket"]) for r in rows]
+    assert len(keys) == len(set(keys)) == 3, keys
+    [ka] = [r for r in rows if r["arm"] == "kickass"]
+    assert ka["speedup"] == pytest.approx(400.0 / 200.0)
+    assert sum(r["flows"] for r in rows) == 9
+
+
 def test_runners_are_kept_apart(trials: TrialStore) -> None:
     a = trials.authenticate(trials.add_runner("a"))
     b = trials.authenticate(trials.add_runner("b"))
