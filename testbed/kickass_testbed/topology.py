@@ -66,7 +66,11 @@ class Host:
     sysctls: Mapping[str, str | int] = field(default_factory=dict)
 
     def all_sysctls(self) -> dict[str, str | int]:
-        base: dict[str, str | int] = {}
+        # Forwarding is set either way: a new namespace inherits the machine's
+        # IPv4 settings, and on a machine that forwards (Docker turns it on)
+        # an end host would route packets meant for nobody and stop taking
+        # redirects, so a test's result would depend on what ran before it.
+        base: dict[str, str | int] = {"net.ipv4.ip_forward": 0}
         if self.router:
             base = {
                 "net.ipv4.ip_forward": 1,

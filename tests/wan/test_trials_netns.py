@@ -159,23 +159,24 @@ def test_edge_bottleneck_kickass_stays_in_kickass_mode_beats_cubic_and_keeps_the
     125 kB), one sender, one interleaved pair of 15 s periods (Pareto flows,
     mean 100 packets, mean gap 0.5 s, ~3 Mbit/s offered).
 
-    Claims and bounds (measured over 11 runs of this seed):
+    Claims and bounds (measured over 11 runs of this seed before the TCP
+    baseline lost its Nagle handicap, and 6 runs after it, quoted here):
     - Kick-Ass flows spend >= 95% of their time in Kick-Ass mode on average
-      (measured 0.99-1.00);
+      (measured 0.966-0.974);
     - they finish faster than CUBIC flows of the same size buckets: the
       pooled speedup (per-bucket mean FCT ratio weighted by the Kick-Ass
-      flows in the bucket) is >= 1.25 (measured 1.52-1.69; paper 1.2-4x);
+      flows in the bucket) is >= 1.25 (measured 1.40-1.43, 1.52-1.69 against
+      the handicapped baseline; paper 1.2-4x);
     - the router queue stays short while Kick-Ass flows run: median 0
-      (bound 5% of the buffer), p95 <= 40% of the buffer (measured 16-28%,
-      40-47% in the CUBIC period). Not empty: RCP lets a flow that arrives
+      (bound 5% of the buffer), p95 <= 40% of the buffer (measured 20-24%,
+      37-42% in the CUBIC period). Not empty: RCP lets a flow that arrives
       while the link is idle start at the full rate, so overlapping
-      arrivals make short spikes (max 94-100% of the buffer). The router is
-      in TCP mode <= 10% of the Kick-Ass period (measured 2.2-3.0%) and
-      drops at most 1% of that period's packets, and fewer than the CUBIC
-      period running the same flows (paired design: measured 16-17 of 3,433
-      packets against 46 for CUBIC; before the pairing the two periods ran
-      different flows, and this seed's Kick-Ass period the lighter set:
-      0-3 drops, the CUBIC one 0-174).
+      arrivals make short spikes (max 98-100% of the buffer). The router is
+      in TCP mode <= 10% of the Kick-Ass period (measured 2.5-2.6%) and
+      drops at most 1% of that period's packets (measured 13-17 of 3,433,
+      the spikes above). No claim against CUBIC's drops: the same flows
+      gave CUBIC 0 drops (and 0 retransmissions) once its flows went out
+      without Nagle, and 160 with Nagle and the header in its own segment.
     """
     out = run_trial(
         database_url,
@@ -213,7 +214,6 @@ def test_edge_bottleneck_kickass_stays_in_kickass_mode_beats_cubic_and_keeps_the
     assert _tcp_mode_share(ka_s) <= 0.10
     packets = sum(f["size_packets"] for f in ka)
     assert _drops(ka_s) <= 0.01 * packets, (_drops(ka_s), packets)
-    assert _drops(ka_s) < _drops(tcp_s), (_drops(ka_s), _drops(tcp_s))
 
 
 # -- 2. fair share ---------------------------------------------------------------
