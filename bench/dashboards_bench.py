@@ -553,6 +553,74 @@ def time_panels(url: str, now: datetime, repeats: int, timeout_s: float) -> list
     return results
 
 
+# -- timing the report's sections ------------------------------------------------------
+
+
+def time_report(url: str, repeats: int) -> list[dict[str, Any]]:
+    """Each section of `kickass report`: its reader (one REPEATABLE READ
+    transaction, as the report runs) and the section's HTML and figures, the
+    median of ``repeats`` runs after a warm-up; unfiltered (the rollups) and
+    over the last 7 days (the study by day rollup, the trials from the flows)."""
+    from kickass_analysis import report
+
+    builders = {
+        "study": report.study_section,
+        "trials": report.trials_section,
+        "router": report.router_section,
+        "health": report.health_section,
+    }
+    results = []
+    with report.ReportStore(url) as store:
+        for label, since in (("all", None), ("7d", datetime.now(UTC) - timedelta(days=7))):
+            for name, read in report.READERS.items():
+                times: list[float] = []
+                source = None
+                for i in range(repeats + 1):
+                    started = time.perf_counter()
+
+                    def work(conn: Any, read: Any = read, since: Any = since) -> Any:  # noqa: ANN401
+                        data = report.ReportData(
+                            report.Filters(None, since), datetime.now(UTC), "bench"
+                        )
+                        read(conn, data, None)
+                        return data
+
+                    data = store.run(work, isolation="REPEATABLE READ")
+                    builders[name](data)
+                    if i:
+                        times.append((time.perf_counter() - started) * 1000)
+                    source = data.trials_source if name == "trials" else None
+                ms = round(statistics.median(times), 1)
+                results.append({"section": name, "filter": label, "ms": ms,
+                                **({"trials_from": source} if source else {})})  # fmt: skip
+                log(f"  report {name} [{label}]: {ms} ms")
+    return results
+
+
+def time_volunteer_page(url: str, repeats: int) -> dict[str, Any]:
+    """The volunteer page's "all other volunteers" group: the pooled counts
+    per size over every finished session (what its cache holds, recomputed
+    when it expires)."""
+    from kickass_server import volunteer_page as page
+    from sqlalchemy import create_engine
+
+    engine = create_engine(db.sqlalchemy_url(url))
+    try:
+        with engine.connect() as conn:
+            ids = [r[0] for r in conn.execute(page._POPULATION)]
+            times: list[float] = []
+            for i in range(repeats + 1):
+                started = time.perf_counter()
+                pooled = {phase: page._pooled(conn, phase, ids) for phase in ("whole", "split")}
+                if i:
+                    times.append((time.perf_counter() - started) * 1000)
+    finally:
+        engine.dispose()
+    ms = round(statistics.median(times), 1)
+    log(f"  volunteer page, all volunteers: {ms} ms ({len(ids)} sessions)")
+    return {"sessions": len(ids), "sizes": sum(len(v) for v in pooled.values()), "ms": ms}
+
+
 def slowest(results: list[dict[str, Any]], key: str) -> dict[str, Any]:
     def value(r: dict[str, Any]) -> float:
         return float("inf") if r[key] is None else float(r[key])
@@ -617,6 +685,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=60.0,
                         help="seconds before a query is cut (without rollups)")  # fmt: skip
+    parser.add_argument("--only", choices=("panels", "report"),
+                        help="time only the dashboards' panels, or only the report's sections "
+                        "and the volunteer page (default: all)")  # fmt: skip
     args = parser.parse_args()
     scale = QUICK if args.quick else FULL
     result: dict[str, Any] = {
@@ -675,14 +746,21 @@ def main() -> int:
                 }
         result["rows"] = counts(url)
         result["timings_s"] = timings
-        log("timing the panels")
-        panels = time_panels(url, datetime.now(UTC), args.repeats, args.timeout)
-    result["slowest_with_rollups"] = slowest(panels, "with_rollups_ms")
-    result["slowest_without_rollups"] = slowest(panels, "without_rollups_ms")
-    result["every_panel_under_1s_with_rollups"] = all(
-        r["with_rollups_ms"] is not None and r["with_rollups_ms"] < 1000 for r in panels
-    )
-    result["panels"] = panels
+        if args.only in (None, "report"):
+            log("timing the report's sections")
+            sections = time_report(url, args.repeats)
+            result["report_sections"] = sections
+            result["slowest_report_section"] = max(sections, key=lambda r: r["ms"])
+            result["volunteer_page_all_group"] = time_volunteer_page(url, args.repeats)
+        if args.only in (None, "panels"):
+            log("timing the panels")
+            panels = time_panels(url, datetime.now(UTC), args.repeats, args.timeout)
+            result["slowest_with_rollups"] = slowest(panels, "with_rollups_ms")
+            result["slowest_without_rollups"] = slowest(panels, "without_rollups_ms")
+            result["every_panel_under_1s_with_rollups"] = all(
+                r["with_rollups_ms"] is not None and r["with_rollups_ms"] < 1000 for r in panels
+            )
+            result["panels"] = panels
     json.dump(result, sys.stdout, indent=2)
     print()
     return 0

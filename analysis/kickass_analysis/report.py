@@ -16,19 +16,27 @@ ours:
   ``refresh`` rollup), the CDF of the time in Kick-Ass mode; the paper's
   1.2-4x beside it;
 - **the router**: advertised rate, leading-fragment length, queue and mode
-  over time (``v_router_telemetry``);
+  over time;
 - **campaign health**: scheduled item runs by outcome and the failures with
   their reasons (``v_item_runs``), the Atlas measurements' status.
 
-It reads only the public ``v_*`` views, in one REPEATABLE READ transaction
-(one snapshot: the sections agree with each other). The file needs nothing
-else: CSS inline, figures inline, no script, no fetch. A section or figure
-with nothing to show says "no data yet".
+Everything is read in one REPEATABLE READ transaction (one snapshot: the
+sections agree with each other), from the rollups the scheduled ``refresh``
+keeps (so a report stays under a second a section at ten million probes, a
+million flows and a month of router telemetry: bench/dashboards_bench.py)
+with what no refresh has seen yet added live: sessions finished since
+(``v_drop_rollup``), a router's samples since its last rolled-up second,
+and the trials' figures computed from the flows while some are not in
+their rollup (``report_fct_bins``, ``report_ka_mode``, migration 0014). The
+file needs nothing else: CSS inline, figures inline, no script, no fetch. A
+section or figure with nothing to show says "no data yet".
 
 Filters: ``campaign`` keeps the RIPE Atlas parts (results, verdicts,
 measurements) to that Atlas campaign; volunteers, trials, the router and the
-scheduled runs have no campaign and are shown whole. ``since`` keeps
-volunteer sessions finished since then, Atlas probes whose verdict changed
+scheduled runs have no campaign and are shown whole. ``since`` keeps the
+study's drop rates from since's UTC day on (the rollup counts by day:
+volunteer sessions created, Atlas probes last heard from, that day or
+later), clients whose latest verdict and Atlas probes whose verdict came
 since then, flows started, router samples recorded and item runs due since
 then; the trials' speedup is then computed from those flows
 (``rollups.compute``) instead of read from the rollup.
@@ -82,29 +90,46 @@ class Filters:
 _SINCE = "(CAST(:since AS timestamptz) IS NULL OR {col} >= CAST(:since AS timestamptz))"
 _CAMPAIGN = "(CAST(:campaign AS text) IS NULL OR {col} = CAST(:campaign AS text))"
 
-# Per size, pooled: the by-source views when nothing is filtered (what the
-# dashboards read), else the per-session views under the same rules.
-_SIZE_BY_SOURCE = """
-SELECT source, {size} AS size, sessions, sent, acked
-FROM v_{phase}_drop_by_source ORDER BY source, size
+# Per source, phase and size, pooled: the day rollup (v_drop_rollup, migration
+# 0012; sessions finished since the last refresh are counted live). A
+# ``since`` keeps whole UTC days: volunteer sessions created, Atlas probes
+# last heard from, on since's day or later.
+_DROP = f"""
+SELECT source, phase, ip_len AS size, sum(sessions)::bigint AS sessions,
+       sum(sent)::bigint AS sent, sum(acked)::bigint AS acked
+FROM v_drop_rollup
+WHERE phase IN ('whole', 'split')
+  AND (CAST(:since AS timestamptz) IS NULL
+       OR day >= date_trunc('day', CAST(:since AS timestamptz), 'UTC'))
+  AND (source <> 'atlas' OR {_CAMPAIGN.format(col="campaign")})
+GROUP BY source, phase, ip_len
+ORDER BY source, phase, ip_len
 """
-_VOLUNTEER_SIZE = f"""
-SELECT 'volunteer' AS source, w.{{size}} AS size, count(*) AS sessions,
-       sum(w.sent) AS sent, sum(w.acked) AS acked
-FROM v_{{view}} w JOIN v_session_summary s ON s.session_id = w.session_id
-WHERE s.state IN {_FINAL} AND {_SINCE.format(col="s.finished_at")}
-GROUP BY w.{{size}}
+# Atlas's part of v_drop_rollup has no live half: while results were stored
+# after its last refresh (or none ran yet), the same counts from the outcomes.
+_ATLAS_ROLLUP_CURRENT = """
+SELECT r.refreshed_at IS NOT NULL
+       AND r.refreshed_at >= coalesce((SELECT max(fetched_at) FROM atlas_results),
+                                      '-infinity'::timestamptz)
+FROM (VALUES ('mv_atlas_probe_drop')) v(name)
+LEFT JOIN rollup_refreshes r ON r.name = v.name
 """
-_ATLAS_SIZE = f"""
-SELECT 'atlas' AS source, a.{{size}} AS size, count(*) AS sessions,
-       sum(a.sent) AS sent, sum(a.acked) AS acked
-FROM v_atlas_{{phase}}_drop a
-WHERE {_CAMPAIGN.format(col="a.campaign")}
-  AND (CAST(:since AS timestamptz) IS NULL OR EXISTS (
-       SELECT 1 FROM v_verdicts_by_source v
-       WHERE v.source = 'atlas' AND v.campaign = a.campaign AND v.prb_id = a.prb_id
-         AND v.finished_at >= CAST(:since AS timestamptz)))
-GROUP BY a.{{size}}
+_ATLAS_DROP = f"""
+SELECT 'atlas' AS source, a.phase, a.ip_len AS size, count(*) AS sessions,
+       sum(a.sent)::bigint AS sent, sum(a.acked)::bigint AS acked
+FROM (
+    SELECT campaign_id, prb_id, phase, ip_len::integer AS ip_len,
+           count(*) FILTER (WHERE outcome IN ('acked', 'lost', 'late')) AS sent,
+           count(*) FILTER (WHERE outcome = 'acked') AS acked,
+           max(result_at) AS last_result_at
+    FROM atlas_outcomes WHERE ip_len IS NOT NULL
+    GROUP BY campaign_id, prb_id, phase, ip_len
+) a
+JOIN atlas_campaigns c ON c.id = a.campaign_id
+WHERE a.sent > 0 AND {_CAMPAIGN.format(col="c.name")}
+  AND (CAST(:since AS timestamptz) IS NULL
+       OR a.last_result_at >= date_trunc('day', CAST(:since AS timestamptz), 'UTC'))
+GROUP BY a.phase, a.ip_len
 """
 _VOLUNTEER_CLIENTS = f"""
 SELECT client_id, host(last_address) AS address, latest_verdict AS verdict
@@ -117,46 +142,98 @@ FROM v_verdicts_by_source
 WHERE source = 'atlas' AND {_CAMPAIGN.format(col="campaign")}
   AND {_SINCE.format(col="finished_at")}
 """
-_FLOWS = f"""
+# The trials' figures and tables, computed by PostgreSQL (migration 0014):
+# from the rollup while it holds every flow and nothing is filtered,
+# else from the flows (report_fct_bins, report_ka_mode: the same SQL).
+# Current: it holds every flow (both views are refreshed in one snapshot;
+# flows are stored with their own start times, often long after them, so a
+# count is the test, not a time).
+_TRIALS_ROLLUP_CURRENT = """
+SELECT (SELECT flows FROM v_flow_count)
+       = (SELECT coalesce(sum(flows), 0) FROM v_report_fct_bins WHERE size_bin IS NOT NULL)
+"""
+_FCT_BINS = {
+    "rollup": "SELECT * FROM v_report_fct_bins",
+    "live": "SELECT * FROM report_fct_bins(CAST(:since AS timestamptz))",
+}
+_KA_MODE = {
+    "rollup": "SELECT * FROM v_report_ka_mode",
+    "live": f"SELECT * FROM report_ka_mode(CAST(:since AS timestamptz), {figures.MAX_POINTS})",
+}
+# The flows the speedup pairs, for a report the rollup cannot answer.
+_PAIRED_FLOWS = f"""
 SELECT trial_id, destination, access_capacity_bps, protocol,
        coalesce(arm, protocol || coalesce(':' || congestion_control, '')) AS arm,
-       size_packets, completed, fct_ms, ka_mode_fraction, pair, flow_index
-FROM v_flow_results WHERE {_SINCE.format(col="started_at")}
+       size_packets, completed, fct_ms, pair, flow_index
+FROM v_flow_results
+WHERE pair IS NOT NULL AND {_SINCE.format(col="started_at")}
 """
 _SPEEDUPS = """
 SELECT * FROM v_trial_speedups WHERE scope = 'pooled'
 ORDER BY destination, access_capacity_bps, arm, baseline_arm, size_bucket
 """
-_ROUTER_RUNS = f"""
-SELECT run_id, run_name, router_kind, capacity_bps, count(*) AS samples,
-       min(t) AS t0, max(t) AS t1, min(recorded_at) AS first_at, max(recorded_at) AS last_at,
-       avg(advertised_rate_bps)::float8 AS advertised_rate_mean,
-       avg(queue_bytes)::float8 AS queue_mean,
-       avg(CASE marking_mode WHEN 'kickass' THEN 1.0 WHEN 'tcp' THEN 0.0 END)::float8
-           AS kickass_share
-FROM v_router_telemetry WHERE {_SINCE.format(col="recorded_at")}
-GROUP BY run_id, run_name, router_kind, capacity_bps
-ORDER BY max(recorded_at) DESC, run_id DESC
+# The router from its rollups (migration 0012): a run's minutes up to its
+# last rolled-up minute, then its seconds up to its last rolled-up second,
+# then the raw samples after that (what no refresh has seen yet). Each row:
+# a span's time, samples and sums.
+_ROUTER_RUNS = """
+SELECT r.run_id, r.run_name, r.router_kind, r.capacity_bps,
+       date_trunc('second', r.started_at) AS base,
+       (SELECT max(at) FROM v_router_telemetry_1m WHERE run_id = r.run_id) AS last_minute,
+       (SELECT max(at) FROM v_router_telemetry_1s WHERE run_id = r.run_id) AS last_second
+FROM v_router_runs r
 """
-_ROUTER_COLUMNS = """
-       advertised_rate_bps::float8 AS advertised_rate, leading_fragment_len::float8,
-       queue_bytes::float8 AS queue,
-       (CASE marking_mode WHEN 'kickass' THEN 1.0 WHEN 'tcp' THEN 0.0 END)::float8 AS kickass_mode
+# The views' means times their counts give back the rollups' sums.
+_ROLLED = """
+SELECT at, samples, advertised_rate_bps * samples AS ar,
+       coalesce(leading_fragment_len * fragmenting_samples, 0) AS lf,
+       fragmenting_samples AS lfn, queue_bytes * samples AS q, kickass_samples AS ka,
+       tcp_samples AS tcp
+FROM v_router_telemetry_{res}
 """
-_ROUTER_RAW = f"""
-SELECT t - :t0 AS x, {_ROUTER_COLUMNS}
-FROM v_router_telemetry WHERE run_id = :run_id AND {_SINCE.format(col="recorded_at")}
-ORDER BY t
+_ROUTER_SPANS = """
+{minutes}
+WHERE run_id = :run_id AND at < CAST(:last_minute AS timestamptz) AND {since_at}
+UNION ALL
+{seconds}
+WHERE run_id = :run_id
+  AND at >= coalesce(CAST(:last_minute AS timestamptz), '-infinity'::timestamptz)
+  AND at < CAST(:last_second AS timestamptz) AND {since_at}
+UNION ALL
+SELECT CAST(:base AS timestamptz) + make_interval(secs => t), 1, advertised_rate_bps,
+       coalesce(leading_fragment_len, 0), (leading_fragment_len IS NOT NULL)::int,
+       queue_bytes, (marking_mode = 'kickass')::int, (marking_mode = 'tcp')::int
+FROM v_router_telemetry
+WHERE run_id = :run_id AND t >= :raw_from AND {since_recorded}
+""".format(
+    minutes=_ROLLED.format(res="1m"),
+    seconds=_ROLLED.format(res="1s"),
+    since_at=_SINCE.format(col="at"),
+    since_recorded=_SINCE.format(col="recorded_at"),
+)
+_ROUTER_TOTALS = f"""
+SELECT count(*) AS spans, sum(samples)::bigint AS samples, min(at) AS first_at,
+       max(at) AS last_at, sum(ar) / sum(samples) AS advertised_rate_mean,
+       sum(q) / sum(samples) AS queue_mean,
+       sum(ka)::float8 / nullif(sum(ka) + sum(tcp), 0) AS kickass_share
+FROM ({_ROUTER_SPANS}) u
 """
-# More samples than a figure draws: the mean of each of MAX_POINTS time buckets.
+_ROUTER_VALUES = """
+       sum(ar) / sum(samples) AS advertised_rate,
+       sum(lf) / nullif(sum(lfn), 0) AS leading_fragment_len,
+       sum(q) / sum(samples) AS queue,
+       sum(ka)::float8 / nullif(sum(ka) + sum(tcp), 0) AS kickass_mode
+"""
+_ROUTER_POINTS = f"""
+SELECT extract(epoch FROM at - CAST(:t0 AS timestamptz))::float8 AS x, {_ROUTER_VALUES}
+FROM ({_ROUTER_SPANS}) u GROUP BY at ORDER BY at
+"""
+# More spans than a figure draws: MAX_POINTS time buckets, each at its spans' mean time.
 _ROUTER_BUCKETS = f"""
-SELECT avg(t) - :t0 AS x, avg(advertised_rate) AS advertised_rate,
-       avg(leading_fragment_len) AS leading_fragment_len, avg(queue) AS queue,
-       avg(kickass_mode) AS kickass_mode
-FROM (SELECT t, floor((t - :t0) / :width) AS b, {_ROUTER_COLUMNS}
-      FROM v_router_telemetry
-      WHERE run_id = :run_id AND {_SINCE.format(col="recorded_at")}) s
-GROUP BY b ORDER BY b
+SELECT avg(extract(epoch FROM at - CAST(:t0 AS timestamptz)))::float8 AS x, {_ROUTER_VALUES}
+FROM ({_ROUTER_SPANS}) u
+GROUP BY floor(extract(epoch FROM at - CAST(:t0 AS timestamptz)) / :width)
+ORDER BY 1
 """
 _ITEM_OUTCOMES = f"""
 SELECT item, kind, outcome, count(*) AS runs
@@ -191,7 +268,9 @@ class ReportData:
     size: dict[str, list[stats.SizeRate]] = field(default_factory=dict)  # source -> rates
     split: dict[str, list[stats.SizeRate]] = field(default_factory=dict)
     verdicts: dict[str, list[tuple[str, str, str | None]]] = field(default_factory=dict)
-    flows: list[dict[str, Any]] = field(default_factory=list)
+    fct_bins: list[dict[str, Any]] = field(default_factory=list)  # report_fct_bins rows
+    ka_mode: list[dict[str, Any]] = field(default_factory=list)  # report_ka_mode rows
+    trials_source: str = "rollup"  # or "live": computed from the flows on this read
     speedups: list[dict[str, Any]] = field(default_factory=list)
     speedups_computed: bool = False
     router_runs: list[dict[str, Any]] = field(default_factory=list)
@@ -206,30 +285,29 @@ class ReportStore(StoreBase):
 
     def read(self, filters: Filters, networks: NetworkTable | None = None) -> ReportData:
         def work(conn: Connection) -> ReportData:
-            return _read(conn, filters, networks, db.describe_url(self.database_url))
+            data = ReportData(filters, datetime.now(UTC), db.describe_url(self.database_url))
+            for read in READERS.values():
+                read(conn, data, networks)
+            return data
 
         return self.run(work, isolation="REPEATABLE READ")
 
 
-def _read(
-    conn: Connection, filters: Filters, networks: NetworkTable | None, database: str
-) -> ReportData:
-    p = filters.params()
-    data = ReportData(filters, datetime.now(UTC), database)
-    unfiltered = filters.campaign is None and filters.since is None
-    for phase, size, view, attr in (
-        ("size", "ip_len", "whole_drop", "size"),
-        ("split", "leading_ip_len", "split_drop", "split"),
-    ):
-        if unfiltered:
-            rows = _rows(conn, _SIZE_BY_SOURCE.format(size=size, phase=phase), p)
-        else:
-            rows = _rows(conn, _VOLUNTEER_SIZE.format(size=size, view=view), p)
-            rows += _rows(conn, _ATLAS_SIZE.format(size=size, phase=view.split("_")[0]), p)
-        by: dict[str, list[dict[str, Any]]] = {}
-        for r in rows:
-            by.setdefault(r["source"], []).append(r)
-        setattr(data, attr, {s: stats.drop_by_size(rs, "size") for s, rs in sorted(by.items())})
+def read_study(conn: Connection, data: ReportData, networks: NetworkTable | None) -> None:
+    p = data.filters.params()
+    rows = _rows(conn, _DROP, p)
+    if not conn.execute(text(_ATLAS_ROLLUP_CURRENT)).scalar_one():
+        rows = [r for r in rows if r["source"] != "atlas"] + _rows(conn, _ATLAS_DROP, p)
+    by: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        by.setdefault((r["phase"], r["source"]), []).append(r)
+    for phase, attr in (("whole", "size"), ("split", "split")):
+        rates = {
+            src: stats.drop_by_size(rs, "size")
+            for (ph, src), rs in sorted(by.items())
+            if ph == phase
+        }
+        setattr(data, attr, {src: r for src, r in rates.items() if r})
     # One verdict per client (volunteers: the latest session's; Atlas: per
     # probe and campaign), with the client's country and network.
     vol = []
@@ -251,30 +329,65 @@ def _read(
         for r in _rows(conn, _ATLAS_VERDICTS, p)
     ]
     data.verdicts = {k: v for k, v in (("volunteer", vol), ("atlas", atlas)) if v}
-    data.flows = _rows(conn, _FLOWS, p)
-    if filters.since is None:
+
+
+def read_trials(conn: Connection, data: ReportData, networks: NetworkTable | None) -> None:
+    p = data.filters.params()
+    current = conn.execute(text(_TRIALS_ROLLUP_CURRENT)).scalar_one()
+    data.trials_source = "rollup" if data.filters.since is None and current else "live"
+    data.fct_bins = _rows(conn, _FCT_BINS[data.trials_source], p)
+    data.ka_mode = _rows(conn, _KA_MODE[data.trials_source], p)
+    if data.filters.since is None:
         data.speedups = _rows(conn, _SPEEDUPS, p)
     if not data.speedups:
         # The rollup is empty (no refresh ran yet) or the flows are filtered:
         # the same computation on the flows shown here.
         paired = [
             {**f, "parameters": None}
-            for f in data.flows
-            if f["pair"] is not None and f["flow_index"] is not None
+            for f in _rows(conn, _PAIRED_FLOWS, p)
+            if f["flow_index"] is not None
         ]
         if paired:
             computed = [r.to_row() for r in rollups.compute(paired) if r.scope == "pooled"]
             data.speedups = computed
             data.speedups_computed = bool(computed)
-    runs = _rows(conn, _ROUTER_RUNS, p)
-    data.router_runs = runs
+
+
+def read_router(conn: Connection, data: ReportData, networks: NetworkTable | None) -> None:
+    p = data.filters.params()
+    runs = []
+    for run in _rows(conn, _ROUTER_RUNS, p):
+        base = run["base"]
+        last_second = run["last_second"]
+        q = {
+            **p,
+            "run_id": run["run_id"],
+            "base": base,
+            "last_minute": run["last_minute"],
+            "last_second": last_second,
+            "raw_from": (last_second - base).total_seconds() if last_second else -math.inf,
+        }
+        totals = _rows(conn, _ROUTER_TOTALS, q)[0]
+        if not totals["samples"]:
+            continue
+        runs.append({**run, **totals, "params": q})
+    runs.sort(key=lambda r: (r["last_at"], r["run_id"]), reverse=True)
+    data.router_runs = [{k: v for k, v in r.items() if k != "params"} for r in runs]
     for run in runs[:MAX_ROUTER_RUNS]:
-        t0, t1, n = float(run["t0"]), float(run["t1"]), int(run["samples"])
-        q = {**p, "run_id": run["run_id"], "t0": t0}
-        if n <= figures.MAX_POINTS or t1 <= t0:
-            pts = _rows(conn, _ROUTER_RAW, q)
+        first, last, samples = run["first_at"], run["last_at"], int(run["samples"])
+        span_s = (last - first).total_seconds()
+        width = span_s / (figures.MAX_POINTS - 1)
+        q = {**run["params"], "t0": first}
+        # The coarsest rollup still finer than a figure's bucket (a short
+        # run is drawn from its raw samples, however recently refreshed).
+        if width < 60:
+            q["last_minute"] = None
+        if width < 1:
+            q["last_second"], q["raw_from"] = None, -math.inf
+        if samples <= figures.MAX_POINTS or span_s <= 0:
+            pts = _rows(conn, _ROUTER_POINTS, q)
         else:
-            pts = _rows(conn, _ROUTER_BUCKETS, {**q, "width": (t1 - t0) / (figures.MAX_POINTS - 1)})
+            pts = _rows(conn, _ROUTER_BUCKETS, {**q, "width": width})
         data.router_series.append(
             figures.RunSeries(
                 _run_label(run),
@@ -285,10 +398,23 @@ def _read(
                 },
             )
         )
+
+
+def read_health(conn: Connection, data: ReportData, networks: NetworkTable | None) -> None:
+    p = data.filters.params()
     data.item_outcomes = _rows(conn, _ITEM_OUTCOMES, p)
     data.item_failures = _rows(conn, _ITEM_FAILURES, p)
     data.atlas_measurements = _rows(conn, _ATLAS_MEASUREMENTS, p)
-    return data
+
+
+# Each section's reads, in the order the page shows them (bench/dashboards_bench
+# times each with its section's rendering).
+READERS = {
+    "study": read_study,
+    "trials": read_trials,
+    "router": read_router,
+    "health": read_health,
+}
 
 
 def _run_label(run: Mapping[str, Any]) -> str:
@@ -443,23 +569,39 @@ def _capacity(bps: float | None) -> str:
     return f"{bps / 1e6:g} Mbit/s" if bps else "capacity unknown"
 
 
+def _fct_summary(r: Mapping[str, Any]) -> stats.FctSummary:
+    flows, completed = int(r["flows"]), int(r["completed"])
+    return stats.FctSummary(
+        flows,
+        completed,
+        completed / flows if flows else math.nan,
+        r["fct_ms_mean"],
+        r["fct_ms_p50"],
+        r["fct_ms_p95"],
+    )
+
+
 def trials_section(data: ReportData) -> tuple[Section, dict[str, Any]]:
     sec = Section("trials", "The wide-area trials")
     summary: dict[str, Any] = {}
-    panels: dict[str, dict[str, list[tuple[int, float | None]]]] = {}
-    ka: dict[str, tuple[list[float | None], list[float | None]]] = {}
-    for f in data.flows:
-        cap = _capacity(f["access_capacity_bps"])
-        fct = f["fct_ms"] if f["completed"] else None
-        panels.setdefault(cap, {}).setdefault(f["arm"], []).append((int(f["size_packets"]), fct))
-        if f["protocol"] == "kickass":
-            fr, ts = ka.setdefault(f"{f['arm']} @ {cap}", ([], []))
-            fr.append(f["ka_mode_fraction"])
-            ts.append(fct)
+    binned: dict[str, dict[str, dict[int, stats.FctSummary]]] = {}
+    buckets: dict[tuple[str, str], dict[str, stats.FctSummary]] = {}
+    for r in data.fct_bins:
+        cap = _capacity(r["access_capacity_bps"])
+        s = _fct_summary(r)
+        if r["size_bin"] is not None:
+            binned.setdefault(cap, {}).setdefault(r["arm"], {})[int(r["size_bin"])] = s
+        elif r["size_bucket"] is not None:
+            buckets.setdefault((cap, r["arm"]), {})[r["size_bucket"]] = s
     binned = {
-        cap: {arm: stats.fct_by_size_bin(fl) for arm, fl in arms.items()}
-        for cap, arms in sorted(panels.items())
+        cap: {arm: dict(sorted(bins.items())) for arm, bins in sorted(arms.items())}
+        for cap, arms in sorted(binned.items())
     }
+    how = (
+        "the refresh rollup (v_report_fct_bins, v_report_ka_mode)"
+        if data.trials_source == "rollup"
+        else "the flows, on this read (report_fct_bins, report_ka_mode)"
+    )
     what = "FCT against flow size"
     fig = figures.fct_by_size("fct-by-size", what, binned)
     sec.body.append(
@@ -468,29 +610,29 @@ def trials_section(data: ReportData) -> tuple[Section, dict[str, Any]]:
             what,
             f"{what}, per access capacity and arm: the marker is the median FCT of "
             "the completed flows in each power-of-two size bin, the bar reaches the 95th "
-            "percentile; flows that did not complete count in the table's completion rate.",
+            "percentile; flows that did not complete count in the table's completion rate "
+            f"(from {how}).",
         )
     )
     if fig is not None:
         sec.figures.append(fig)
         sec.empty = False
     rows = []
-    for cap, arms in sorted(panels.items()):
-        for arm, fl in sorted(arms.items()):
-            for bucket in stats.SIZE_BUCKETS:
-                s = stats.fct_summary([t for n, t in fl if stats.size_bucket(n) == bucket])
-                if s.flows:
-                    rows.append(
-                        [
-                            cap,
-                            arm,
-                            bucket,
-                            s.flows,
-                            _f(s.completion_rate),
-                            _f(s.p50_ms, "{:.0f}"),
-                            _f(s.p95_ms, "{:.0f}"),
-                        ]
-                    )
+    for (cap, arm), by_bucket in sorted(buckets.items()):
+        for bucket in stats.SIZE_BUCKETS:
+            b = by_bucket.get(bucket)
+            if b is not None and b.flows:
+                rows.append(
+                    [
+                        cap,
+                        arm,
+                        bucket,
+                        b.flows,
+                        _f(b.completion_rate),
+                        _f(b.p50_ms, "{:.0f}"),
+                        _f(b.p95_ms, "{:.0f}"),
+                    ]
+                )
     if rows:
         sec.body.append(
             _table(
@@ -572,7 +714,17 @@ def trials_section(data: ReportData) -> tuple[Section, dict[str, Any]]:
                 srows,
             )
         )
-    modes = {k: stats.time_in_kickass_mode(fr, ts) for k, (fr, ts) in sorted(ka.items())}
+    modes = {
+        f"{r['arm']} @ {_capacity(r['access_capacity_bps'])}": stats.KaModeTime(
+            int(r["flows"]),
+            r["mean"],
+            r["median"],
+            r["share_of_time"],
+            (list(r["cdf_x"] or []), list(r["cdf_y"] or [])),
+        )
+        for r in data.ka_mode
+    }
+    modes = dict(sorted(modes.items()))
     what = "Time in Kick-Ass mode"
     fig = figures.cdfs(
         "kickass-mode-cdf",
@@ -627,7 +779,7 @@ def router_section(data: ReportData) -> tuple[Section, dict[str, Any]]:
             _run_label(r),
             _capacity(r["capacity_bps"]),
             r["samples"],
-            _f(float(r["t1"]) - float(r["t0"]), "{:.0f} s"),
+            _f((r["last_at"] - r["first_at"]).total_seconds(), "{:.0f} s"),
             _f(
                 r["advertised_rate_mean"] / 1e6 if r["advertised_rate_mean"] is not None else None,
                 "{:.2f}",

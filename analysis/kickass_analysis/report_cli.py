@@ -44,7 +44,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--since",
         metavar="T",
         help="only what was measured since T: an ISO date or time (UTC unless it says) or a "
-        "span back from now: 24h, 7d, 2w",
+        "span back from now: 24h, 7d, 2w. The study's drop rates count whole UTC days (from "
+        "T's day on: its rollup is per day); flows, router samples and runs from T exactly",
     )
     p.add_argument(
         "-o",

@@ -225,6 +225,9 @@ class RollupStore(StoreBase):
 
 STUDY_MATVIEWS = ("mv_session_summary", "mv_probe_daily")
 OTHER_MATVIEWS = ("mv_atlas_probe_drop", "mv_flow_summary", "mv_flow_hourly")
+# The report's trial figures (migration 0014): one snapshot for both, so the
+# report can tell from one count whether they hold every flow.
+REPORT_MATVIEWS = ("mv_report_fct_bins", "mv_report_ka_mode")
 
 # Before any sample (Python's datetime has no -infinity).
 _BEFORE_ANY = datetime(1970, 1, 1, tzinfo=UTC)
@@ -374,6 +377,12 @@ class Rollups(RollupStore):
 
         return self.run(work, isolation="REPEATABLE READ")
 
+    def refresh_report(self) -> dict[str, int]:
+        def work(conn: Connection) -> dict[str, int]:
+            return _refresh_matviews(conn, REPORT_MATVIEWS)
+
+        return self.run(work, isolation="REPEATABLE READ")
+
     def refresh_matviews(self, names: Iterable[str] = OTHER_MATVIEWS) -> dict[str, int]:
         out: dict[str, int] = {}
         for name in names:  # one transaction each: no lock held longer than needed
@@ -413,5 +422,6 @@ def refresh(database_url: str | None = None) -> dict[str, int]:
         out = {"trial_speedups": store.refresh_trial_speedups()}
         out.update(store.refresh_study())
         out.update(store.refresh_matviews())
+        out.update(store.refresh_report())
         out.update(store.refresh_router())
         return out

@@ -361,4 +361,7 @@ def thin(n: int, max_points: int) -> list[int]:
         return list(range(n))
     if max_points <= 1:
         return [n - 1]
-    return sorted({round(i * (n - 1) / (max_points - 1)) for i in range(max_points)})
+    # Integer rounding, half up: PostgreSQL's report_ka_mode keeps the same
+    # ranks (migration 0014), so the report's CDF is the notebooks'.
+    d = max_points - 1
+    return sorted({(2 * i * (n - 1) + d) // (2 * d) for i in range(max_points)})

@@ -126,8 +126,10 @@ def seed_atlas(database_url: str) -> None:
         store.refresh_verdicts(cid)
 
 
-def seed_paired_trial(database_url: str) -> str:
-    """A trial of two arms in two pairs replaying the same 30 flows: the rollup's input."""
+def seed_paired_trial(
+    database_url: str, flows_per_period: int = 30, destination: str = "far-3"
+) -> str:
+    """A trial of two arms in two pairs replaying the same flows (30): the rollup's input."""
     tid = secrets.token_hex(16)
     arms = [("kickass", "kickass"), ("tcp:cubic", "tcp")]
     periods = [
@@ -145,7 +147,7 @@ def seed_paired_trial(database_url: str) -> str:
     t0 = NOW - timedelta(days=1)
     trial = {
         "trial_id": tid,
-        "destination": "far-3",
+        "destination": destination,
         "access_capacity_bps": 100e6,
         "parameters": {
             "workload": {"mean_packets": 100.0, "seed": 1},
@@ -157,7 +159,7 @@ def seed_paired_trial(database_url: str) -> str:
     }
     flows = []
     for p in periods:
-        for i in range(30):
+        for i in range(flows_per_period):
             size = 1 + (i * 37) % 900
             fct = size * (1.1 if p["arm"] == "kickass" else 2.5) + 150
             flows.append(
@@ -169,7 +171,9 @@ def seed_paired_trial(database_url: str) -> str:
                     "protocol": p["protocol"],
                     "size_bytes": size * 1440,
                     "size_packets": size,
-                    "started_at": (t0 + timedelta(seconds=p["start_s"] + i)).isoformat(),
+                    "started_at": (
+                        t0 + timedelta(seconds=p["start_s"] + i * 100.0 / flows_per_period)
+                    ).isoformat(),
                     "completed": True,
                     "fct_ms": fct,
                     "negotiated_protocol": p["protocol"],
@@ -449,16 +453,20 @@ def test_report_filters_and_cli(database_url: str, seeded: dict[str, Any], tmp_p
     # No such Atlas campaign: no Atlas series, no Atlas measurement.
     assert "ripe-atlas-probes" not in got["figures"]["drop-by-size"]
     assert got["summary"]["atlas_measurements"] == 0 and "intolerant_atlas" not in got["summary"]
-    # Since 12 hours ago: only sessions finished since then pool in.
+    # Since 12 hours ago: the drop rates pool the sessions created from that
+    # UTC day on (the rollup counts by day), the verdicts those finished since.
+    day = (NOW - timedelta(hours=12)).replace(hour=0, minute=0, second=0, microsecond=0)
     recent = view(
         database_url,
         "SELECT sum(whole_sent) AS ws FROM v_session_summary "
         f"WHERE state IN ('complete', 'ended', 'expired', 'incomplete') "
-        f"AND finished_at >= '{since}'",
+        f"AND created_at >= '{day.isoformat()}'",
     )
     sent = int(recent[0]["ws"] or 0)
     if sent:
         assert got["summary"]["size_volunteer"]["pooled"]["sent"] == sent
+    else:
+        assert "size_volunteer" not in got["summary"]
     # The seeded trials started days ago; the speedup is computed from nothing.
     assert got["summary"]["speedups"] == []
     assert got["sections"]["router"] is True  # the router ran an hour ago
@@ -495,3 +503,182 @@ def test_a_figure_without_data_is_none() -> None:
     assert "<metadata>" not in fig.svg and "DOCTYPE" not in fig.svg
     ids = re.findall(r'\bid="([^"]+)"', fig.svg)
     assert ids and all(i.startswith("one-") for i in ids)
+
+
+# -- the rollups give the same report ----------------------------------------------------
+
+
+def seed_long_router_run(database_url: str, name: str, hours: float, every_s: int) -> None:
+    """A run of ``hours`` with a sample every ``every_s`` seconds, started on a
+    whole minute (so its minutes and seconds hold its samples at their own times)."""
+    start = (NOW - timedelta(hours=hours + 0.5)).replace(second=0, microsecond=0).timestamp()
+    n = int(hours * 3600 / every_s)
+    lines = [
+        json.dumps(
+            {
+                "type": "metadata",
+                "started_unix": start,
+                "options": {"router": {"kind": "kickass", "capacity_bps": 10e6}},
+            }
+        )
+    ]
+    for i in range(n):
+        t = float(i * every_s)
+        lines.append(
+            json.dumps(
+                {
+                    "type": "sample", "t": t, "ts": start + t,
+                    "advertised_rate_bps": 2e6 + 1e3 * (i % 97),
+                    "leading_fragment_len": None if i % 11 == 0 else 600 + (i % 13) * 8,
+                    "input_rate_bps": 8e6, "output_rate_bps": 7e6,
+                    "queue_bytes": 500 * (i % 41),
+                    "marking_mode": "tcp" if i % 7 == 0 else "kickass",
+                    "drops": i // 100, "fragmented": i,
+                }
+            )
+        )  # fmt: skip
+    ing = TelemetryIngest(database_url, name)
+    try:
+        ing.feed(line + "\n" for line in lines)
+    finally:
+        ing.close()
+
+
+def _read(database_url: str) -> Any:  # noqa: ANN401 - ReportData
+    from kickass_analysis.report import Filters, ReportStore
+
+    with ReportStore(database_url) as store:
+        return store.read(Filters())
+
+
+def _truth(database_url: str) -> tuple[dict[Any, stats.FctSummary], dict[Any, Any]]:
+    """The trials' numbers computed in Python from v_flow_results (stats)."""
+    flows = view(
+        database_url,
+        "SELECT access_capacity_bps, protocol, congestion_control, arm, size_packets, "
+        "completed, fct_ms, ka_mode_fraction FROM v_flow_results",
+    )
+    bins: dict[Any, list[float | None]] = defaultdict(list)
+    ka: dict[Any, tuple[list[float | None], list[float | None]]] = defaultdict(lambda: ([], []))
+    for f in flows:
+        arm = f["arm"] or f["protocol"] + (
+            f":{f['congestion_control']}" if f["congestion_control"] else ""
+        )
+        key = (f["access_capacity_bps"], arm)
+        fct = f["fct_ms"] if f["completed"] else None
+        bins[(*key, "bin", stats.size_bin(f["size_packets"]))].append(fct)
+        bins[(*key, "bucket", stats.size_bucket(f["size_packets"]))].append(fct)
+        if f["protocol"] == "kickass":
+            ka[key][0].append(f["ka_mode_fraction"])
+            ka[key][1].append(fct)
+    return (
+        {k: stats.fct_summary(v) for k, v in bins.items()},
+        {k: stats.time_in_kickass_mode(fr, ts) for k, (fr, ts) in ka.items()},
+    )
+
+
+def _close(a: float | None, b: float | None) -> bool:
+    return (a is None and b is None) or (
+        a is not None and b is not None and math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
+    )
+
+
+def _check_trials(data: Any, database_url: str) -> None:  # noqa: ANN401
+    from kickass_analysis.report import _fct_summary
+
+    want_bins, want_ka = _truth(database_url)
+    got_bins = {
+        (
+            r["access_capacity_bps"],
+            r["arm"],
+            "bin" if r["size_bin"] is not None else "bucket",
+            r["size_bin"] if r["size_bin"] is not None else r["size_bucket"],
+        ): _fct_summary(r)
+        for r in data.fct_bins
+    }
+    assert set(got_bins) == set(want_bins)
+    for k, want in want_bins.items():
+        got = got_bins[k]
+        assert (got.flows, got.completed) == (want.flows, want.completed), k
+        for field in ("completion_rate", "mean_ms", "p50_ms", "p95_ms"):
+            assert _close(getattr(got, field), getattr(want, field)), (k, field)
+    got_ka = {(r["access_capacity_bps"], r["arm"]): r for r in data.ka_mode}
+    assert set(got_ka) == set(want_ka)
+    for k, want in want_ka.items():
+        r = got_ka[k]
+        assert r["flows"] == want.flows, k
+        for col, w in (("mean", want.mean), ("median", want.median)):
+            assert _close(r[col], w), (k, col)
+        assert _close(r["share_of_time"], want.share_of_time), k
+        xs, ys = want.cdf
+        keep = stats.thin(len(xs), figures.MAX_POINTS)
+        assert list(r["cdf_x"] or []) == [xs[i] for i in keep], k
+        assert all(_close(a, ys[i]) for a, i in zip(r["cdf_y"] or [], keep, strict=True)), k
+
+
+def test_the_rollups_give_the_report_the_numbers_of_the_raw_rows(
+    database_url: str, seeded: dict[str, Any], tmp_path: Path
+) -> None:
+    """Before any refresh the report computes the trials' figures from the
+    flows and Atlas's drop rates from its outcomes; after `rollups.refresh` it
+    reads the rollups (and long router runs from their minutes and seconds):
+    the same numbers, those Python's stats compute from the raw rows. A trial
+    stored after the refresh is shown at once (computed live again)."""
+    seed_long_router_run(database_url, "edge-hours", 12, 60)  # drawn from minutes
+    seed_long_router_run(database_url, "edge-2h", 2, 10)  # drawn from seconds
+    before = _read(database_url)
+    assert before.trials_source == "live"
+    _check_trials(before, database_url)
+    rendered_before = write_report(database_url, tmp_path / "before.html")
+
+    from kickass_analysis import rollups as rollup_module
+
+    rollup_module.refresh(database_url)
+    after = _read(database_url)
+    assert after.trials_source == "rollup"
+    _check_trials(after, database_url)
+    assert (after.size, after.split, after.verdicts) == (before.size, before.split, before.verdicts)
+    assert set(after.size) == {"volunteer", "atlas"}
+    runs = {r["run_name"]: r for r in before.router_runs}
+    for r in after.router_runs:
+        b = runs[r["run_name"]]
+        assert (r["samples"], r["first_at"], r["last_at"]) == (
+            b["samples"],
+            b["first_at"],
+            b["last_at"],
+        )
+        for col in ("advertised_rate_mean", "queue_mean", "kickass_share"):
+            assert _close(r[col], b[col]), (r["run_name"], col)
+    series = {s.label: s for s in before.router_series}
+    assert len(series) == 4
+    for s in after.router_series:
+        b = series[s.label]
+        assert len(s.t) == len(b.t) and 0 < len(s.t) <= figures.MAX_POINTS, s.label
+        assert all(_close(x, y) for x, y in zip(s.t, b.t, strict=True)), s.label
+        for panel, values in s.values.items():
+            assert all(_close(x, y) for x, y in zip(values, b.values[panel], strict=True)), (
+                s.label,
+                panel,
+            )
+    rendered_after = write_report(database_url, tmp_path / "after.html")
+    assert rendered_after.figures == rendered_before.figures
+    assert rendered_after.summary == rendered_before.summary
+    # The rollup read what the tables hold: minutes and seconds were used.
+    rolled = view(
+        database_url,
+        "SELECT (SELECT count(*) FROM router_telemetry_1m) AS m, "
+        "(SELECT count(*) FROM router_telemetry_1s) AS s",
+    )[0]
+    assert rolled["m"] >= 720 and rolled["s"] >= 720
+
+    # A trial after the refresh (700 Kick-Ass flows: the CDF is thinned).
+    seed_paired_trial(database_url, flows_per_period=350, destination="far-9")
+    newer = _read(database_url)
+    assert newer.trials_source == "live"
+    _check_trials(newer, database_url)
+    big = max(newer.ka_mode, key=lambda r: r["flows"])
+    assert big["flows"] == 760 and len(big["cdf_x"]) == figures.MAX_POINTS  # 60 + 700, thinned
+    rollup_module.refresh(database_url)
+    refreshed = _read(database_url)
+    assert refreshed.trials_source == "rollup"
+    _check_trials(refreshed, database_url)

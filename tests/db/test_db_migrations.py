@@ -50,7 +50,7 @@ TABLES = (
 # 0012: refreshed by kickass_analysis.rollups, read through the v_* views below.
 MATVIEWS = {
     "mv_session_summary", "mv_probe_daily", "mv_atlas_probe_drop", "mv_flow_summary",
-    "mv_flow_hourly",
+    "mv_flow_hourly", "mv_report_fct_bins", "mv_report_ka_mode",  # 0014
 }  # fmt: skip
 # 0010 kept one name per view: the non-v_ aliases of 0005 exist only before it.
 OLD_TRIAL_ALIASES = {"flow_results", "flow_summary"}
@@ -60,7 +60,7 @@ ROLLUP_VIEWS = {
     "v_session_rollup", "v_verdicts_rollup", "v_drop_rollup", "v_flow_summary_rollup",
     "v_flow_hourly", "v_router_runs", "v_router_telemetry_1s", "v_router_telemetry_1m",
     "v_item_health", "v_atlas_campaigns", "v_rollup_status",
-}  # fmt: skip  # 0012
+} | {"v_flow_count", "v_report_fct_bins", "v_report_ka_mode"}  # fmt: skip  # 0012, 0014
 TRIAL_VIEWS = {"v_flow_results", "v_flow_summary"} | PAIRED_VIEWS
 ATLAS_VIEWS = {
     "v_atlas_whole_drop", "v_atlas_split_drop", "v_size_drop_by_source",
@@ -237,6 +237,15 @@ VIEW_COLUMNS = {
         "results_fetched", "last_fetch_at", "measurements_with_errors",
     ],
     "v_rollup_status": ["name", "refreshed_at", "rows", "seconds", "age_s"],
+    "v_flow_count": ["flows"],
+    "v_report_fct_bins": [
+        "rn", "access_capacity_bps", "arm", "protocol", "size_bin", "size_bucket", "flows",
+        "completed", "fct_ms_mean", "fct_ms_p50", "fct_ms_p95",
+    ],
+    "v_report_ka_mode": [
+        "rn", "access_capacity_bps", "arm", "flows", "mean", "median", "share_of_time",
+        "cdf_x", "cdf_y",
+    ],
 }  # fmt: skip
 
 
