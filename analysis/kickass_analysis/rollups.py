@@ -223,7 +223,7 @@ class RollupStore(StoreBase):
 
 # -- the rollups of migration 0012 --------------------------------------------------
 
-STUDY_MATVIEWS = ("mv_session_summary", "mv_probe_daily")
+STUDY_MATVIEWS = ("mv_session_summary", "mv_probe_daily", "mv_size_clients")
 OTHER_MATVIEWS = ("mv_atlas_probe_drop", "mv_flow_summary", "mv_flow_hourly")
 # The report's trial figures (migration 0014): one snapshot for both, so the
 # report can tell from one count whether they hold every flow.

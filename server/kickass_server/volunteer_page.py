@@ -41,6 +41,12 @@ clients joined it (the pooled counts are refreshed every ``cache_s``), and
 two groups that differ by ``k`` or more clients overall but by fewer at one
 size. Rounding blurs both; a stricter page would publish groups only in
 releases of at least ``k`` new clients.
+
+**At scale.** "All other volunteers" is read from the rollups the scheduled
+``refresh`` keeps (``v_drop_rollup``, ``mv_size_clients``) plus the sessions
+finished since, so it costs the same at ten million probe rows as at ten
+thousand (bench/dashboards_bench.py); a country or a network is pooled from its
+sessions' outcomes, in proportion to its size.
 """
 
 from __future__ import annotations
@@ -304,6 +310,37 @@ GROUP BY d.{size}
 }
 
 
+# The "all other volunteers" group is every finished session: its sums from
+# the day rollup (v_drop_rollup: the rolled-up sessions plus those finished
+# since, counted live), its distinct clients per size from mv_size_clients
+# and, for the sessions finished since, from the outcomes. The two client
+# counts cannot be merged exactly (a client may be in both); the larger is a
+# lower bound of the union, so a size is never shown with fewer than k.
+_POOLED_ALL = text(f"""
+WITH sums AS (
+    SELECT ip_len AS size, sum(sent)::bigint AS sent, sum(acked)::bigint AS acked
+    FROM v_drop_rollup WHERE source = 'volunteer' AND phase = :phase
+    GROUP BY ip_len
+), live AS (
+    SELECT x.ip_len AS size,
+           count(DISTINCT coalesce(c.install_id, 'addr:' || host(s.source_address))) AS clients
+    FROM (SELECT DISTINCT o.session_pk, o.ip_len::integer AS ip_len
+          FROM probe_outcomes o JOIN sessions s0 ON s0.id = o.session_pk
+          WHERE o.phase = :phase AND s0.state IN {tuple(FINAL_STATES)}
+            AND NOT EXISTS (SELECT 1 FROM mv_session_summary m
+                            WHERE m.session_id = s0.session_id)) x
+    JOIN sessions s ON s.id = x.session_pk
+    LEFT JOIN clients c ON c.id = s.client_id
+    GROUP BY x.ip_len
+)
+SELECT sums.size, sums.sent, sums.acked,
+       greatest(coalesce(r.clients, 0), coalesce(live.clients, 0)) AS clients
+FROM sums
+LEFT JOIN mv_size_clients r ON r.phase = :phase AND r.ip_len = sums.size
+LEFT JOIN live ON live.size = sums.size
+""")
+
+
 @dataclass(frozen=True)
 class Group:
     key: str  # all | country | network
@@ -321,10 +358,15 @@ def _rounded(x: float) -> float:
 Pooled = dict[int, tuple[int, int, int]]  # size -> (sent, acked, clients)
 
 
-def _pooled(conn: Connection, phase: str, ids: list[str]) -> Pooled:
-    if not ids:
+def _pooled(conn: Connection, phase: str, ids: list[str] | None) -> Pooled:
+    """Per size (sent, acked, clients) of sessions ``ids``; None: every
+    finished session (from the rollups)."""
+    if ids is None:
+        rows = conn.execute(_POOLED_ALL, {"phase": phase}).mappings()
+    elif not ids:
         return {}
-    rows = conn.execute(_POOLED[phase], {"ids": ids}).mappings()
+    else:
+        rows = conn.execute(_POOLED[phase], {"ids": ids}).mappings()
     return {int(r["size"]): (int(r["sent"]), int(r["acked"]), int(r["clients"])) for r in rows}
 
 
@@ -429,7 +471,8 @@ def _groups(conn: Connection, state: _State, me: str, net: Network | None) -> li
         for phase in ("whole", "split"):
             pooled = snapshot.pooled.get((key, label, phase))
             if pooled is None:  # two requests may both compute it: the same numbers
-                pooled = snapshot.pooled[(key, label, phase)] = _pooled(conn, phase, ids)
+                every = None if key == "all" else ids  # every finished session: the rollups
+                pooled = snapshot.pooled[(key, label, phase)] = _pooled(conn, phase, every)
             rates[phase] = _group_rates(pooled, _pooled(conn, phase, mine), k)
         g = Group(key, label, others, True, "", rates)
         shown.append(g)

@@ -50,7 +50,7 @@ TABLES = (
 # 0012: refreshed by kickass_analysis.rollups, read through the v_* views below.
 MATVIEWS = {
     "mv_session_summary", "mv_probe_daily", "mv_atlas_probe_drop", "mv_flow_summary",
-    "mv_flow_hourly", "mv_report_fct_bins", "mv_report_ka_mode",  # 0014
+    "mv_flow_hourly", "mv_report_fct_bins", "mv_report_ka_mode", "mv_size_clients",  # 0014
 }  # fmt: skip
 # 0010 kept one name per view: the non-v_ aliases of 0005 exist only before it.
 OLD_TRIAL_ALIASES = {"flow_results", "flow_summary"}

@@ -422,6 +422,37 @@ def test_groups_count_clients_per_size_and_never_differ_by_fewer_than_k(
     assert r.status_code == 404 and b"No such page" in r.data
 
 
+def test_the_all_group_from_the_rollups_is_the_same_page(
+    app_client: App, database_url: str
+) -> None:
+    """ "All other volunteers" pools every finished session: from the rollups
+    (kickass_analysis.rollups.refresh) the page is byte for byte the page
+    computed from the outcomes, and a session finished after the refresh is in
+    it at once."""
+    from kickass_analysis import rollups
+
+    client, store, _ = app_client
+    me = seed_session(store, "192.0.2.1", "me-install", loss_every=5)
+    neighbours = [
+        seed_session(store, f"192.0.2.{20 + i}", f"n-{i}", loss_every=3) for i in range(6)
+    ]
+    coarse = ProbePlan.build(repetitions=2, step=200, window=8)  # sizes with one client
+    neighbours.append(seed_session(store, "198.51.100.8", "coarse", plan=coarse))
+    before = _page_of(client, store, me.session_id)
+    assert marks(before)["session-by-size"]["all-other-volunteers"] == len(QUICK.whole)
+    rollups.refresh(database_url)
+    with store.engine.connect() as conn:
+        rolled = conn.exec_driver_sql("SELECT count(*) FROM mv_size_clients").scalar_one()
+    assert rolled > 0
+    after = _page_of(client, store, me.session_id)
+    assert after == before
+    # Finished after the refresh, losing every other whole packet: counted live.
+    neighbours.append(seed_session(store, "192.0.2.40", "n-late", loss_every=2))
+    later = _page_of(client, store, me.session_id)
+    assert_no_neighbour(later, neighbours)
+    assert marks(later) == marks(before) and later != before
+
+
 def test_page_path_only_with_the_cookie(app_client: App) -> None:
     client, _, engine = app_client
     r = client.post(

@@ -1,4 +1,4 @@
-"""The report's trial figures at scale: FCT per size bin and time in Kick-Ass mode.
+"""The report's trial figures and the volunteer page's largest group at scale.
 
 Revision ID: 0014
 Revises: 0013
@@ -24,6 +24,9 @@ reads a view while it holds every flow, and calls the function
 - ``mv_report_fct_bins`` and ``mv_report_ka_mode`` (600 points: the figures'
   MAX_POINTS): the functions over every flow; ``v_report_fct_bins`` and
   ``v_report_ka_mode`` their views (the reader role's way in).
+- ``mv_size_clients``: per phase and IP length, the distinct clients that
+  measured it in a finished session (the volunteer page's "all other
+  volunteers" group reads its sums from ``v_drop_rollup`` and this).
 - ``v_flow_count``: how many flows are stored (the report's test of whether
   the views hold every flow).
 """
@@ -122,6 +125,22 @@ $$
 
 POINTS = 600  # kickass_analysis.figures.MAX_POINTS
 
+FINAL = "('complete', 'ended', 'expired', 'incomplete')"
+
+# The volunteer page's "all other volunteers": how many distinct clients
+# measured each size (a size measured by fewer than k is not shown). Refreshed
+# with mv_session_summary in one snapshot, so it counts the same sessions; the
+# page adds those finished since from the outcomes.
+SIZE_CLIENTS = f"""
+SELECT x.phase, x.ip_len,
+       count(DISTINCT coalesce(c.install_id, 'addr:' || host(s.source_address))) AS clients
+FROM (SELECT DISTINCT session_pk, phase, ip_len::integer AS ip_len FROM probe_outcomes) x
+JOIN sessions s ON s.id = x.session_pk
+LEFT JOIN clients c ON c.id = s.client_id
+WHERE s.state IN {FINAL}
+GROUP BY x.phase, x.ip_len
+"""
+
 MATVIEWS = {
     "mv_report_fct_bins": "SELECT row_number() OVER () AS rn, * FROM report_fct_bins(NULL)",
     "mv_report_ka_mode": (
@@ -139,9 +158,12 @@ def upgrade() -> None:
         # REFRESH ... CONCURRENTLY needs a unique index.
         op.execute(f"CREATE UNIQUE INDEX ux_{name} ON {name} (rn)")
         op.execute(f"CREATE VIEW v_{name[3:]} AS SELECT * FROM {name}")
+    op.execute(f"CREATE MATERIALIZED VIEW mv_size_clients AS {SIZE_CLIENTS}")
+    op.execute("CREATE UNIQUE INDEX ux_mv_size_clients ON mv_size_clients (phase, ip_len)")
 
 
 def downgrade() -> None:
+    op.execute("DROP MATERIALIZED VIEW mv_size_clients")
     for name in MATVIEWS:
         op.execute(f"DROP VIEW v_{name[3:]}")
         op.execute(f"DROP MATERIALIZED VIEW {name}")
