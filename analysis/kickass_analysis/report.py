@@ -179,8 +179,12 @@ ORDER BY destination, access_capacity_bps, arm, baseline_arm, size_bucket
 _ROUTER_RUNS = """
 SELECT r.run_id, r.run_name, r.router_kind, r.capacity_bps,
        date_trunc('second', r.started_at) AS base,
-       (SELECT max(at) FROM v_router_telemetry_1m WHERE run_id = r.run_id) AS last_minute,
-       (SELECT max(at) FROM v_router_telemetry_1s WHERE run_id = r.run_id) AS last_second
+       -- ORDER BY ... LIMIT 1, not max(): through the view's join only this
+       -- walks the (run_id, at) index instead of every second of the run.
+       (SELECT at FROM v_router_telemetry_1m WHERE run_id = r.run_id
+        ORDER BY at DESC LIMIT 1) AS last_minute,
+       (SELECT at FROM v_router_telemetry_1s WHERE run_id = r.run_id
+        ORDER BY at DESC LIMIT 1) AS last_second
 FROM v_router_runs r
 """
 # The views' means times their counts give back the rollups' sums.
@@ -211,26 +215,34 @@ WHERE run_id = :run_id AND t >= :raw_from AND {since_recorded}
     since_at=_SINCE.format(col="at"),
     since_recorded=_SINCE.format(col="recorded_at"),
 )
-_ROUTER_TOTALS = f"""
-SELECT count(*) AS spans, sum(samples)::bigint AS samples, min(at) AS first_at,
-       max(at) AS last_at, sum(ar) / sum(samples) AS advertised_rate_mean,
-       sum(q) / sum(samples) AS queue_mean,
-       sum(ka)::float8 / nullif(sum(ka) + sum(tcp), 0) AS kickass_share
-FROM ({_ROUTER_SPANS}) u
+# Where a run's spans begin and end (each source read by its index range).
+_ROUTER_BOUNDS = """
+SELECT least(m.first_at, s.first_at, r.first_at) AS first_at,
+       greatest(m.last_at, s.last_at, r.last_at) AS last_at
+FROM (SELECT min(at) AS first_at, max(at) AS last_at FROM v_router_telemetry_1m
+      WHERE run_id = :run_id AND at < CAST(:last_minute AS timestamptz) AND {since_at}) m,
+     (SELECT min(at) AS first_at, max(at) AS last_at FROM v_router_telemetry_1s
+      WHERE run_id = :run_id
+        AND at >= coalesce(CAST(:last_minute AS timestamptz), '-infinity'::timestamptz)
+        AND at < CAST(:last_second AS timestamptz) AND {since_at}) s,
+     (SELECT CAST(:base AS timestamptz) + make_interval(secs => min(t)) AS first_at,
+             CAST(:base AS timestamptz) + make_interval(secs => max(t)) AS last_at
+      FROM v_router_telemetry
+      WHERE run_id = :run_id AND t >= :raw_from AND {since_recorded}) r
+""".format(since_at=_SINCE.format(col="at"), since_recorded=_SINCE.format(col="recorded_at"))
+_ROUTER_SUMS = """
+       count(*) AS spans, sum(samples)::bigint AS samples, sum(ar) AS ar, sum(lf) AS lf,
+       sum(lfn)::bigint AS lfn, sum(q) AS q, sum(ka)::bigint AS ka, sum(tcp)::bigint AS tcp
 """
-_ROUTER_VALUES = """
-       sum(ar) / sum(samples) AS advertised_rate,
-       sum(lf) / nullif(sum(lfn), 0) AS leading_fragment_len,
-       sum(q) / sum(samples) AS queue,
-       sum(ka)::float8 / nullif(sum(ka) + sum(tcp), 0) AS kickass_mode
-"""
+# Short runs: a point per span (a sample, a second, a minute).
 _ROUTER_POINTS = f"""
-SELECT extract(epoch FROM at - CAST(:t0 AS timestamptz))::float8 AS x, {_ROUTER_VALUES}
+SELECT extract(epoch FROM at - CAST(:t0 AS timestamptz))::float8 AS x, {_ROUTER_SUMS}
 FROM ({_ROUTER_SPANS}) u GROUP BY at ORDER BY at
 """
-# More spans than a figure draws: MAX_POINTS time buckets, each at its spans' mean time.
+# Longer ones: MAX_POINTS time buckets, each at its spans' mean time; one
+# pass, the run's totals are the buckets' sums.
 _ROUTER_BUCKETS = f"""
-SELECT avg(extract(epoch FROM at - CAST(:t0 AS timestamptz)))::float8 AS x, {_ROUTER_VALUES}
+SELECT avg(extract(epoch FROM at - CAST(:t0 AS timestamptz)))::float8 AS x, {_ROUTER_SUMS}
 FROM ({_ROUTER_SPANS}) u
 GROUP BY floor(extract(epoch FROM at - CAST(:t0 AS timestamptz)) / :width)
 ORDER BY 1
@@ -348,17 +360,26 @@ def read_trials(conn: Connection, data: ReportData, networks: NetworkTable | Non
             if f["flow_index"] is not None
         ]
         if paired:
-            computed = [r.to_row() for r in rollups.compute(paired) if r.scope == "pooled"]
+            computed = [r.to_row() for r in rollups.compute(paired, trials=False)]
             data.speedups = computed
             data.speedups_computed = bool(computed)
+
+
+def _router_values(r: Mapping[str, Any]) -> dict[str, float | None]:
+    n, ka_tcp = r["samples"], (r["ka"] or 0) + (r["tcp"] or 0)
+    return {
+        "advertised_rate": r["ar"] / n if n else None,
+        "leading_fragment_len": r["lf"] / r["lfn"] if r["lfn"] else None,
+        "queue": r["q"] / n if n else None,
+        "kickass_mode": (r["ka"] or 0) / ka_tcp if ka_tcp else None,
+    }
 
 
 def read_router(conn: Connection, data: ReportData, networks: NetworkTable | None) -> None:
     p = data.filters.params()
     runs = []
     for run in _rows(conn, _ROUTER_RUNS, p):
-        base = run["base"]
-        last_second = run["last_second"]
+        base, last_second = run["base"], run["last_second"]
         q = {
             **p,
             "run_id": run["run_id"],
@@ -367,37 +388,48 @@ def read_router(conn: Connection, data: ReportData, networks: NetworkTable | Non
             "last_second": last_second,
             "raw_from": (last_second - base).total_seconds() if last_second else -math.inf,
         }
-        totals = _rows(conn, _ROUTER_TOTALS, q)[0]
-        if not totals["samples"]:
+        bounds = _rows(conn, _ROUTER_BOUNDS, q)[0]
+        if bounds["first_at"] is None:
             continue
-        runs.append({**run, **totals, "params": q})
+        runs.append({**run, **bounds, "params": q})
     runs.sort(key=lambda r: (r["last_at"], r["run_id"]), reverse=True)
-    data.router_runs = [{k: v for k, v in r.items() if k != "params"} for r in runs]
-    for run in runs[:MAX_ROUTER_RUNS]:
-        first, last, samples = run["first_at"], run["last_at"], int(run["samples"])
+    for n, run in enumerate(runs):
+        first, last = run["first_at"], run["last_at"]
         span_s = (last - first).total_seconds()
-        width = span_s / (figures.MAX_POINTS - 1)
-        q = {**run["params"], "t0": first}
-        # The coarsest rollup still finer than a figure's bucket (a short
-        # run is drawn from its raw samples, however recently refreshed).
+        width = span_s / (figures.MAX_POINTS - 1) if span_s > 0 else 1.0
+        q = {**run.pop("params"), "t0": first, "width": width}
+        # The coarsest rollup still finer than a figure's bucket (a short run
+        # is drawn from its raw samples, however recently refreshed).
         if width < 60:
             q["last_minute"] = None
         if width < 1:
             q["last_second"], q["raw_from"] = None, -math.inf
-        if samples <= figures.MAX_POINTS or span_s <= 0:
-            pts = _rows(conn, _ROUTER_POINTS, q)
-        else:
-            pts = _rows(conn, _ROUTER_BUCKETS, {**q, "width": width})
+        buckets = _rows(conn, _ROUTER_BUCKETS, q)
+        totals = {
+            k: sum(b[k] or 0 for b in buckets)
+            for k in ("spans", "samples", "ar", "lf", "lfn", "q", "ka", "tcp")
+        }
+        mean = _router_values(totals)
+        run.update(
+            samples=totals["samples"],
+            advertised_rate_mean=mean["advertised_rate"],
+            queue_mean=mean["queue"],
+            kickass_share=mean["kickass_mode"],
+        )
+        if n >= MAX_ROUTER_RUNS:
+            continue
+        pts = buckets
+        if totals["samples"] <= figures.MAX_POINTS:
+            pts = _rows(conn, _ROUTER_POINTS, q)  # few: one point each
+        values = [_router_values(r) for r in pts]
         data.router_series.append(
             figures.RunSeries(
                 _run_label(run),
                 [float(r["x"]) for r in pts],
-                {
-                    panel: [None if r[panel] is None else float(r[panel]) for r in pts]
-                    for panel, _, _ in figures.ROUTER_PANELS
-                },
+                {panel: [v[panel] for v in values] for panel, _, _ in figures.ROUTER_PANELS},
             )
         )
+    data.router_runs = runs
 
 
 def read_health(conn: Connection, data: ReportData, networks: NetworkTable | None) -> None:

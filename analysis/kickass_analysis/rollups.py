@@ -133,8 +133,9 @@ def _arm_order(parameters: Mapping[str, Any]) -> list[str]:
     return [a["name"] for a in arms if isinstance(a, dict) and "name" in a]
 
 
-def compute(rows: Sequence[Mapping[str, Any]]) -> list[SpeedupRow]:
-    """Every trial's and every pooled group's speedups from v_flow_results rows."""
+def compute(rows: Sequence[Mapping[str, Any]], *, trials: bool = True) -> list[SpeedupRow]:
+    """Every trial's (unless not ``trials``) and every pooled group's speedups
+    from v_flow_results rows."""
     by_trial: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
     for r in rows:
         by_trial[r["trial_id"]].append(r)
@@ -148,7 +149,7 @@ def compute(rows: Sequence[Mapping[str, Any]]) -> list[SpeedupRow]:
         flows = sorted(
             flows, key=lambda f: order.index(f["arm"]) if f["arm"] in order else len(order)
         )
-        for (arm, base, bucket), s in _speedups(flows).items():
+        for (arm, base, bucket), s in (_speedups(flows) if trials else {}).items():
             out.append(
                 SpeedupRow(
                     "trial",
