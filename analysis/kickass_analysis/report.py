@@ -37,8 +37,9 @@ scheduled runs have no campaign and are shown whole. ``since`` keeps the
 study's drop rates from since's UTC day on (the rollup counts by day:
 volunteer sessions created, Atlas probes last heard from, that day or
 later), clients whose latest verdict and Atlas probes whose verdict came
-since then, flows started, router samples recorded and item runs due since
-then; the trials' speedup is then computed from those flows
+since then, flows started, router samples from then on (by the run's own
+clock: its start plus the sample's t, as its rollups count) and item runs
+due since then; the trials' speedup is then computed from those flows
 (``rollups.compute``) instead of read from the rollup.
 
 Volunteers' sessions store only an address: their country and network come
@@ -208,28 +209,22 @@ SELECT CAST(:base AS timestamptz) + make_interval(secs => t), 1, advertised_rate
        coalesce(leading_fragment_len, 0), (leading_fragment_len IS NOT NULL)::int,
        queue_bytes, (marking_mode = 'kickass')::int, (marking_mode = 'tcp')::int
 FROM v_router_telemetry
-WHERE run_id = :run_id AND t >= :raw_from AND {since_recorded}
+WHERE run_id = :run_id AND t >= :raw_from AND t >= :t_since
 """.format(
     minutes=_ROLLED.format(res="1m"),
     seconds=_ROLLED.format(res="1s"),
     since_at=_SINCE.format(col="at"),
-    since_recorded=_SINCE.format(col="recorded_at"),
 )
-# Where a run's spans begin and end (each source read by its index range).
+# Where a run's samples begin and end: the raw samples (kept after the
+# rollups), found by walking the (run_id, t) index from either end.
 _ROUTER_BOUNDS = """
-SELECT least(m.first_at, s.first_at, r.first_at) AS first_at,
-       greatest(m.last_at, s.last_at, r.last_at) AS last_at
-FROM (SELECT min(at) AS first_at, max(at) AS last_at FROM v_router_telemetry_1m
-      WHERE run_id = :run_id AND at < CAST(:last_minute AS timestamptz) AND {since_at}) m,
-     (SELECT min(at) AS first_at, max(at) AS last_at FROM v_router_telemetry_1s
-      WHERE run_id = :run_id
-        AND at >= coalesce(CAST(:last_minute AS timestamptz), '-infinity'::timestamptz)
-        AND at < CAST(:last_second AS timestamptz) AND {since_at}) s,
-     (SELECT CAST(:base AS timestamptz) + make_interval(secs => min(t)) AS first_at,
-             CAST(:base AS timestamptz) + make_interval(secs => max(t)) AS last_at
-      FROM v_router_telemetry
-      WHERE run_id = :run_id AND t >= :raw_from AND {since_recorded}) r
-""".format(since_at=_SINCE.format(col="at"), since_recorded=_SINCE.format(col="recorded_at"))
+SELECT CAST(:base AS timestamptz) + make_interval(secs => (
+           SELECT t FROM v_router_telemetry WHERE run_id = :run_id AND t >= :t_since
+           ORDER BY t LIMIT 1)) AS first_at,
+       CAST(:base AS timestamptz) + make_interval(secs => (
+           SELECT t FROM v_router_telemetry WHERE run_id = :run_id AND t >= :t_since
+           ORDER BY t DESC LIMIT 1)) AS last_at
+"""
 _ROUTER_SUMS = """
        count(*) AS spans, sum(samples)::bigint AS samples, sum(ar) AS ar, sum(lf) AS lf,
        sum(lfn)::bigint AS lfn, sum(q) AS q, sum(ka)::bigint AS ka, sum(tcp)::bigint AS tcp
@@ -377,6 +372,7 @@ def _router_values(r: Mapping[str, Any]) -> dict[str, float | None]:
 
 def read_router(conn: Connection, data: ReportData, networks: NetworkTable | None) -> None:
     p = data.filters.params()
+    since = data.filters.since
     runs = []
     for run in _rows(conn, _ROUTER_RUNS, p):
         base, last_second = run["base"], run["last_second"]
@@ -387,6 +383,8 @@ def read_router(conn: Connection, data: ReportData, networks: NetworkTable | Non
             "last_minute": run["last_minute"],
             "last_second": last_second,
             "raw_from": (last_second - base).total_seconds() if last_second else -math.inf,
+            # The run's own clock (start + t), as its rollups count time.
+            "t_since": (since - base).total_seconds() if since else -math.inf,
         }
         bounds = _rows(conn, _ROUTER_BOUNDS, q)[0]
         if bounds["first_at"] is None:

@@ -508,11 +508,15 @@ def test_a_figure_without_data_is_none() -> None:
 # -- the rollups give the same report ----------------------------------------------------
 
 
-def seed_long_router_run(database_url: str, name: str, hours: float, every_s: int) -> None:
+def seed_long_router_run(
+    database_url: str, name: str, hours: float, every_s: float, offset_s: float = 0.0
+) -> None:
     """A run of ``hours`` with a sample every ``every_s`` seconds, started on a
-    whole minute (so its minutes and seconds hold its samples at their own times)."""
+    whole minute (so its minutes and seconds hold its samples at their own
+    times), or ``offset_s`` from one."""
     start = (NOW - timedelta(hours=hours + 0.5)).replace(second=0, microsecond=0).timestamp()
-    n = int(hours * 3600 / every_s)
+    start += offset_s
+    n = round(hours * 3600 / every_s)
     lines = [
         json.dumps(
             {
@@ -626,6 +630,10 @@ def test_the_rollups_give_the_report_the_numbers_of_the_raw_rows(
     stored after the refresh is shown at once (computed live again)."""
     seed_long_router_run(database_url, "edge-hours", 12, 60)  # drawn from minutes
     seed_long_router_run(database_url, "edge-2h", 2, 10)  # drawn from seconds
+    # 1.5 s of 10 ms samples across a minute's end: drawn from its raw samples,
+    # though a minute and two seconds of it are rolled up (CI once caught the
+    # first sample's time read from the minute).
+    seed_long_router_run(database_url, "edge-straddle", 1.5 / 3600, 0.01, offset_s=-0.7)
     before = _read(database_url)
     assert before.trials_source == "live"
     _check_trials(before, database_url)
@@ -650,7 +658,7 @@ def test_the_rollups_give_the_report_the_numbers_of_the_raw_rows(
         for col in ("advertised_rate_mean", "queue_mean", "kickass_share"):
             assert _close(r[col], b[col]), (r["run_name"], col)
     series = {s.label: s for s in before.router_series}
-    assert len(series) == 4
+    assert len(series) == 5
     for s in after.router_series:
         b = series[s.label]
         assert len(s.t) == len(b.t) and 0 < len(s.t) <= figures.MAX_POINTS, s.label
