@@ -498,7 +498,7 @@ def router(name: str, title: str, runs: Sequence[RunSeries]) -> Figure | None:
         return _svg(fig, name, title, marks)
 
 
-# -- campaign health ------------------------------------------------------------------------
+# -- schedule health ------------------------------------------------------------------------
 
 
 def stacked_counts(

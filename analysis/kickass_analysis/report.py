@@ -17,7 +17,7 @@ ours:
   1.2-4x beside it;
 - **the router**: advertised rate, leading-fragment length, queue and mode
   over time;
-- **campaign health**: scheduled item runs by outcome and the failures with
+- **schedule health**: scheduled item runs by outcome and the failures with
   their reasons (``v_item_runs``), the Atlas measurements' status.
 
 Everything is read in one REPEATABLE READ transaction (one snapshot: the
@@ -844,7 +844,7 @@ def router_section(data: ReportData) -> tuple[Section, dict[str, Any]]:
 
 
 def health_section(data: ReportData) -> tuple[Section, dict[str, Any]]:
-    sec = Section("health", "Campaign health")
+    sec = Section("health", "Schedule health")
     counts: dict[str, dict[str, int]] = {}
     for r in data.item_outcomes:
         counts.setdefault(f"{r['item']} ({r['kind']})", {})[r["outcome"]] = int(r["runs"])

@@ -26,7 +26,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "against packet size and split, by source; fragment-intolerant clients by country and "
         "network, the paper's 8.3%% beside ours), the trials (FCT against flow size, the "
         "speedup with its interval, time in Kick-Ass mode; the paper's 1.2-4x beside ours), "
-        "the edge router over time and the campaigns' health. Figures are inline SVG: the "
+        "the edge router over time and the schedule's health. Figures are inline SVG: the "
         "file needs nothing else to be read, not even a network. Reads only the v_* views.",
     )
     p.add_argument(

@@ -292,7 +292,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if not url:
         raise KickassError(
             "status reads item_runs in the database: no database URL here",
-            hint="run it where KICKASS_DATABASE_URL is set, or open the campaign health "
+            hint="run it where KICKASS_DATABASE_URL is set, or open the schedule health "
             "dashboard (grafana/)",
         )
     from kickass_db.schedule_store import ScheduleStore

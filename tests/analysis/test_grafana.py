@@ -65,7 +65,7 @@ SOURCES = {
     "fragment-viability.json": "the study: sources, countries, networks",
     "wide-area-trials.json": "the paired trials",
     "edge-router.json": "the edge router",
-    "campaign-health.json": "campaign health",
+    "schedule-health.json": "schedule health",
 }
 
 
@@ -200,7 +200,7 @@ EXPECTED_COLUMNS: dict[str, set[str]] = {
     "Leading-fragment length": {"time", "metric", "leading fragment (bytes)"},
     "Queue": {"time", "metric", "mean queue", "largest queue"},
     "Time in Kick-Ass mode (ka_mode)": {"time", "metric", "ka_mode"},
-    # campaign health
+    # schedule health
     "Runs by outcome over time": {"time", "metric", "runs"},
     "Items with no ok run in the last $overdue_hours hours": {"item", "last_ok_at"},
     "Failures with reasons": {"item", "outcome", "reason"},
@@ -646,7 +646,7 @@ def test_dropping_a_column_someone_reads_is_caught(head_schema: Schema) -> None:
         ("v_drop_rollup", "largest_fragment_as_sent", "fragment-viability.json"),
         ("v_trial_speedups", "speedup_low", "wide-area-trials.json"),
         ("v_router_telemetry_1m", "kickass_samples", "edge-router.json"),
-        ("v_item_runs", "reason", "campaign-health.json"),
+        ("v_item_runs", "reason", "schedule-health.json"),
         ("v_size_drop_all", "fragmented_on_arrival", "fragment_viability.ipynb"),
         ("v_trial_speedups", "completion_baseline", "wide_area_trials.ipynb"),
         ("v_router_telemetry_1s", "ka_mode_share", "edge_router.ipynb"),
