@@ -14,7 +14,7 @@ emulated WAN to a kickass-agent, and prints one JSON object:
 The periods of a pair run the same flows under each arm (Kick-Ass, CUBIC,
 and under light load Kick-Ass with the paper's handshake), in an order drawn
 per pair. For each: mean and p95 FCT per size bucket and arm, the paired
-speedup on matched flows with its bootstrap interval (kickass_analysis), the
+speedup on matched flows with its interval over period pairs (kickass_analysis), the
 time in Kick-Ass mode, the router's queueing delay (queue bytes / capacity,
 per 10 ms telemetry sample) as a CDF per arm over the periods as they really
 started, and how well the eight senders kept the schedule. The paper reports
@@ -123,7 +123,7 @@ def queue_cdf(telemetry: list[dict], spans: list[tuple[float, float, str]], bps:
 
 def speedups(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The paired speedup (kickass_analysis: matched flows, geometric mean,
-    bootstrap interval) pooled over the senders' trials, per arm and bucket."""
+    interval over period pairs) pooled over the senders' trials, per arm and bucket."""
     out: dict[str, Any] = {}
     for r in rows:
         if r["scope"] != "pooled":
@@ -186,7 +186,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--period", type=float, default=40.0, help="seconds per period (light load)")
     ap.add_argument("--heavy-period", type=float, default=90.0, help="seconds per period (heavy)")
-    ap.add_argument("--pairs", type=int, default=1, help="pairs of periods per trial")
+    ap.add_argument(
+        "--pairs",
+        type=int,
+        default=4,
+        help="pairs of periods per trial (the interval is over pairs: at least 2, 4 by default)",
+    )
     ap.add_argument("--quick", action="store_true", help="short periods, for a smoke run")
     ap.add_argument("--only", choices=["light", "heavy"], help="run one scenario (default: both)")
     ap.add_argument(

@@ -363,7 +363,7 @@ def speedups(
     buckets: Sequence[str] = (*stats.SIZE_BUCKETS, "all"),
 ) -> Figure | None:
     """The paired speedup (rows of v_trial_speedups) per size bucket with its
-    bootstrap interval, one series per comparison; the paper's 1.2-4x shaded."""
+    interval over period pairs, one series per comparison; the paper's 1.2-4x shaded."""
     rows = [r for r in rows if r.get("speedup") is not None]
     if not rows:
         return None

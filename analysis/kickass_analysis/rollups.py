@@ -32,9 +32,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
@@ -53,6 +54,43 @@ SELECT f.trial_id, f.destination, f.access_capacity_bps, f.pair, f.flow_index, f
 FROM v_flow_results f JOIN trials t ON t.trial_id = f.trial_id
 WHERE f.pair IS NOT NULL AND f.arm IS NOT NULL
 """)
+# Each period pair's span in time, from what happened (actual starts).
+PAIR_SPANS = """
+SELECT trial_id, pair,
+       extract(epoch FROM min(period_started_at))::float8 AS started,
+       extract(epoch FROM max(period_started_at + make_interval(secs => duration_s)))::float8
+           AS ended
+FROM v_trial_periods
+WHERE pair IS NOT NULL {where}
+GROUP BY trial_id, pair
+"""
+
+PairKey = tuple[str, int]
+Span = tuple[float, float]
+
+
+def pair_spans(conn: Connection, trial_ids: Sequence[str] | None = None) -> dict[PairKey, Span]:
+    """(trial_id, pair) -> (started, ended) in epoch seconds."""
+    where, params = "", {}
+    if trial_ids is not None:
+        where, params = "AND trial_id = ANY(:ids)", {"ids": list(trial_ids)}
+    rows = conn.execute(text(PAIR_SPANS.format(where=where)), params).mappings()
+    return {(r["trial_id"], r["pair"]): (r["started"], r["ended"]) for r in rows}
+
+
+def pair_clusters(spans: Mapping[PairKey, Span]) -> dict[PairKey, int]:
+    """Period pairs that ran at overlapping times (several senders' trials
+    through one bottleneck, say) saw the same conditions: one cluster. Pairs
+    one after the other (a trial's own) are clusters of their own."""
+    labels: dict[PairKey, int] = {}
+    cluster, end = -1, -math.inf
+    for key, (started, ended) in sorted(spans.items(), key=lambda kv: (kv[1][0], kv[0])):
+        if started >= end:
+            cluster, end = cluster + 1, ended
+        else:
+            end = max(end, ended)
+        labels[key] = cluster
+    return labels
 
 
 @dataclass(frozen=True)
@@ -82,6 +120,7 @@ class SpeedupRow:
             "speedup": s.estimate,
             "speedup_low": s.low,
             "speedup_high": s.high,
+            "clusters": s.clusters,
             "completion_arm": s.completion_kickass,
             "completion_baseline": s.completion_baseline,
             "workload": None if self.workload is None else json.dumps(self.workload),
@@ -98,9 +137,11 @@ def comparisons(arms: list[str], protocols: Mapping[str, str]) -> list[tuple[str
 
 
 def _speedups(
-    flows: Iterable[Mapping[str, Any]],
+    flows: Iterable[Mapping[str, Any]], clusters: Mapping[PairKey, int]
 ) -> dict[tuple[str, str, str], stats.Speedup]:
-    """Per (arm, baseline, size bucket or "all"), from one group of trials' flows."""
+    """Per (arm, baseline, size bucket or "all"), from one group of trials'
+    flows; ``clusters`` from ``pair_clusters`` (a pair missing from it is a
+    cluster of its own)."""
     by_flow: dict[tuple[str, int, int], dict[str, Mapping[str, Any]]] = defaultdict(dict)
     arm_order: list[str] = []
     protocols: dict[str, str] = {}
@@ -113,18 +154,21 @@ def _speedups(
     out: dict[tuple[str, str, str], stats.Speedup] = {}
     for arm, base in comparisons(arm_order, protocols):
         buckets: dict[str, list[tuple[float | None, float | None]]] = defaultdict(list)
-        for twins in by_flow.values():
+        labels: dict[str, list[Hashable]] = defaultdict(list)
+        for (trial_id, pair_index, _), twins in by_flow.items():
             a, b = twins.get(arm), twins.get(base)
             if a is None or b is None:
                 continue  # the flow of a period that did not run (skipped)
-            pair = (
+            fcts = (
                 a["fct_ms"] if a["completed"] else None,
                 b["fct_ms"] if b["completed"] else None,
             )
-            buckets[stats.size_bucket(int(a["size_packets"]))].append(pair)
-            buckets[ALL_SIZES].append(pair)
-        for bucket, pairs in buckets.items():
-            out[(arm, base, bucket)] = stats.speedup(pairs)
+            label = clusters.get((trial_id, pair_index), (trial_id, pair_index))
+            for bucket in (stats.size_bucket(int(a["size_packets"])), ALL_SIZES):
+                buckets[bucket].append(fcts)
+                labels[bucket].append(label)
+        for bucket, fcts_of in buckets.items():
+            out[(arm, base, bucket)] = stats.speedup(fcts_of, labels[bucket])
     return out
 
 
@@ -133,9 +177,16 @@ def _arm_order(parameters: Mapping[str, Any]) -> list[str]:
     return [a["name"] for a in arms if isinstance(a, dict) and "name" in a]
 
 
-def compute(rows: Sequence[Mapping[str, Any]], *, trials: bool = True) -> list[SpeedupRow]:
+def compute(
+    rows: Sequence[Mapping[str, Any]],
+    spans: Mapping[PairKey, Span] | None = None,
+    *,
+    trials: bool = True,
+) -> list[SpeedupRow]:
     """Every trial's (unless not ``trials``) and every pooled group's speedups
-    from v_flow_results rows."""
+    from v_flow_results rows; ``spans`` (``pair_spans``) decide which period
+    pairs are independent clusters (without them, each pair is one)."""
+    clusters = pair_clusters(spans or {})
     by_trial: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
     for r in rows:
         by_trial[r["trial_id"]].append(r)
@@ -149,7 +200,7 @@ def compute(rows: Sequence[Mapping[str, Any]], *, trials: bool = True) -> list[S
         flows = sorted(
             flows, key=lambda f: order.index(f["arm"]) if f["arm"] in order else len(order)
         )
-        for (arm, base, bucket), s in (_speedups(flows) if trials else {}).items():
+        for (arm, base, bucket), s in (_speedups(flows, clusters) if trials else {}).items():
             out.append(
                 SpeedupRow(
                     "trial",
@@ -175,7 +226,7 @@ def compute(rows: Sequence[Mapping[str, Any]], *, trials: bool = True) -> list[S
         group_meta[key] = (first["destination"], first["access_capacity_bps"], identity)
     for key, flows in groups.items():
         dest, cap, identity = group_meta[key]
-        for (arm, base, bucket), s in _speedups(flows).items():
+        for (arm, base, bucket), s in _speedups(flows, clusters).items():
             out.append(
                 SpeedupRow(
                     "pooled", key, dest, cap, arm, base, bucket, s, identity["workload"]
@@ -192,18 +243,18 @@ class RollupStore(StoreBase):
 
         def work(conn: Connection) -> int:
             rows = [dict(r) for r in conn.execute(_FLOWS).mappings()]
-            computed = compute(rows)
+            computed = compute(rows, pair_spans(conn))
             conn.execute(text("DELETE FROM trial_speedups"))
             if computed:
                 conn.execute(
                     text(
                         "INSERT INTO trial_speedups (scope, key, destination, "
                         "access_capacity_bps, arm, baseline_arm, size_bucket, pairs, matched, "
-                        "speedup, speedup_low, speedup_high, completion_arm, "
+                        "speedup, speedup_low, speedup_high, clusters, completion_arm, "
                         "completion_baseline, workload) VALUES (:scope, :key, :destination, "
                         ":access_capacity_bps, :arm, :baseline_arm, :size_bucket, :pairs, "
-                        ":matched, :speedup, :speedup_low, :speedup_high, :completion_arm, "
-                        ":completion_baseline, CAST(:workload AS jsonb))"
+                        ":matched, :speedup, :speedup_low, :speedup_high, :clusters, "
+                        ":completion_arm, :completion_baseline, CAST(:workload AS jsonb))"
                     ),
                     [c.to_row() for c in computed],
                 )

@@ -244,8 +244,9 @@ def _second_act(
     out = run_trial(url, config, spec)
     out_console.print(render_summary(out.summary, out.flows), highlight=False)
     out_console.print(
-        "paired speedup (the same flow under each arm; geometric mean, 95% bootstrap "
-        "interval; completed: Kick-Ass / TCP):",
+        "paired speedup (the same flow under each arm; geometric mean; its 95% interval "
+        "is over period pairs, so one pair has none: scheduled rounds run several; "
+        "completed: Kick-Ass / TCP):",
         highlight=False,
     )
     out_console.print(render_speedups(out.speedups), highlight=False)

@@ -337,7 +337,11 @@ def render_speedups(speedups: list[dict[str, Any]]) -> str:
             est, ci = "-", ""
         else:
             est = f"{r['speedup']:.2f}x"
-            ci = f"[{r['speedup_low']:.2f}, {r['speedup_high']:.2f}]"
+            ci = (
+                f"[{r['speedup_low']:.2f}, {r['speedup_high']:.2f}]"
+                if r["speedup_low"] is not None
+                else "(one pair)"  # below two period pairs there is no interval
+            )
         done = (
             f"{(r['completion_arm'] or 0):.0%} / {(r['completion_baseline'] or 0):.0%}"
             if r["pairs"]

@@ -145,6 +145,7 @@ VIEW_COLUMNS = {
         "scope", "key", "destination", "access_capacity_bps", "arm", "baseline_arm",
         "size_bucket", "pairs", "matched", "speedup", "speedup_low", "speedup_high",
         "completion_arm", "completion_baseline", "workload", "computed_at",
+        "clusters",  # 0015
     ],
     # 0006: RIPE Atlas beside the volunteers (db/README.md, "RIPE Atlas")
     "v_atlas_whole_drop": [

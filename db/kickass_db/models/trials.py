@@ -182,3 +182,5 @@ class TrialSpeedupRow(Base):
     computed_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), server_default=func.now()
     )
+    # Independent clusters of period pairs behind the interval (migration 0015).
+    clusters: Mapped[int | None] = mapped_column(Integer)
