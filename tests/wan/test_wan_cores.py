@@ -26,6 +26,46 @@ def test_paper_workload_has_the_papers_moments() -> None:
     assert abs(statistics.median(sizes) - want) <= 2, (statistics.median(sizes), want)
     assert statistics.median(sizes) < statistics.fmean(sizes)  # right-skewed
     assert max(sizes) == 2000  # the bound is reached
+    # The floor every result states: the scale that gives a mean of 100 is
+    # 45.7 packets, so no flow is shorter than 46 though the range reads 1..2000.
+    assert w.scale() == pytest.approx(45.68, abs=0.01)
+    assert min(sizes) == math.ceil(w.scale()) == 46
+
+
+def test_literal_workload_is_the_papers_range_as_documented() -> None:
+    """Workload.literal(): 1..2000 packets, shape 1.8, scale 1, sizes rounded
+    down, so P(size >= k) = k^-1.8 for every whole k and the mean is
+    sum(k^-1.8, k = 1..2000) = 1.88 packets; a drawn workload has them."""
+    w = Workload.literal(seed=7, mean_gap_s=0.01)
+    assert (w.min_packets, w.max_packets, w.shape, w.scale()) == (1, 2000, 1.8, 1.0)
+    survival = {k: k**-1.8 for k in range(1, 2001)}  # P(size >= k)
+    mean = sum(survival.values())
+    assert w.mean_packets == pytest.approx(mean, rel=1e-12)
+    assert 1.87 < w.mean_packets < 1.89
+    sizes = [f.size_packets for f in flows(w, duration_s=400.0)]
+    n = len(sizes)
+    assert n > 30_000
+    assert min(sizes) == 1 and max(sizes) <= 2000
+    # The sample mean within 4 standard errors of the law's (E[S^2] = sum (2k - 1) P(S >= k)).
+    variance = sum((2 * k - 1) * p for k, p in survival.items()) - mean**2
+    assert abs(statistics.fmean(sizes) - mean) <= 4 * math.sqrt(variance / n)
+    # The shape: the share of flows of at least k packets is k^-1.8, within 4 binomial SE.
+    for k in (1, 2, 3, 4, 8, 16, 32):
+        p = survival[k]
+        share = sum(s >= k for s in sizes) / n
+        assert abs(share - p) <= 4 * math.sqrt(p * (1 - p) / n) + 1e-12, (k, share, p)
+    # Stored and rebuilt (as a trial's parameters are), it draws the same flows.
+    again = Workload(**w.to_json())
+    assert again == w and list(flows(again, 60.0, stream=3)) == list(flows(w, 60.0, stream=3))
+
+
+def test_default_workload_parameters_are_stored_as_before() -> None:
+    # Trials stored before sizes could be rounded down carry no "rounding":
+    # the default still writes none, so their parameters (and the rollups'
+    # grouping by workload) match today's, and rebuilding one draws the same flows.
+    w = Workload(seed=11)
+    assert "rounding" not in w.to_json()
+    assert list(flows(Workload(**w.to_json()), 60.0, stream=1)) == list(flows(w, 60.0, stream=1))
 
 
 def test_gaps_are_exponential_with_the_configured_mean() -> None:
@@ -44,7 +84,14 @@ def test_workload_is_reproducible_per_seed_and_stream() -> None:
 
 
 @pytest.mark.parametrize(
-    "bad", [dict(shape=1.0), dict(min_packets=0), dict(mean_packets=5000), dict(mean_gap_s=0)]
+    "bad",
+    [
+        dict(shape=1.0),
+        dict(min_packets=0),
+        dict(mean_packets=5000),
+        dict(mean_gap_s=0),
+        dict(rounding="nearest"),
+    ],
 )
 def test_bad_workloads_are_refused(bad: dict) -> None:
     with pytest.raises(ValueError):

@@ -144,8 +144,9 @@ def _schedule_args(p: argparse.ArgumentParser) -> None:
         "--literal-range",
         action="store_true",
         default=None,
-        help="the paper's 1..2000 packets taken literally (Pareto scale 1; mean ~3) "
-        "instead of the mean of 100 (no flow under 46 packets)",
+        help="the paper's 1..2000 packets taken literally (Pareto scale 1, sizes rounded "
+        "down: 71%% of flows are of one packet, mean 1.9) instead of the mean of 100 "
+        "(no flow under 46 packets)",
     )
     p.add_argument("--mean-gap", type=float, help="mean gap between flows, s (default 0.5)")
     p.add_argument("--mean-packets", type=float, help="mean flow size (default 100)")

@@ -1,13 +1,18 @@
 """The paper's workload (section IV-A): on-off senders, exponential gaps, Pareto flow sizes.
 
 Flow sizes are bounded Pareto in packets of 1500 bytes, shape ~1.8, scale
-chosen so the mean is ~100 packets, clamped to [min, max]. Read the bounds
-with care: with mean 100 and shape 1.8 the Pareto's scale is 45.7 packets, so
-no flow is shorter than 46 packets although the range is written 1..2000 (a
-defensible reading of the paper, which gives the range, the mean and the
-shape; every result shown says so). ``Workload.literal()`` is the paper's
-range taken literally instead: the scale set to ``min_packets`` (1), the
-mean then what the shape gives.
+chosen so the mean is ~100 packets, rounded up to whole packets and clamped
+to [min, max]. Read the bounds with care: with mean 100 and shape 1.8 the
+Pareto's scale is 45.7 packets, so no flow is shorter than 46 packets
+although the range is written 1..2000 (a defensible reading of the paper,
+which gives the range, the mean and the shape; every result shown says so).
+
+``Workload.literal()`` is the paper's range taken literally instead: the
+scale at ``min_packets`` (1) and sizes rounded *down*, so that
+P(size >= k) = k^-shape for every whole k: 71% of the flows are of one
+packet, and the mean is what the shape gives, 1.88 packets for 1..2000
+(rounded up, as the default, no flow would be of one packet and the mean
+would be 2.8 against the 2.2 of the continuous law).
 
 Everything is drawn from one seeded generator per stream, so a trial's flows
 are reproducible from its stored parameters alone, and both periods of a
@@ -27,6 +32,7 @@ PACKET_BYTES = 1500
 # 20 IP + 8 UDP + 32 header + 1440). Both protocols move exactly these bytes,
 # so a flow of N packets is the same transfer over Kick-Ass and over TCP.
 APP_BYTES_PER_PACKET = 1440
+ROUNDINGS = ("ceil", "floor")
 
 
 @dataclass(frozen=True)
@@ -40,8 +46,13 @@ class Workload:
     # None: the scale that gives ``mean_packets``; else the Pareto scale
     # itself (``literal()``: the paper's range taken literally).
     scale_packets: float | None = None
+    # How a drawn size becomes whole packets: "ceil" (never below the scale)
+    # or "floor" (``literal()``: the scale itself occurs).
+    rounding: str = "ceil"
 
     def __post_init__(self) -> None:
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"rounding must be one of {', '.join(ROUNDINGS)}")
         if not 1 <= self.min_packets <= self.max_packets:
             raise ValueError("need 1 <= min_packets <= max_packets")
         if self.shape <= 1.0:
@@ -52,16 +63,28 @@ class Workload:
             raise ValueError("mean_gap_s must be positive")
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        # Rounding up is what every trial before the field existed drew: left
+        # out, their stored parameters (and the rollups' grouping by workload)
+        # stay as they were.
+        if self.rounding == "ceil":
+            del out["rounding"]
+        return out
 
     @classmethod
     def literal(cls, **kw: Any) -> Workload:
         """The paper's 1..2000 packets taken literally: the Pareto scale at the
-        minimum (1 packet), so small flows occur; the mean follows from the
-        shape instead of being 100."""
+        minimum (1 packet) and sizes rounded down, so P(size >= k) =
+        (min / k)^shape for every whole k from the minimum on; the mean follows
+        from the shape (1.88 packets for 1..2000, shape 1.8) instead of being 100."""
         w = replace(cls(**kw), scale_packets=None)
-        lo, hi = float(w.min_packets), float(w.max_packets)
-        return replace(w, scale_packets=lo, mean_packets=_truncated_mean(lo, w.shape, lo, hi))
+        lo, hi = w.min_packets, w.max_packets
+        return replace(
+            w,
+            scale_packets=float(lo),
+            rounding="floor",
+            mean_packets=_floor_mean(float(lo), w.shape, lo, hi),
+        )
 
     def scale(self) -> float:
         """Pareto scale x_m giving the configured mean once truncated to [min, max]
@@ -95,6 +118,12 @@ def _truncated_mean(xm: float, alpha: float, lo: float, hi: float) -> float:
         x1 = lo * (hi / lo) ** ((i + 1) / n)
         total += (survival(x0) + survival(x1)) / 2 * (x1 - x0)
     return lo + total
+
+
+def _floor_mean(xm: float, alpha: float, lo: int, hi: int) -> float:
+    """Mean of round-down(Pareto(xm, alpha)) clamped to [lo, hi], exactly:
+    E[S] = lo + sum over whole k in (lo, hi] of P(S >= k) = (xm / k)^alpha."""
+    return lo + sum(min(1.0, float((xm / k) ** alpha)) for k in range(lo + 1, hi + 1))
 
 
 @dataclass(frozen=True)
@@ -137,7 +166,8 @@ def flows(w: Workload, duration_s: float, stream: int = 0) -> Iterator[Flow]:
     i = 0
     while t < duration_s:
         u = 1.0 - rng.random()  # (0, 1]
-        size = math.ceil(xm / u ** (1.0 / w.shape))
+        x = xm / u ** (1.0 / w.shape)
+        size = math.floor(x) if w.rounding == "floor" else math.ceil(x)
         yield Flow(i, t, max(w.min_packets, min(w.max_packets, size)))
         i += 1
         t += rng.expovariate(1.0 / w.mean_gap_s)
