@@ -22,6 +22,7 @@ import importlib.util
 import re
 import secrets
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -33,7 +34,8 @@ import psycopg
 import pytest
 import yaml
 from kickass_analysis import rollups
-from kickass_db.study_store import StudyStore
+from kickass_core import verdict
+from kickass_db.study_store import ProbeOutcome, StudyStore
 from psycopg import sql
 from support.grafana import (
     DASHBOARD_DIR,
@@ -53,7 +55,14 @@ from support.grafana import (
     select,
     template_variables,
 )
-from support.seed import seed_atlas, seed_item_runs, seed_paired_trials, seed_router, seed_study
+from support.seed import (
+    default_plan,
+    seed_atlas,
+    seed_item_runs,
+    seed_paired_trials,
+    seed_router,
+    seed_study,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = dashboards()
@@ -167,12 +176,30 @@ def test_custom_variable_options() -> None:
 # -- the dashboards as files -------------------------------------------------------------
 
 
+# The study's test of split loss against the two-fragment bound, and the
+# trials' fallbacks (issue 18): checked on data seeded for them below.
+ABOVE_BOUND = "Split drop above the two-fragment bound + 3 SE (the verdict's test; paper: never)"
+EXCESS_HISTOGRAM = "Split drop minus the two-fragment bound, per session (paper: never above)"
+EXCESS_TABLE = (
+    "Split drop against the two-fragment bound, per session, with the excess's 95% interval"
+)
+FALLBACKS = "Kick-Ass flows that fell back to TCP, by arm"
+
 # Columns a panel needs: the SQL may return more, never fewer.
 EXPECTED_COLUMNS: dict[str, set[str]] = {
     # the study
     "Clients with a verdict": {"clients"},
     "Fragment-intolerant clients (paper: 8.3%)": {"measured", "paper (405 clients)"},
-    "Split drop above 2x whole (paper: never)": {"sessions above 2x"},
+    ABOVE_BOUND: {
+        "above the bound", "share of tested sessions", "tested sessions",
+        "excess interval above 0",
+    },
+    EXCESS_HISTOGRAM: {"split drop - bound"},
+    EXCESS_TABLE: {
+        "session_id", "verdict", "whole_drop_rate", "split_drop_rate", "two-fragment bound",
+        "bound + 3 SE", "above the bound", "split_excess_drop", "split_excess_low",
+        "split_excess_high", "split_to_whole_ratio",
+    },
     "Pooled split / whole drop ratio": {"split / whole"},
     "Clients by latest verdict": {"verdict", "clients"},
     "Fragment-intolerant by source (paper: 8.3% of 405 clients)": {
@@ -195,6 +222,7 @@ EXPECTED_COLUMNS: dict[str, set[str]] = {
     "Per-trial speedup over time (paired, 95% interval)": {"time", "metric", "speedup"},
     "FCT by destination, protocol and size": {"protocol", "arm", "fct_ms_mean", "speedup"},
     "Period starts: late by (schedule vs actual)": {"time", "metric", "late by (ms)"},
+    FALLBACKS: {"destination", "arm", "Kick-Ass flows", "fell back to TCP", "share fell back"},
     # the router
     "Advertised rate": {"time", "metric", "advertised rate", "capacity"},
     "Leading-fragment length": {"time", "metric", "leading fragment (bytes)"},
@@ -311,38 +339,46 @@ class Seeded:
     router_window: TimeRange  # the first seeded router run, a minute either side
 
 
+@contextmanager
+def reader(database_url: str) -> Iterator[psycopg.Connection]:
+    """A connection acting as the views-only reader role Grafana uses."""
+    role = f"kickass_reader_{secrets.token_hex(4)}"
+    url = db.libpq_url(database_url)
+    with psycopg.connect(url, autocommit=True) as admin:
+        granted = _load_grant_reader()(admin, role)
+        assert {"v_drop_rollup", "v_router_telemetry_1s", "v_item_health"} <= set(granted)
+        try:
+            with psycopg.connect(url, autocommit=True) as conn:
+                conn.execute(sql.SQL("SET ROLE {}").format(sql.Identifier(role)))
+                conn.execute("SET TIME ZONE 'UTC'")  # Grafana reads times as UTC
+                yield conn
+        finally:
+            # Roles are cluster-wide: leave none behind.
+            admin.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+            admin.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
 @pytest.fixture
 def seeded(database_url: str, store: StudyStore) -> Iterator[Seeded]:
     """A seeded database, rolled up by the scheduled refresh and then added to,
     read through a connection acting as the views-only reader role."""
     seed_study(store, n_clients=30, rng=11, spread=timedelta(days=14), live=True)
-    seed_paired_trials(database_url)
+    seed_paired_trials(database_url, fallbacks=2)
     (run_id, _) = seed_router(database_url)
     seed_atlas(database_url)
     seed_item_runs(database_url)
     rollups.refresh(database_url)
     # Sessions finished after the refresh: the rollup views add them live.
     seed_study(store, n_clients=10, rng=12, spread=timedelta(days=3))
-    role = f"kickass_reader_{secrets.token_hex(4)}"
-    url = db.libpq_url(database_url)
-    with psycopg.connect(url, autocommit=True) as admin:
-        granted = _load_grant_reader()(admin, role)
-        assert {"v_drop_rollup", "v_router_telemetry_1s", "v_item_health"} <= set(granted)
+    with psycopg.connect(db.libpq_url(database_url)) as admin:
         row = admin.execute(
             "SELECT min(recorded_at), max(recorded_at) FROM router_telemetry WHERE run_id = %s",
             (run_id,),
         ).fetchone()
-        assert row is not None
-        window = TimeRange(row[0] - timedelta(minutes=1), row[1] + timedelta(minutes=1))
-        try:
-            with psycopg.connect(url, autocommit=True) as conn:
-                conn.execute(sql.SQL("SET ROLE {}").format(sql.Identifier(role)))
-                conn.execute("SET TIME ZONE 'UTC'")  # Grafana reads times as UTC
-                yield Seeded(conn, window)
-        finally:
-            # Roles are cluster-wide: leave none behind.
-            admin.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
-            admin.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+    assert row is not None
+    window = TimeRange(row[0] - timedelta(minutes=1), row[1] + timedelta(minutes=1))
+    with reader(database_url) as conn:
+        yield Seeded(conn, window)
 
 
 def _run(conn: psycopg.Connection, query: str) -> tuple[list[str], list[tuple[Any, ...]]]:
@@ -471,6 +507,175 @@ def _check_time_series(columns: list[str], rows: list[tuple[Any, ...]]) -> None:
     if "metric" in columns:
         m = columns.index("metric")
         assert all(isinstance(r[m], str) for r in rows)
+
+
+# -- panels checked on data seeded for them ---------------------------------------------------
+
+
+def panel_rows(
+    conn: psycopg.Connection, dashboard: str, title: str, pinned: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """One panel's rows over the last 30 days, its variables at "All" (or
+    ``pinned``), as Grafana would ask for them; its columns checked."""
+    path = DASHBOARD_DIR / dashboard
+    month = TimeRange.last(timedelta(days=30))
+    variables = variable_values(conn, path, month, pinned or {}, choose_all=True)
+    (q,) = [q for q in panel_queries([path]) if q.title == title]
+    query = expand(q.raw_sql, month, panel_interval(month, q.min_interval), variables)
+    columns, rows = _run(conn, query)
+    if rows:
+        check_columns(q, columns, rows)
+    return [dict(zip(columns, r, strict=True)) for r in rows]
+
+
+@dataclass(frozen=True)
+class KnownSession:
+    """A session with known counts: the first ``whole_lost`` whole probes and
+    the first ``split_lost`` splits lost, ``split_invalid`` of those while the
+    client's kernel refused fragments; ``probes`` of each phase at most."""
+
+    name: str
+    whole_lost: int
+    split_lost: int
+    split_invalid: int = 0
+    probes: int | None = None
+
+
+# With the seed's plan: 125 whole probes and 115 splits.
+KNOWN = (
+    # No whole loss: no split/whole ratio (the old panel left it out), a bound
+    # of 0 and a slack of 3/115; 10 lost splits are well above it.
+    KnownSession("no whole loss, above", 0, 10),
+    KnownSession("above, ratio 8.7", 5, 40),
+    # A ratio of 3.3 (the old panel: "above 2x"), but within the bound
+    # (4.7%) plus 3 standard errors (5.9 points) at 115 splits.
+    KnownSession("ratio 3.3, within", 3, 9),
+    KnownSession("no loss", 0, 0),
+    # The verdict's test does not apply: rules 2, 1, 1 and 0.
+    KnownSession("intolerant", 2, 115),
+    KnownSession("too lossy", 70, 80),
+    KnownSession("too few probes", 0, 5, probes=15),
+    KnownSession("kernel refused fragments", 1, 20, split_invalid=12),
+)
+
+
+def seed_known(store: StudyStore, k: KnownSession, n: int) -> dict[str, Any]:
+    """Stored through the StudyStore as the engine would, the verdict by
+    kickass_core.verdict.decide; returns its valid counts and verdict."""
+    plan = default_plan()
+    sid = f"{0xC0FFEE00 + n:016x}"
+    t0 = datetime.now(UTC) - timedelta(hours=1)
+    store.create_session(
+        session_id=sid, cookie_hash=bytes(32), plan=plan.to_json(),
+        source_address="192.0.2.7", expires_at=t0 + timedelta(hours=3),
+        server_version="0.1.0", client_version="0.1.0", install_id=f"known-{n}",
+    )  # fmt: skip
+    store.mark_probing(sid, "192.0.2.7", 40000, 20.0)
+    seen = {"whole": 0, "split": 0}
+    outcomes = []
+    for seq in range(plan.total_probes):
+        probe = plan.probe(seq)
+        i = seen[probe.phase]
+        seen[probe.phase] += 1
+        if k.probes is not None and i >= k.probes:
+            continue
+        lost = i < (k.whole_lost if probe.phase == "whole" else k.split_lost)
+        sent_at = t0 + timedelta(milliseconds=2 * seq)
+        outcomes.append(
+            ProbeOutcome(seq, probe.phase, probe.ip_len, sent_at, "lost",
+                         reassembly_invalid=probe.phase == "split" and i < k.split_invalid)
+            if lost
+            else ProbeOutcome(seq, probe.phase, probe.ip_len, sent_at, "acked",
+                              acked_at=sent_at + timedelta(milliseconds=20), rtt_ms=20.0,
+                              ack_count=1, received_len=probe.udp_payload_len)
+        )  # fmt: skip
+    store.record_outcomes(sid, outcomes)
+    counts = {
+        phase: (
+            sum(o.phase == phase and not o.reassembly_invalid for o in outcomes),
+            sum(o.phase == phase and o.outcome == "acked" for o in outcomes),
+        )
+        for phase in ("whole", "split")
+    }
+    v = verdict.decide(*counts["whole"], *counts["split"], split_invalid=k.split_invalid)
+    assert store.finish_session(sid, "complete", v.verdict, v.reason)
+    return {"session_id": sid, "counts": counts, "verdict": v}
+
+
+def test_split_drop_panels_are_the_verdicts_test(database_url: str, store: StudyStore) -> None:
+    """The study's split-against-whole panels apply the verdict's rule 3 (split
+    drop above the two-fragment bound plus 3 standard errors) to exactly the
+    sessions the rule decides, sessions without whole loss included, and show
+    the stored excess with its interval: on sessions seeded with known counts,
+    half rolled up by the refresh and half finished since."""
+    known = {}
+    for n, k in enumerate(KNOWN):
+        if n == len(KNOWN) // 2:
+            rollups.refresh(database_url)
+        known[k.name] = seed_known(store, k, n)
+    tested, above, excess = set(), set(), {}
+    for name, s in known.items():
+        (ws, wa), (ss, sa) = s["counts"]["whole"], s["counts"]["split"]
+        # The rule's own words: rule 3 decided it (within, or above: inconclusive).
+        if "two-fragment bound" in s["verdict"].reason:
+            tested.add(name)
+            if s["verdict"].verdict == verdict.INCONCLUSIVE:
+                above.add(name)
+            excess[name] = verdict.excess(ws, wa, ss, sa)
+    assert tested == {"no whole loss, above", "above, ratio 8.7", "ratio 3.3, within", "no loss"}
+    assert above == {"no whole loss, above", "above, ratio 8.7"}
+    by_id = {s["session_id"]: name for name, s in known.items()}
+    with reader(database_url) as conn:
+        (stat,) = panel_rows(conn, "fragment-viability.json", ABOVE_BOUND)
+        assert stat["tested sessions"] == len(tested) == 4
+        assert stat["above the bound"] == len(above) == 2
+        assert stat["share of tested sessions"] == pytest.approx(0.5)
+        assert stat["excess interval above 0"] == sum(e.low > 0 for e in excess.values()) >= 2
+
+        table = panel_rows(conn, "fragment-viability.json", EXCESS_TABLE)
+        rows = {by_id[r["session_id"]]: r for r in table}
+        assert set(rows) == tested
+        for name, r in rows.items():
+            (ws, wa), (ss, sa) = known[name]["counts"]["whole"], known[name]["counts"]["split"]
+            bound = verdict.two_fragment_bound(1 - wa / ws)
+            assert r["two-fragment bound"] == pytest.approx(bound, abs=1e-12)
+            assert r["bound + 3 SE"] == pytest.approx(bound + verdict.slack(bound, ss), abs=1e-12)
+            assert r["above the bound"] is (name in above), name
+            e = excess[name]
+            got = (r["split_excess_drop"], r["split_excess_low"], r["split_excess_high"])
+            assert got == pytest.approx((e.estimate, e.low, e.high), abs=1e-9), name
+        # Above the bound first; the ratio the old panel tested says otherwise.
+        assert {by_id[r["session_id"]] for r in table[:2]} == above
+        assert rows["no whole loss, above"]["split_to_whole_ratio"] is None
+        assert rows["ratio 3.3, within"]["split_to_whole_ratio"] > 2
+        assert rows["no loss"]["split_excess_low"] < 0 < rows["no loss"]["split_excess_high"]
+
+        histogram = panel_rows(conn, "fragment-viability.json", EXCESS_HISTOGRAM)
+        want = sorted(e.estimate for e in excess.values())
+        assert [r["split drop - bound"] for r in histogram] == pytest.approx(want, abs=1e-9)
+
+        # Atlas probes alone: none of these volunteer sessions.
+        (atlas,) = panel_rows(conn, "fragment-viability.json", ABOVE_BOUND, {"source": "atlas"})
+        assert atlas["tested sessions"] == 0
+        assert panel_rows(conn, "fragment-viability.json", EXCESS_TABLE, {"source": "atlas"}) == []
+
+
+def test_fallback_panel_counts_what_each_flow_negotiated(database_url: str) -> None:
+    """Kick-Ass flows that negotiated TCP are counted per arm: three seeded
+    per trial, out of 2 pairs x 20 Kick-Ass flows, before and after the
+    refresh that rolls the flows up."""
+    seed_paired_trials(database_url, pairs=2, flows_per_period=20, fallbacks=3)
+    rollups.refresh(database_url)
+    with reader(database_url) as conn:
+        rows = panel_rows(conn, "wide-area-trials.json", FALLBACKS)
+        truth = conn.execute(
+            "SELECT destination, arm, count(*), "
+            "count(*) FILTER (WHERE negotiated_protocol = 'tcp') FROM v_flow_results "
+            "WHERE protocol = 'kickass' GROUP BY 1, 2 ORDER BY 1, 2"
+        ).fetchall()
+    got = [(r["destination"], r["arm"], r["Kick-Ass flows"], r["fell back to TCP"]) for r in rows]
+    assert got == truth == [("far-1", "kickass", 40, 3), ("far-2", "kickass", 40, 3)]
+    assert all(r["share fell back"] == pytest.approx(3 / 40) for r in rows)
 
 
 # -- every column read exists at head ------------------------------------------------------

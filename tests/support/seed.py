@@ -370,6 +370,7 @@ def seed_paired_trials(
     pairs: int = 2,
     flows_per_period: int = 30,
     router_run_name: str | None = "edge-10mbit",
+    fallbacks: int = 0,
 ) -> list[str]:
     """Paired trials as `kickass trials run` uploads them (issue 18's design).
 
@@ -379,7 +380,9 @@ def seed_paired_trials(
     finish in about size x 1.2 ms + 2 RTT and spend most of their time in
     Kick-Ass mode; TCP flows pay slow start (log2(size) RTTs). One Kick-Ass flow
     and two TCP flows of each trial do not complete. Periods start up to half
-    a second late (``actual_start_s``). Returns the trial ids.
+    a second late (``actual_start_s``). The first ``fallbacks`` Kick-Ass flows
+    of each trial's pair 0 fell back to TCP from the start (negotiated
+    ``tcp``: a TCP-like FCT, no time in Kick-Ass mode). Returns the trial ids.
     """
     from kickass_core.flow_record import flow_id
     from kickass_db.trial_store import TrialStore
@@ -435,9 +438,14 @@ def seed_paired_trials(
             flows = []
             for p in periods:
                 for k, (size, offset) in enumerate(workload[p["pair"]]):
-                    if p["arm"] == "kickass":
+                    fell_back = p["arm"] == "kickass" and p["pair"] == 0 and k < fallbacks
+                    negotiated = "tcp" if fell_back else p["protocol"]
+                    if p["arm"] == "kickass" and not fell_back:
                         fct = size * 1.2 + 2 * rtt + r.uniform(0, 20)
                         frac: float | None = min(1.0, r.uniform(0.9, 1.05))
+                    elif fell_back:
+                        fct = size * 1.2 + rtt * (2 + math.log2(size)) + r.uniform(0, 40)
+                        frac = 0.0
                     else:
                         fct = size * 1.2 + rtt * (2 + math.log2(size)) + r.uniform(0, 40)
                         frac = None
@@ -447,12 +455,12 @@ def seed_paired_trials(
                         {"flow_id": flow_id(tid, p["index"], k), "period_index": p["index"],
                          "pair": p["pair"], "arm": p["arm"], "protocol": p["protocol"],
                          "congestion_control": p["congestion_control"],
-                         "handshake": p["handshake"], "negotiated_protocol": p["protocol"],
+                         "handshake": p["handshake"], "negotiated_protocol": negotiated,
                          "size_bytes": size * 1440, "size_packets": size,
                          "started_at": started.isoformat(), "completed": done,
                          "fct_ms": fct if done else None,
                          "ka_mode_fraction": frac if done else None,
-                         "mode_switches": None if frac is None else (0 if frac == 1.0 else 1),
+                         "mode_switches": None if frac is None else int(0 < frac < 1),
                          "queued_ms": 0.0, "error": None if done else "timeout"}
                     )  # fmt: skip
             store.put_flows(runner, tid, flows)
