@@ -11,8 +11,9 @@ and sends the key's id (a runner's name; ``agent`` for an agent), the time,
 the nonce and the signature in ``X-Kickass-*`` headers. The receiver
 recomputes the signature with its copy of the key, refuses a time outside
 ``WINDOW_S`` of its own clock, and refuses a nonce it has seen within that
-window (the server keeps nonces in PostgreSQL, an agent in memory). A request
-captured on the wire therefore yields neither the secret nor a second use.
+window (the server keeps nonces in PostgreSQL, an agent in a file of its state
+directory, so that a restart forgets none). A request captured on the wire
+therefore yields neither the secret nor a second use.
 
 Standard library only: runners, agents and the server all import this.
 """
@@ -21,12 +22,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import secrets
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 KEY_ID = "X-Kickass-Key-Id"
@@ -138,24 +140,109 @@ def check(
 
 
 class NonceCache:
-    """Nonces seen within the window, in memory (one process: an agent)."""
+    """Nonces of accepted requests, remembered while their request could still
+    pass ``check``'s time test: until ``2 * window_s`` past the time it was
+    signed at (the window, and as much again for this host's clock being
+    stepped back).
 
-    def __init__(self, window_s: float = WINDOW_S, max_entries: int = 100_000) -> None:
+    With ``state_file`` each nonce is also appended to that file, and synced,
+    before its request is accepted, and the file is read back at start: a
+    request captured before a restart of this process (an agent's) and
+    replayed after it, within its window, is refused as before the restart.
+    Refusing every request dated before the start would not do: the window
+    admits runners whose clock is ahead of ours, so a request accepted just
+    before a restart can carry a time after it.
+
+    At ``max_entries`` live nonces a new request is refused (SignatureError)
+    rather than a live nonce forgotten; only holders of a key can add any.
+    """
+
+    def __init__(
+        self,
+        window_s: float = WINDOW_S,
+        max_entries: int = 100_000,
+        state_file: str | Path | None = None,
+        now: float | None = None,
+    ) -> None:
         self.window_s = window_s
         self.max_entries = max_entries
-        self._seen: OrderedDict[str, float] = OrderedDict()
+        self._seen: dict[str, int] = {}  # nonce -> the time its request was signed at
         self._lock = threading.Lock()
+        self._state = Path(state_file) if state_file is not None else None
+        # Nonces remembered since expired ones were last forgotten (and the
+        # state file last rewritten): when to do it again, so that both stay
+        # within twice the live nonces and the work is amortised.
+        self._added = 0
+        self._next_sweep = _MIN_SWEEP
+        if self._state is not None:
+            self._load(time.time() if now is None else now)
 
-    def seen(self, nonce: str, now: float | None = None) -> bool:
-        """Remember ``nonce``; True if it was already seen (a replay)."""
-        clock = time.monotonic() if now is None else now
+    def _live(self, signed_at: int, now: float) -> bool:
+        return now <= signed_at + 2 * self.window_s
+
+    def _load(self, now: float) -> None:
+        assert self._state is not None
+        try:
+            text = self._state.read_text(encoding="ascii", errors="replace")
+        except FileNotFoundError:
+            text = ""
+        for line in text.splitlines():
+            nonce_hex, _, when = line.partition(" ")
+            try:
+                nonce, signed_at = bytes.fromhex(nonce_hex).decode(), int(when)
+            except ValueError:
+                continue  # a line cut short by a crash
+            if self._live(signed_at, now):
+                self._seen[nonce] = signed_at
+        self._rewrite()
+
+    def _rewrite(self) -> None:
+        """The state file with the live nonces only, replaced in one step."""
+        assert self._state is not None
+        tmp = self._state.with_name(self._state.name + ".tmp")
+        with tmp.open("w", encoding="ascii") as f:
+            f.writelines(_nonce_line(n, t) for n, t in self._seen.items())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self._state)
+
+    def seen(self, nonce: str, signed_at: int, now: float | None = None) -> bool:
+        """Remember the nonce of a request signed at ``signed_at`` (its
+        ``Signed.time``); True if it was seen before (a replay). OSError: the
+        state file could not be written, and the request must be refused."""
+        clock = time.time() if now is None else now
         with self._lock:
-            while self._seen:
-                oldest, at = next(iter(self._seen.items()))
-                if clock - at <= 2 * self.window_s and len(self._seen) < self.max_entries:
-                    break
-                self._seen.popitem(last=False)
             if nonce in self._seen:
                 return True
-            self._seen[nonce] = clock
+            if len(self._seen) >= self.max_entries:
+                self._forget_expired(clock)
+                if len(self._seen) >= self.max_entries:
+                    raise SignatureError(
+                        "too many signed requests within the replay window: try again later"
+                    )
+            self._seen[nonce] = signed_at
+            self._added += 1
+            if self._added >= self._next_sweep:
+                self._forget_expired(clock)
+                self._added = 0
+                self._next_sweep = max(_MIN_SWEEP, len(self._seen))
+                if self._state is not None:
+                    self._rewrite()
+            elif self._state is not None:
+                with self._state.open("a", encoding="ascii") as f:
+                    f.write(_nonce_line(nonce, signed_at))
+                    f.flush()
+                    os.fsync(f.fileno())
             return False
+
+    def _forget_expired(self, now: float) -> None:
+        self._seen = {n: t for n, t in self._seen.items() if self._live(t, now)}
+
+
+# Nonces added between two sweeps of the expired ones, at least.
+_MIN_SWEEP = 1024
+
+
+def _nonce_line(nonce: str, signed_at: int) -> str:
+    # Hex: a nonce is whatever header value its signer chose.
+    return f"{nonce.encode().hex()} {signed_at}\n"

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -53,17 +54,22 @@ def start_agent(
 def _call(
     port: int, path: str, body: dict | None = None, secret: str | None = SECRET
 ) -> tuple[int, dict]:
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}{path}", method="POST" if body is not None else "GET"
-    )
-    if body is not None:
-        req.data = json.dumps(body).encode()
+    data = None if body is None else json.dumps(body).encode()
+    method = "POST" if body is not None else "GET"
+    headers = {}
     if secret:
         key = signing.key_from_secret(secret)
-        for name, value in signing.sign(
-            key, signing.AGENT_KEY_ID, req.get_method(), path, req.data or b""
-        ).items():
-            req.add_header(name, value)
+        headers = signing.sign(key, signing.AGENT_KEY_ID, method, path, data or b"")
+    return _send(port, method, path, data, headers)
+
+
+def _send(
+    port: int, method: str, path: str, data: bytes | None, headers: dict[str, str]
+) -> tuple[int, dict]:
+    """One request with exactly these headers (a captured one, sent again)."""
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", data=data, method=method, headers=headers
+    )
     try:
         with urllib.request.urlopen(req, timeout=5) as r:
             return r.status, json.load(r)
@@ -97,6 +103,107 @@ def test_agent_serves_tcp_flows_to_token_holders_and_survives_restarts(tmp_path:
         assert not send_flow(tcp, first, 30_000).completed
         assert send_flow(tcp, bytes.fromhex(issued["tokens"][1]), 30_000).completed
         assert _call(port, "/v1/health")[1]["receivers"]["tcp"]["refused"] == 1
+
+
+def test_a_signed_request_replayed_to_the_agent_is_refused_also_after_a_restart(
+    tmp_path: Path,
+) -> None:
+    state = tmp_path / "state"
+    key = signing.key_from_secret(SECRET)
+    body = json.dumps({"kind": "tcp", "count": 1}).encode()
+
+    def captured(ahead_s: float = 0.0) -> dict[str, str]:
+        return signing.sign(
+            key, signing.AGENT_KEY_ID, "POST", "/v1/tokens", body, now=time.time() + ahead_s
+        )
+
+    token_request = captured()
+    # From a runner whose clock runs 60 s ahead of the agent's (inside the
+    # 120 s window): its time lies after the restart below, so only the
+    # remembered nonce can refuse it there.
+    ahead = captured(ahead_s=60.0)
+    env_request = signing.sign(key, signing.AGENT_KEY_ID, "GET", "/v1/environment")
+    with agent(state) as (port, _):
+        for headers in (token_request, ahead):
+            status, issued = _send(port, "POST", "/v1/tokens", body, headers)
+            assert status == 200 and len(issued["tokens"]) == 1
+        assert _send(port, "GET", "/v1/environment", None, env_request)[0] == 200
+        # Within the window, byte for byte: refused, nothing minted.
+        status, reply = _send(port, "POST", "/v1/tokens", body, token_request)
+        assert (status, reply["error"]) == (401, "unauthorized")
+        assert "replayed" in reply["message"]
+        assert _metrics(port)['kickass_agent_tokens_issued_total{kind="tcp"}'] == 2.0
+    with agent(state) as (port, _):
+        for headers in (token_request, ahead):
+            status, reply = _send(port, "POST", "/v1/tokens", body, headers)
+            assert status == 401 and "replayed" in reply["message"], reply
+        status, reply = _send(port, "GET", "/v1/environment", None, env_request)
+        assert status == 401 and "replayed" in reply["message"], reply
+        metrics = _metrics(port)
+        assert metrics.get('kickass_agent_tokens_issued_total{kind="tcp"}', 0.0) == 0.0
+        assert metrics["kickass_agent_requests_refused_total"] == 3.0
+        # A request signed now, after the restart: accepted.
+        status, issued = _call(port, "/v1/tokens", {"kind": "tcp", "count": 2})
+        assert status == 200 and len(issued["tokens"]) == 2
+
+
+def test_an_agent_that_cannot_record_a_nonce_refuses_the_request(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    with agent(state) as (port, _):
+        assert _call(port, "/v1/tokens", {"kind": "tcp"})[0] == 200
+        nonces = state / "signed-nonces"
+        nonces.unlink()
+        nonces.mkdir()  # appending to it fails, even for root
+        status, reply = _call(port, "/v1/tokens", {"kind": "tcp"})
+        assert status == 503 and "state directory" in reply["message"], reply
+        nonces.rmdir()
+        assert _call(port, "/v1/tokens", {"kind": "tcp"})[0] == 200
+        assert _metrics(port)['kickass_agent_tokens_issued_total{kind="tcp"}'] == 2.0
+
+
+def test_the_nonce_cache_survives_a_restart_and_forgets_only_expired_nonces(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "nonces"
+    t = 1_000_000
+    cache = signing.NonceCache(window_s=120, state_file=path, now=t)
+    assert not cache.seen("a", t, now=t)
+    assert not cache.seen("b", t - 100, now=t)  # from a runner whose clock is behind
+    assert not cache.seen("odd nonce\n", t, now=t)  # any header value
+    assert cache.seen("a", t, now=t)
+    with path.open("a") as f:
+        f.write("0a0b")  # a line cut short by a crash
+    # A new process 30 s later: all three remembered, the cut line dropped.
+    again = signing.NonceCache(window_s=120, state_file=path, now=t + 30)
+    assert again.seen("a", t, now=t + 30) and again.seen("b", t - 100, now=t + 30)
+    assert again.seen("odd nonce\n", t, now=t + 30)
+    assert len(path.read_text().splitlines()) == 3
+    # Forgotten once the request could not pass the time check any more,
+    # with a margin of one window: "b" 241 s after it was signed, not before.
+    assert signing.NonceCache(window_s=120, state_file=path, now=t + 140).seen("b", t - 100)
+    later = signing.NonceCache(window_s=120, state_file=path, now=t + 141)
+    assert not later.seen("b", t - 100, now=t + 141) and later.seen("a", t, now=t + 141)
+    # Full of live nonces: a new one refused, none forgotten.
+    small = signing.NonceCache(window_s=120, max_entries=2)
+    assert not small.seen("x", t, now=t)
+    assert not small.seen("y", t, now=t)
+    with pytest.raises(signing.SignatureError, match="too many"):
+        small.seen("z", t, now=t)
+    assert small.seen("x", t, now=t)
+    assert not small.seen("z", t, now=t + 241)  # x and y expired
+
+
+def test_the_nonce_file_is_compacted(tmp_path: Path) -> None:
+    path = tmp_path / "nonces"
+    cache = signing.NonceCache(window_s=1, state_file=path, now=0)
+    for i in range(3000):
+        assert not cache.seen(f"n{i}", i, now=i)
+        # Each nonce lives 2 s: the file is rewritten with the live ones
+        # every 1,024 new nonces, so it never holds many more.
+        if i % 100 == 99:
+            assert len(path.read_text().splitlines()) <= 1024 + 3, i
+    again = signing.NonceCache(window_s=1, state_file=path, now=2999)
+    assert again.seen("n2999", 2999, now=2999) and again.seen("n2000", 2000, now=2999) is False
 
 
 def _metrics(port: int) -> dict[str, float]:

@@ -19,8 +19,9 @@ and a small control API on ``--listen`` (HTTP, JSON):
                        requests, receiver restarts (only from --metrics-from networks)
 
 Flows are refused without a valid, unexpired, unused token. The secret comes
-from ``--secret-file`` or ``KICKASS_AGENT_SECRET``; used tokens are kept in
-``--state-dir`` so a restart does not let a replayed token in.
+from ``--secret-file`` or ``KICKASS_AGENT_SECRET``; used tokens and the nonces
+of signed requests are kept in ``--state-dir``, so a restart lets neither a
+replayed token nor a replayed control request in.
 """
 
 from __future__ import annotations
@@ -85,7 +86,9 @@ class Agent:
         # used for either kind of flow stays used across restarts of both.
         self.used_tokens = state_dir / "used-tokens"
         self.guard = tk.ReplayGuard(secret, state_file=self.used_tokens)
-        self.nonces = signing.NonceCache()
+        # On disk too: a /v1/tokens request captured before a restart and
+        # replayed after it, within its window, must not mint tokens.
+        self.nonces = signing.NonceCache(state_file=state_dir / "signed-nonces")
         # The same cap for both kinds of flow: a comparison that admits more
         # Kick-Ass than TCP flows at once would not treat them alike.
         self.max_flows = max_flows
@@ -197,9 +200,11 @@ class Agent:
         port = self.tcp.address[1] if kind == "tcp" else self.kickass_port
         return {"kind": kind, "tokens": tokens, "port": port, "expires_in_s": self.token_lifetime_s}
 
-    def authorize(self, headers: Any, method: str, path: str, body: bytes) -> str | None:
+    def authorize(
+        self, headers: Any, method: str, path: str, body: bytes
+    ) -> tuple[int, str] | None:
         """None if the request is signed with this agent's key and not a
-        replay; else why it is refused."""
+        replay; else the HTTP status to refuse it with, and why."""
         key = signing.key_from_secret(self.secret)
         try:
             signed = signing.check(
@@ -209,12 +214,18 @@ class Agent:
                 body,
                 lambda kid: key if kid == signing.AGENT_KEY_ID else None,
             )
+            replayed = self.nonces.seen(signed.nonce, signed.time)
         except signing.SignatureError as exc:
             self._refuse()
-            return str(exc)
-        if self.nonces.seen(signed.nonce):
+            return 401, str(exc)
+        except OSError as exc:
+            # Unrecorded, the nonce would be forgotten by a restart: refuse.
+            log.error("cannot record a signed request's nonce: %s", exc)
             self._refuse()
-            return "replayed request (its nonce was seen before)"
+            return 503, f"the agent cannot record the request in its state directory: {exc}"
+        if replayed:
+            self._refuse()
+            return 401, "replayed request (its nonce was seen before)"
         return None
 
     def _refuse(self) -> None:
@@ -291,6 +302,10 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def _refused(self, status: int, message: str) -> None:
+        error = "unauthorized" if status == 401 else "unavailable"
+        self._reply(status, {"error": error, "message": message})
+
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
         if self.path == "/v1/health":
             self._reply(200, self.agent.health())
@@ -311,7 +326,7 @@ class _Handler(BaseHTTPRequestHandler):
             # Signed: a host's kernel and settings are a runner's business.
             refused = self.agent.authorize(self.headers, "GET", self.path, b"")
             if refused is not None:
-                self._reply(401, {"error": "unauthorized", "message": refused})
+                self._refused(*refused)
                 return
             self._reply(200, self.agent.environment())
         else:
@@ -331,7 +346,7 @@ class _Handler(BaseHTTPRequestHandler):
         raw = self.rfile.read(length)
         refused = self.agent.authorize(self.headers, "POST", self.path, raw)
         if refused is not None:
-            self._reply(401, {"error": "unauthorized", "message": refused})
+            self._refused(*refused)
             return
         try:
             req = TokenRequest.model_validate(strictjson.loads(raw or b"{}"))
@@ -380,7 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--secret-file", help="file holding the agent secret (env KICKASS_AGENT_SECRET)")
     p.add_argument(
-        "--state-dir", help="where used tokens are kept (default /var/lib/kickass-agent)"
+        "--state-dir",
+        help="where used flow tokens and signed requests' nonces are kept "
+        "(default /var/lib/kickass-agent)",
     )
     p.add_argument(
         "--max-flows",
