@@ -55,6 +55,7 @@ ATLAS_WHOLE = (100, 1000, 1480)
 ATLAS_SPLIT = (548, 1004)
 ATLAS_PACKETS = 16
 ROUTER_RUNS = {"edge-a": ("kickass", 150), "edge-b": ("droptail", 90)}
+FALLBACKS = 3  # Kick-Ass flows per pair of the paired trial that negotiated TCP
 ITEM_RUNS = [  # item, kind, outcome, reason
     ("atlas-nightly", "atlas", "ok", None),
     ("atlas-nightly", "atlas", "ok", None),
@@ -127,9 +128,11 @@ def seed_atlas(database_url: str) -> None:
 
 
 def seed_paired_trial(
-    database_url: str, flows_per_period: int = 30, destination: str = "far-3"
+    database_url: str, flows_per_period: int = 30, destination: str = "far-3", fallbacks: int = 0
 ) -> str:
-    """A trial of two arms in two pairs replaying the same flows (30): the rollup's input."""
+    """A trial of two arms in two pairs replaying the same flows (30): the rollup's input.
+    The first ``fallbacks`` Kick-Ass flows of each pair negotiated TCP (no time
+    in Kick-Ass mode)."""
     tid = secrets.token_hex(16)
     arms = [("kickass", "kickass"), ("tcp:cubic", "tcp")]
     periods = [
@@ -162,6 +165,7 @@ def seed_paired_trial(
         for i in range(flows_per_period):
             size = 1 + (i * 37) % 900
             fct = size * (1.1 if p["arm"] == "kickass" else 2.5) + 150
+            fell_back = p["arm"] == "kickass" and i < fallbacks
             flows.append(
                 {
                     "flow_id": flow_id(tid, p["index"], i),
@@ -176,8 +180,10 @@ def seed_paired_trial(
                     ).isoformat(),
                     "completed": True,
                     "fct_ms": fct,
-                    "negotiated_protocol": p["protocol"],
-                    "ka_mode_fraction": 0.5 + (i % 5) / 10 if p["arm"] == "kickass" else None,
+                    "negotiated_protocol": "tcp" if fell_back else p["protocol"],
+                    "ka_mode_fraction": (0.0 if fell_back else 0.5 + (i % 5) / 10)
+                    if p["arm"] == "kickass"
+                    else None,
                 }
             )
     store = TrialStore(database_url)
@@ -262,7 +268,7 @@ def seed_item_runs(database_url: str) -> None:
 def seeded(database_url: str, store: StudyStore) -> dict[str, Any]:
     sessions = seed_study_detailed(store, 40, 11, spread=timedelta(days=3), live=True)
     seed_trials(database_url, flows_per_period=25)
-    seed_paired_trial(database_url)
+    seed_paired_trial(database_url, fallbacks=FALLBACKS)
     with RollupStore(database_url) as rollups:
         assert rollups.refresh_speedups() > 0
     seed_atlas(database_url)
@@ -424,6 +430,35 @@ def test_report_numbers_are_the_statistics_of_the_views(
     assert len(paired) == 1 and paired[0]["matched"] == 60
     assert 1.5 < paired[0]["speedup"] < 2.5
     assert s["item_runs"] == dict(Counter(o for _, _, o, _ in ITEM_RUNS))
+    # Fallbacks per capacity and arm, counted here from the flows: the paired
+    # trial's seeded ones (2 pairs x FALLBACKS of 60), none among the unpaired
+    # trials' 100 Kick-Ass flows (stored without a negotiated protocol).
+    fell = view(
+        database_url,
+        "SELECT access_capacity_bps, coalesce(arm, protocol) AS arm, count(*) AS n, "
+        "count(*) FILTER (WHERE negotiated_protocol = 'tcp') AS k FROM v_flow_results "
+        "WHERE protocol = 'kickass' GROUP BY 1, 2 ORDER BY 1, 2",
+    )
+    assert [(r["access_capacity_bps"], r["arm"], r["n"], r["k"]) for r in fell] == [
+        (10e6, "kickass", 100, 0),
+        (100e6, "kickass", 60, 2 * FALLBACKS),
+    ]
+    assert s["fallbacks"] == [
+        {
+            "access_capacity_bps": r["access_capacity_bps"],
+            "arm": r["arm"],
+            "flows": r["n"],
+            "fell_back": r["k"],
+            "share": stats.share(r["k"], r["n"]).to_json(),
+        }
+        for r in fell
+    ]
+    page = (tmp_path / "r.html").read_text()
+    assert "Kick-Ass flows that fell back to TCP" in page
+    assert f"<td>{2 * FALLBACKS}</td><td>10.0% (" in page
+    # The workload's floor is stated where the trials are shown.
+    assert "no flow is shorter than 46 packets" in page and "--literal-range" in page
+    assert s["smallest_size_bin"] == 1  # the seeded trials' sizes start at 1 packet
 
 
 def test_report_filters_and_cli(database_url: str, seeded: dict[str, Any], tmp_path: Path) -> None:
@@ -468,7 +503,7 @@ def test_report_filters_and_cli(database_url: str, seeded: dict[str, Any], tmp_p
     else:
         assert "size_volunteer" not in got["summary"]
     # The seeded trials started days ago; the speedup is computed from nothing.
-    assert got["summary"]["speedups"] == []
+    assert got["summary"]["speedups"] == [] and got["summary"]["fallbacks"] == []
     assert got["sections"]["router"] is True  # the router ran an hour ago
     plain = subprocess.run(
         [KICKASS, "report", "--database-url", database_url, "-o", str(tmp_path / "p.html")],
