@@ -1,9 +1,11 @@
 """No secret on the wire (issue 16): a real trial round on loopback, runner to
 agent and runner to server, captured with tcpdump. The capture holds the
-requests the round makes and neither the agent secret nor the runner token,
-raw, hex or base64; the same search finds a secret planted in plain text (the
+requests the round makes and none of the agent secret, the runner token, the
+token's secret part alone, or the signing keys derived from them, raw, hex or
+base64; the same search finds a secret planted in each of those forms (the
 positive control); and a captured signed request, replayed byte for byte
-within its time window, is refused."""
+within its time window, is refused: an upload by the server, a token request
+by the agent, also by the agent restarted on the same state directory."""
 
 from __future__ import annotations
 
@@ -19,11 +21,12 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from kickass_core import signing
 from kickass_db.trial_store import TrialStore
 from scapy.layers.inet import IP, TCP
 from scapy.utils import rdpcap
 from support.live_server import free_port, server
-from test_wan_agent import SECRET, agent
+from test_wan_agent import SECRET, agent, start_agent
 
 KICKASS = str(Path(sys.executable).parent / "kickass")
 
@@ -33,8 +36,8 @@ pytestmark = [
 ]
 
 
-def _forms(secret: str) -> list[bytes]:
-    raw = secret.encode()
+def _forms(secret: str | bytes) -> list[bytes]:
+    raw = secret.encode() if isinstance(secret, str) else secret
     return [
         raw,
         raw.hex().encode(),
@@ -56,6 +59,22 @@ def _streams(pcap: Path, port: int) -> list[bytes]:
 
 def _request_lines(streams: list[bytes]) -> list[str]:
     return sorted(s.split(b"\r\n", 1)[0].decode("latin-1") for s in streams if s)
+
+
+def _replay(port: int, request: bytes) -> bytes:
+    """Send captured request bytes again on a new connection; the whole answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(request)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    return answer
+
+
+def _refused_as_replay(answer: bytes) -> None:
+    status = answer.split(b"\r\n", 1)[0]
+    assert b" 401 " in status, answer[:300]
+    assert b"replayed" in answer, answer[-300:]
 
 
 def test_a_trial_round_sends_no_secret_and_a_replay_is_refused(
@@ -93,11 +112,15 @@ def test_a_trial_round_sends_no_secret_and_a_replay_is_refused(
             )  # fmt: skip
             assert run.returncode == 0, run.stderr
             result = json.loads(run.stdout)
-            # The positive control: a secret sent the way none of ours is.
+            # The positive control: a secret sent the way none of ours is,
+            # in each form searched for below.
+            planted_forms = b" ".join(_forms(planted))
             with socket.create_connection(("127.0.0.1", http), timeout=5) as s:
                 s.sendall(
                     f"GET /api/v1/health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {planted}"
-                    "\r\nConnection: close\r\n\r\n".encode()
+                    "\r\nConnection: close\r\nX-Planted: ".encode()
+                    + planted_forms
+                    + b"\r\n\r\n"
                 )
                 s.recv(4096)
             # The control's request is the last packet of interest: wait until
@@ -109,8 +132,17 @@ def test_a_trial_round_sends_no_secret_and_a_replay_is_refused(
             dump.terminate()
             dump.wait(10)
         capture = pcap.read_bytes()
-        assert any(f in capture for f in _forms(planted)), "the search cannot see plain text"
-        for name, secret in (("agent secret", SECRET), ("runner token", token)):
+        for form in _forms(planted):
+            assert form in capture, f"the search cannot see {form[:12]!r}..."
+        secret_part = token.rpartition(".")[2]
+        assert len(secret_part) >= 32  # token_urlsafe(32): the part a runner must keep
+        for name, secret in (
+            ("agent secret", SECRET),
+            ("runner token", token),
+            ("runner token's secret part", secret_part),
+            ("agent's signing key", signing.key_from_secret(SECRET)),
+            ("runner's signing key", signing.key_from_secret(token)),
+        ):
             for form in _forms(secret):
                 assert form not in capture, f"the {name} is on the wire ({form[:12]!r}...)"
         # The requests of the round, and only those (the agent's health and
@@ -133,11 +165,18 @@ def test_a_trial_round_sends_no_secret_and_a_replay_is_refused(
         ], to_server
         # A captured upload, replayed byte for byte within its window: refused.
         (upload,) = [s for s in _streams(pcap, http) if b"/flows HTTP/1.1" in s.split(b"\r\n")[0]]
-        with socket.create_connection(("127.0.0.1", http), timeout=5) as s:
-            s.sendall(upload)
-            answer = b""
-            while chunk := s.recv(65536):
-                answer += chunk
-        status = answer.split(b"\r\n", 1)[0]
-        assert b" 401 " in status, answer[:300]
-        assert b"replayed" in answer, answer[-300:]
+        _refused_as_replay(_replay(http, upload))
+        # The same for the round's token request to the agent, which would
+        # otherwise mint flow tokens for whoever captured it.
+        (minting,) = [
+            s for s in _streams(pcap, agent_port) if s.startswith(b"POST /v1/tokens HTTP/1.1")
+        ]
+        _refused_as_replay(_replay(agent_port, minting))
+    # And by the agent restarted on the same state directory, still within
+    # the request's window (the round took seconds; the window is 120 s).
+    port, proc = start_agent(tmp_path / "agent")
+    try:
+        _refused_as_replay(_replay(port, minting))
+    finally:
+        proc.terminate()
+        proc.wait(10)
