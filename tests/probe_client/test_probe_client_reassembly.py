@@ -167,6 +167,59 @@ def test_without_the_memory_figure_missing_splits_count() -> None:
     assert b.credits == credits_for(LIMITS, 0)
 
 
+def test_in_flight_the_limit_is_the_first_split_plus_the_credits() -> None:
+    """IN_FLIGHT (issue 16): the REPORT's limit counts splits the server may
+    have in flight, wherever the splits received so far reached."""
+    b = budget(in_flight=True)
+    half = BUDGET_FRACTION * 4 * MB
+    assert b.split_limit == 1000 + b.initial_credit()
+    b.on_sample(Sample(1.0, fails=0, timeouts=0, memory=MB, queues=400), highest_seq=1200)
+    assert b.credits == int((half - MB) // (MB / 400))
+    assert b.split_limit == 1000 + b.credits  # not 1201 + credits (the absolute limit)
+    # The budget full: no split in flight at all.
+    b.on_sample(Sample(2.0, fails=0, timeouts=0, memory=int(half), queues=800), highest_seq=1300)
+    assert b.credits == 0 and b.split_limit == 1000
+    # Held for long by something else: the trickle is one split in flight.
+    t = 2.0
+    while b.counters.trickle_grants == 0:
+        t += 1.0
+        b.on_sample(Sample(t, fails=0, timeouts=0, memory=int(half), queues=800), 1300)
+    assert b.credits == 1 and b.split_limit == 1001
+    # The absolute limit, for comparison: a position past the highest seq.
+    old = budget()
+    old.on_sample(Sample(1.0, fails=0, timeouts=0, memory=MB, queues=400), highest_seq=1200)
+    assert old.split_limit == 1201 + old.credits
+
+
+def test_in_flight_lost_splits_free_their_credit() -> None:
+    full = budget().initial_credit()
+    # A path that drops every fragment: no split arrives, none waits in the
+    # memory, and the credit stays whole, report after report (no trickle).
+    b = budget(in_flight=True)
+    t = 0.0
+    while t < 3 * LIMITS.time_s:
+        t += REPORT_INTERVAL_S
+        b.on_sample(Sample(t, fails=0, timeouts=0, overlaps=0, memory=0, queues=0), 999)
+        assert b.split_limit == 1000 + full, t
+    assert b.counters.trickle_grants == 0 and b.counters.zero_credit_s == 0
+    # Splits that lost a piece: their leftovers hold credit until the kernel
+    # drops them (ipfrag_time), then the credit is back.
+    c = budget(in_flight=True)
+    leftovers = Sample(1.0, fails=0, timeouts=0, memory=100 * DEFAULT_COST, queues=100)
+    c.on_sample(leftovers, highest_seq=1200, missing_splits=100)
+    assert c.split_limit == 1000 + full - 100
+    expired = Sample(32.0, fails=100, timeouts=100, memory=0, queues=0)
+    assert c.on_sample(expired, highest_seq=1300, missing_splits=100) == []  # not refusals
+    assert c.split_limit == 1000 + full
+    # Where the memory in use is unknown, a missing split counts as a
+    # leftover for ipfrag_time, then frees its credit.
+    d = budget(in_flight=True, start=Sample(0.0))
+    d.on_sample(Sample(1.0), highest_seq=1200, missing_splits=100)
+    assert d.split_limit == 1000 + credits_for(LIMITS, 100 * DEFAULT_COST)
+    d.on_sample(Sample(40.0), highest_seq=1300, missing_splits=100)
+    assert d.split_limit == 1000 + full
+
+
 # -- the session sends REPORTs --------------------------------------------------------------
 
 TAG = bytes.fromhex("0123456789abcdef")
