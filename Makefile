@@ -53,7 +53,7 @@ test: install lint
 	cargo test --quiet --workspace
 	$(BIN)/pytest -q
 
-BENCHES := probe_bench router_bench atlas_bench trials_bench export_bench dashboards_bench
+BENCHES := probe_bench router_bench atlas_bench trials_bench export_bench dashboards_bench schedule_bench
 
 bench: install
 	@for b in $(BENCHES); do echo "bench: $$b"; $(BIN)/python bench/$$b.py > bench/$$b.json || exit 1; done

@@ -61,6 +61,8 @@ class Context:
     progress: Callable[[str, dict[str, Any]], None]
     # The counts of this item's last ``ok`` run (the export's watermark).
     last_ok: dict[str, Any] | None = None
+    # Kept across the retries of one run (``execute``): what it found first.
+    memo: dict[str, Any] = field(default_factory=dict)
 
     def path(self, value: str) -> Path:
         p = Path(value).expanduser()
@@ -91,8 +93,11 @@ def run_atlas(item: Item, ctx: Context) -> Result:
         warnings.append(exc.message)
         ctx.progress("warning", {"message": exc.message})
 
-    before = _atlas_credits(settings, campaign)
-    if before is None or before["missing"]:
+    held = _atlas_credits(settings, campaign)
+    # What the run adds is counted from its first attempt: a retry after a
+    # database outage fetches on from what the failed attempt committed.
+    before = ctx.memo.setdefault("atlas_before", held)
+    if held is None or held["missing"]:
         # Never twice: create() makes only what the database does not hold,
         # and first adopts what an earlier (killed) run created unanswered.
         created = service.create(settings, campaign, warn=warn)
@@ -110,6 +115,7 @@ def run_atlas(item: Item, ctx: Context) -> Result:
         results_late=report.results_late,
         results_seen=report.results_seen,
         join=dict(report.join),
+        results_stored=(after or {}).get("results", 0) - (before or {}).get("results", 0),
         credits_spent=(after or {}).get("spent", 0),
         credits_delta=(after or {}).get("spent", 0) - (before or {}).get("spent", 0),
     )
@@ -124,7 +130,8 @@ def run_atlas(item: Item, ctx: Context) -> Result:
 
 def _atlas_credits(settings: Any, campaign: Any) -> dict[str, Any] | None:
     """What the database holds of the campaign: measurements missing from its
-    plan, credits spent so far, and whether all have stopped long enough ago."""
+    plan, results stored and credits spent so far, and whether all have
+    stopped long enough ago."""
     from kickass_atlas.ingest import DEFAULT_LATE_HORIZON_S
 
     with settings.store() as store:
@@ -141,7 +148,8 @@ def _atlas_credits(settings: Any, campaign: Any) -> dict[str, Any] | None:
         r.get("stop_time") is not None and r["stop_time"] + horizon < now for r in rows
     )
     spent = sum(m.get("credits_spent") or 0 for m in st["measurements"])
-    return {"missing": missing, "spent": int(spent), "settled": settled}
+    results = sum(m.get("results_fetched") or 0 for m in st["measurements"])
+    return {"missing": missing, "results": int(results), "spent": int(spent), "settled": settled}
 
 
 # -- trials -----------------------------------------------------------------------------
