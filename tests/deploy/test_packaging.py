@@ -8,11 +8,19 @@
 - The kickass-db wheel carries its migrations, so an installed server finds
   them with no path variable.
 - ``kickass --help`` lists every subcommand the installed packages register.
+- A trial runner's host (issue 15): a fresh virtual environment with only the
+  core and wan-agents wheels, built and installed offline, has a working
+  ``kickass`` (under ``env -i``) that lists ``trials``, and no kickass_db.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import importlib.metadata
+import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,6 +28,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parents[2]
 SETUP = REPO / "tools" / "setup-system.sh"
@@ -160,3 +169,121 @@ def test_kickass_help_lists_every_registered_subcommand() -> None:
     ).stdout
     for command in ("db", "telemetry", "server", "demo", "testbed"):
         assert f"    {command}" in out, out
+
+
+def _key(name: str) -> str:
+    """A distribution's name, normalised (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _record_hash(data: bytes) -> str:
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=")
+    return "sha256=" + digest.decode()
+
+
+def _wheel_of_installed(name: str, out: Path) -> Path:
+    """The wheel of a distribution installed here (a dependency of ours),
+    rebuilt from its RECORD: how a host without an index gets it."""
+    dist = importlib.metadata.distribution(name)
+    files = [f for f in dist.files or () if "__pycache__" not in f.parts]
+    assert files and not any(f.parts[0] == ".." for f in files), (name, "files outside")
+    (info,) = {f.parts[0] for f in files if f.parts[0].endswith(".dist-info")}
+    skip = {f"{info}/{n}" for n in ("RECORD", "INSTALLER", "REQUESTED", "direct_url.json")}
+    tag = next(
+        ln.split(":", 1)[1].strip()
+        for ln in (dist.read_text("WHEEL") or "").splitlines()
+        if ln.startswith("Tag:")
+    )
+    stem = re.sub(r"[-_.]+", "_", dist.metadata["Name"])
+    wheel = out / f"{stem}-{dist.version}-{tag}.whl"
+    record = []
+    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as z:
+        for f in files:
+            if f.as_posix() in skip:
+                continue
+            data = Path(str(dist.locate_file(f))).read_bytes()
+            z.writestr(f.as_posix(), data)
+            record.append(f"{f.as_posix()},{_record_hash(data)},{len(data)}")
+        record.append(f"{info}/RECORD,,")
+        z.writestr(f"{info}/RECORD", "\n".join(record) + "\n")
+    return wheel
+
+
+def _requirements(wheel: Path) -> list[Requirement]:
+    """A wheel's run-time requirements (without extras) on this system."""
+    with zipfile.ZipFile(wheel) as z:
+        (meta,) = [n for n in z.namelist() if n.endswith(".dist-info/METADATA")]
+        text = z.read(meta).decode()
+    reqs = [
+        Requirement(ln.split(":", 1)[1])
+        for ln in text.splitlines()
+        if ln.startswith("Requires-Dist:")
+    ]
+    return [r for r in reqs if r.marker is None or r.marker.evaluate({"extra": ""})]
+
+
+@pytest.mark.slow
+def test_a_runner_host_with_core_and_wan_agents_only_has_the_kickass_command(
+    tmp_path: Path,
+) -> None:
+    """Issue 15: "installing only core and wan-agents gives a working
+    `kickass --help` (run under `env -i`) that lists `trials`, and `import
+    kickass_db` fails there". No network: our wheels are built here (the
+    build backend from this environment), the dependencies' wheels rebuilt
+    from what is installed here, and pip installs with --no-index."""
+    if importlib.util.find_spec("hatchling") is None:
+        pytest.fail("hatchling, the packages' build backend, is missing: `make install`")
+    wheels = tmp_path / "wheels"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-index",
+         "--no-build-isolation", "-w", str(wheels), str(REPO / "core"), str(REPO / "wan-agents")],
+        check=True, timeout=600,
+    )  # fmt: skip
+    ours = {_key(w.name.split("-")[0]): w for w in wheels.glob("*.whl")}
+    assert set(ours) == {"kickass-core", "kickass-wan"}, ours
+    # The dependencies, and theirs: each one's wheel, from this environment.
+    todo = [r for w in ours.values() for r in _requirements(w)]
+    done: set[str] = set()
+    while todo:
+        req = todo.pop()
+        key = _key(req.name)
+        if key in done or key in ours:
+            continue
+        done.add(key)
+        wheel = _wheel_of_installed(req.name, wheels)
+        todo += _requirements(wheel)
+    assert {"pydantic", "pydantic-core", "prometheus-client"} <= done, done
+    assert not {"kickass-db", "sqlalchemy", "flask"} & done, done
+
+    venv = tmp_path / "runner-venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    pip = str(venv / "bin" / "pip")
+    subprocess.run(
+        [pip, "install", "--quiet", "--no-index", "--find-links", str(wheels),
+         "kickass-core", "kickass-wan"],
+        check=True, timeout=600,
+    )  # fmt: skip
+    check = subprocess.run([pip, "check"], capture_output=True, text=True, timeout=120)
+    assert check.returncode == 0, check.stdout + check.stderr
+    frozen = subprocess.run([pip, "freeze"], capture_output=True, text=True, check=True).stdout
+    installed = {_key(ln.split("==")[0]) for ln in frozen.split()}
+    assert installed == done | {"kickass-core", "kickass-wan"}, installed
+
+    def bare(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["env", "-i", *argv], capture_output=True, text=True, timeout=60, cwd=tmp_path
+        )
+
+    kickass = str(venv / "bin" / "kickass")
+    top = bare(kickass, "--help")
+    assert top.returncode == 0, top.stderr
+    commands = {
+        m.group(1): m.group(2) for m in re.finditer(r"^    (\w[\w-]*)\s*(.*)$", top.stdout, re.M)
+    }
+    assert "trials" in commands, top.stdout
+    assert "unavailable" not in commands["trials"], top.stdout  # imported, not just listed
+    assert not {"db", "server"} & set(commands), top.stdout  # their packages are not here
+    trials = bare(kickass, "trials", "--help")
+    assert trials.returncode == 0 and "run" in trials.stdout, trials.stderr
+    probe = bare(str(venv / "bin" / "python"), "-c", "import kickass_db")
+    assert probe.returncode != 0 and "No module named 'kickass_db'" in probe.stderr, probe
