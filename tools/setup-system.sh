@@ -15,12 +15,14 @@ set -euo pipefail
 TABLE='
 ip                                   iproute2        namespaces, veths, routes (testbed, demo, tests)
 tc                                   iproute2        qdiscs in the testbed
+ss                                   iproute2        the congestion control the kernel reports for a socket (tests)
 nft                                  nftables        ka-router --datapath packet (its LAN guard table); middleboxes: fragment filters, loss, NAT (demo, tests)
 ethtool                              ethtool         offloads off on veths (testbed)
 tcpdump                              tcpdump         ground-truth captures (tests)
 ping                                 iputils-ping    link-emulator delay test, Atlas-style echo requests
 sysctl                               procps          reassembly and forwarding knobs in namespaces
 setpriv                              util-linux      unprivileged runs in tests (router errors)
+unshare                              util-linux      a private network namespace for one process (tests: the TCP metrics cache)
 iperf3                               iperf3          router benchmark sender
 docker-compose                       docker-compose  offline check of docker-compose.yml (tests)
 docker                               docker.io       the compose deployment run for real (tests)

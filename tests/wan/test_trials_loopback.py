@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import json
 import os
+import platform
+import re
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import kickass_db as db
+import kickass_wan
 import pytest
 from kickass_db.trial_store import TrialStore
 from sqlalchemy import create_engine, text
@@ -28,10 +31,16 @@ KICKASS = str(Path(sys.executable).parent / "kickass")
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the server's probe engine needs root")
 
 
-def _trial(agent_port: int, server_url: str, token_file: Path, spool: Path) -> dict:
+def _trial(
+    agent_port: int,
+    server_url: str,
+    token_file: Path,
+    spool: Path,
+    arms: tuple[str, ...] = ("--protocols", "tcp", "--pairs", "2"),
+) -> dict:
     proc = subprocess.run(
         [KICKASS, "trials", "run", "--agent", f"far-1=http://127.0.0.1:{agent_port}",
-         "--protocols", "tcp", "--pairs", "2", "--period", "1.5", "--mean-gap", "0.15",
+         *arms, "--period", "1.5", "--mean-gap", "0.15",
          "--max-packets", "200", "--mean-packets", "20", "--seed", "5",
          "--server", server_url, "--runner-token-file", str(token_file),
          "--spool-dir", str(spool), "--json"],
@@ -142,3 +151,104 @@ def test_an_agent_away_mid_trial_costs_its_periods_not_the_trial(tmp_path: Path)
     assert all(not f["completed"] and f["error"].startswith("not run") for f in by_period[2])
     assert all(f["completed"] for p in (0, 3, 4, 5) for f in by_period[p]), "".join(stderr)
     assert result["failed_flows"] == sum(not f["completed"] for f in flows)
+
+
+ROOT = Path(__file__).resolve().parents[2]
+SYSCTL = Path("/proc/sys/net/ipv4")
+BASELINES = {"tcp:cubic": "cubic", "tcp:reno": "reno", "tcp:bbr": "bbr"}  # the paper's
+
+
+def test_the_trial_stores_both_ends_environment(database_url: str, tmp_path: Path) -> None:
+    """What a reviewer needs to reproduce a trial is stored with it, from both
+    ends (issue 18 item 6): through a real agent's signed /v1/environment and
+    the runner's own record, uploaded to a real server. Both ends are this
+    host here, so every value is known: the kernel, the congestion control in
+    effect (the host's default, and each flow's own as tcp_info's socket
+    reported it), the TCP metrics cache and what the trial did with it, the
+    agent's version, the tool versions and git commit, the route, and the
+    clock offset between the two ends (zero within its stated bound)."""
+    token_file = tmp_path / "runner-token"
+    store = TrialStore(database_url)
+    token_file.write_text(store.add_runner("edge-1"))
+    store.close()
+    default_cc = (SYSCTL / "tcp_congestion_control").read_text().strip()
+    metrics_before = (SYSCTL / "tcp_no_metrics_save").read_text().strip()
+    http = _free_port(socket.SOCK_STREAM)
+    arms = ("--arms", ",".join(BASELINES), "--pairs", "1")
+    with (
+        agent(tmp_path / "agent") as (agent_port, _),
+        server(database_url, _free_port(socket.SOCK_DGRAM), http),
+    ):
+        result = _trial(agent_port, f"http://127.0.0.1:{http}", token_file, tmp_path / "sp", arms)
+    assert result["failed_flows"] == 0 and result["spooled"] == 0
+    engine = create_engine(db.sqlalchemy_url(database_url))
+    try:
+        with engine.connect() as conn:
+            (trial,) = conn.execute(text("SELECT environment, versions FROM trials")).mappings()
+            flows = (
+                conn.execute(text("SELECT arm, congestion_control, completed, extra FROM flows"))
+                .mappings()
+                .all()
+            )
+    finally:
+        engine.dispose()
+    env, versions = trial["environment"], trial["versions"]
+    runner, far = env["runner"], env["agent"]
+
+    # Kernels, both ends.
+    assert runner["kernel"] == far["kernel"] == platform.release()
+    # Congestion control: the host's default and what it offers, both ends ...
+    for end in (runner, far):
+        assert end["sysctl"]["tcp_congestion_control"] == default_cc
+        assert set(BASELINES.values()) <= set(
+            end["sysctl"]["tcp_available_congestion_control"].split()
+        )
+    # ... and each flow's, as its socket reported it: every arm ran its own.
+    assert {f["arm"] for f in flows} == set(BASELINES)
+    for f in flows:
+        assert f["completed"], f
+        assert f["congestion_control"] == BASELINES[f["arm"]]
+        assert f["extra"]["cc_in_effect"] == BASELINES[f["arm"]], f
+    # The TCP metrics cache: disabled for the trial (this runner is root) or
+    # off already; the runner's record is taken with it in effect, the
+    # agent's before (a remote agent's own setting is reported, not changed).
+    cache = env["tcp_metrics_cache"]
+    assert cache == result["tcp_metrics_cache"]
+    assert cache["tcp_no_metrics_save"] == "1" and runner["sysctl"]["tcp_no_metrics_save"] == "1"
+    if metrics_before == "1":
+        assert cache["mode"] == "off already", cache
+    else:
+        assert cache == {"mode": "disabled for the trial", "tcp_no_metrics_save": "1",
+                         "restored_to": metrics_before}  # fmt: skip
+        assert (SYSCTL / "tcp_no_metrics_save").read_text().strip() == metrics_before
+    assert far["sysctl"]["tcp_no_metrics_save"] == metrics_before
+    # The agent: its own version and name, from its signed /v1/environment.
+    assert far["agent"]["version"] == kickass_wan.__version__
+    assert far["agent"]["name"] == "far-1" and versions["agent:far-1"] == "far-1"
+    # Tool versions and the commit the runner ran from.
+    tools = runner["versions"]
+    assert tools["kickass-wan"] == versions["kickass-wan"] == kickass_wan.__version__
+    assert tools["python"] == platform.python_version()
+    ka_send = Path(sys.executable).parent / "ka-send"
+    if ka_send.exists():
+        want = subprocess.run([ka_send, "--version"], capture_output=True, text=True, check=True)
+        assert tools["ka-send"] == want.stdout.strip()
+    commit = tools["git_commit"]
+    if os.environ.get("KICKASS_GIT_COMMIT"):
+        assert commit == os.environ["KICKASS_GIT_COMMIT"]
+    elif (ROOT / ".git").exists():
+        # Others may commit while the test runs: the recorded commit is in
+        # the history of the current one.
+        assert re.fullmatch(r"[0-9a-f]{40}", commit), commit
+        subprocess.run(["git", "-C", str(ROOT), "merge-base", "--is-ancestor", commit, "HEAD"],
+                       check=True, timeout=30)  # fmt: skip
+    # The route the flows took and the path MTU the kernel knew: the
+    # device's, capped at an IPv4 datagram's largest length.
+    (route,) = runner["routes"]
+    lo_mtu = int(Path("/sys/class/net/lo/mtu").read_text())
+    assert (route["address"], route["dev"]) == ("127.0.0.1", "lo")
+    assert route["path_mtu"] == min(lo_mtu, 65535)
+    # The clock offset between the ends: one clock here, so zero within the
+    # bound (half the round trip of the request that read the agent's clock).
+    assert 0 < far["clock_offset_bound_s"] < 5
+    assert abs(far["clock_offset_s"]) <= far["clock_offset_bound_s"] + 2e-6

@@ -3,14 +3,26 @@
 from __future__ import annotations
 
 import json
+import os
+import platform
+import re
 import socket
+import struct
+import subprocess
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from kickass_wan import token as tk
-from kickass_wan.tcpflow import ACCEPTED, MAGIC, TcpReceiver, send_flow
+from kickass_wan.tcpflow import (
+    ACCEPTED,
+    MAGIC,
+    TcpReceiver,
+    available_congestion_controls,
+    send_flow,
+)
 
 VECTORS = Path(__file__).resolve().parents[2] / "wan-agents" / "vectors" / "flow_token.json"
 SECRET = b"s" * 32
@@ -133,3 +145,107 @@ def test_refused_token_and_agent_gone_mid_flow_are_told_apart(receiver: TcpRecei
         closed.close()
     assert not down.completed
     assert "nothing listens on the agent's TCP port" in down.error, down.error
+
+
+# -- the baselines the paper compared --------------------------------------------------
+
+BASELINES = ("cubic", "reno", "bbr")
+_HEADER = struct.Struct(f"!4s{tk.TOKEN_LEN}sQ")
+
+
+class HeldAgent:
+    """The agent's side of KAT2 that reads nothing until released: the
+    sender's socket stays established with data in flight meanwhile, for the
+    kernel to be asked what it runs. Then it takes the flow and confirms it."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        # A small receive buffer (inherited by the accepted socket): the
+        # sender blocks after a few segments instead of finishing at once.
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(1)
+        self.address = self.sock.getsockname()
+        self.release = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        conn, _ = self.sock.accept()
+        with conn:
+            conn.settimeout(60)
+            if not self.release.wait(60):
+                return
+            head = _recv(conn, _HEADER.size)
+            size = _HEADER.unpack(head)[2]
+            conn.sendall(ACCEPTED)
+            got = 0
+            while got < size and (chunk := conn.recv(min(1 << 16, size - got))):
+                got += len(chunk)
+            conn.sendall(struct.pack("!Q", got))
+
+    def close(self) -> None:
+        self.release.set()
+        self.thread.join(30)
+        self.sock.close()
+
+
+def _recv(conn: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n and (chunk := conn.recv(n - len(buf))):
+        buf += chunk
+    return buf
+
+
+def _kernel_view(port: int) -> str:
+    """What the kernel reports (inet_diag, through `ss`) of the sender's socket
+    to ``port``: its congestion control by name and, for BBR, BBR's own state.
+    Waits for the socket to be established."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        out = subprocess.run(
+            ["ss", "-tinH", "state", "established", "dport", "=", f":{port}"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout  # fmt: skip
+        if out.strip():
+            return out
+        time.sleep(0.05)
+    raise AssertionError(f"no established socket to port {port}")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="choosing any congestion control needs root")
+@pytest.mark.parametrize("cc", BASELINES)
+def test_a_flow_runs_with_the_congestion_control_of_its_arm(cc: str) -> None:
+    """Each baseline the paper compared (CUBIC, Reno, BBR) really runs the
+    flow: the kernel names it for the sender's socket while data is in
+    flight (BBR with its bandwidth and min-RTT estimates), and the flow record
+    says so. Not skipped when one is missing: root's setsockopt has the kernel
+    load tcp_<cc> if it is a module, so missing means this kernel cannot run
+    the paper's comparison, and the test says so."""
+    agent = HeldAgent()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            tok = tk.issue(SECRET, tk.KIND_TCP, time.time())
+            flow = pool.submit(send_flow, agent.address, tok, 2_000_000, cc, 60.0)
+            try:
+                seen = _kernel_view(agent.address[1])
+            finally:
+                agent.release.set()
+            res = flow.result(timeout=90)
+    finally:
+        agent.close()
+    if not res.completed and "unavailable" in (res.error or ""):
+        pytest.fail(
+            f"congestion control {cc!r} is not available on kernel {platform.release()} "
+            f"(tcp_available_congestion_control: {' '.join(available_congestion_controls())}; "
+            f"{res.error}). The paper compares CUBIC, Reno and BBR: build tcp_{cc} into the "
+            f"kernel or install its module (modprobe tcp_{cc})."
+        )
+    assert res.completed, res.error
+    assert res.cc_in_effect == cc, res
+    assert cc in available_congestion_controls()
+    words = set(re.findall(r"[a-z_]+", seen))
+    assert cc in words, seen
+    assert not (set(BASELINES) - {cc}) & words, seen
+    if cc == "bbr":
+        assert re.search(r"bbr:\(bw:\S+,mrtt:[\d.]+", seen), seen
