@@ -183,7 +183,7 @@ def test_wide_area_trials_notebook_runs_on_seeded_trials(
     low, high = summary["speedup_ci95"]
     assert 1.5 < low <= summary["speedup"] <= high < 4.0 and summary["speedup_within_paper"]
     # The notebook's own computation and the scheduled refresh's agree (one pooled group
-    # per destination: the same flows and the same bootstrap seed give the same number
+    # per destination: the same flows and the same clusters give the same number
     # when there is one destination; with two, the pooled one lies between).
     assert summary["stored_speedup"] == pytest.approx(summary["speedup"], rel=0.2)
     assert 0.9 <= summary["ka_mode_fraction_mean"] <= 1.0
@@ -197,8 +197,11 @@ def test_trials_notebook_agrees_with_the_rollup(
     rollups.refresh(database_url)
     monkeypatch.setenv("KICKASS_DATABASE_URL", db.libpq_url(database_url))
     summary = summary_of(execute(ROOT / "notebooks" / "wide_area_trials.ipynb", tmp_path))
-    # One group: the notebook and the refresh compute the same statistic on the same pairs.
+    # One group: the notebook and the refresh compute the same statistic on the same pairs,
+    # with the same clusters (three pairs one after the other) behind the same interval.
     assert summary["stored_speedup"] == pytest.approx(summary["speedup"], rel=1e-12)
+    assert summary["clusters"] == 3
+    assert summary["stored_ci95"] == pytest.approx(summary["speedup_ci95"], rel=1e-12)
 
 
 @pytest.mark.slow
