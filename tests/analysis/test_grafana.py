@@ -215,8 +215,8 @@ EXPECTED_COLUMNS: dict[str, set[str]] = {
     # the trials
     "Kick-Ass speedup over TCP (paper: 1.2x-4x)": {"speedup", "paper: from", "paper: to"},
     "Paired speedup with its 95% interval, by destination and arm": {
-        "arm", "baseline_arm", "speedup", "speedup_low", "speedup_high", "completion_arm",
-        "completion_baseline",
+        "arm", "baseline_arm", "speedup", "speedup_low", "speedup_high", "clusters",
+        "completion_arm", "completion_baseline",
     },
     "Mean FCT by flow size": {"size_from", "Kick-Ass", "TCP"},
     "Per-trial speedup over time (paired, 95% interval)": {"time", "metric", "speedup"},
