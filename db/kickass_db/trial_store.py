@@ -27,7 +27,7 @@ from typing import Any
 from kickass_core import flow_record
 from kickass_core.errors import KickassError
 from kickass_core.signing import key_from_secret
-from sqlalchemy import Connection, column, insert, select, table, text, update
+from sqlalchemy import Connection, Integer, column, insert, select, table, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from .models.trials import FlowRow, RunnerRow, TrialPeriodRow, TrialRow
@@ -71,11 +71,14 @@ class Conflict(BadRecord):
 
 @dataclass
 class FlowsResult:
-    """What became of a batch: stored (new or identical repeats), and refused
-    records with why (``conflict``: same id, other content)."""
+    """What became of a batch: the ids stored (new, or identical repeats; each
+    once), and the refused records as (position in the batch, flow id, why):
+    ``conflict``, the same id with other content. A batch may hold one id
+    twice: the first is stored, a later identical copy is stored too (it is
+    the same record), a later different one is a conflict."""
 
     stored: list[str] = field(default_factory=list)
-    conflicts: list[tuple[str, str]] = field(default_factory=list)
+    conflicts: list[tuple[int, str, str]] = field(default_factory=list)
 
 
 class TrialStore(StoreBase):
@@ -223,9 +226,10 @@ class TrialStore(StoreBase):
     ) -> FlowsResult:
         """Store flow records of a trial (validated: kickass_core.flow_record).
 
-        Every flow id of the batch comes back either as stored (new, or an
-        identical repeat) or as a conflict (stored before with other content:
-        the stored row is kept). Raises UnknownTrial before the trial is
+        Every record of the batch comes back either as stored (new, or an
+        identical repeat) or as a conflict, by its position (its id is stored
+        with other content, maybe by a copy earlier in the same batch: the
+        stored row is kept). Raises UnknownTrial before the trial is
         uploaded, BadRecord for a flow of another trial.
         """
         rows = []
@@ -253,36 +257,46 @@ class TrialStore(StoreBase):
             cols = ", ".join(_FLOW_COLUMNS)
             # The batch in a scratch table of the same column types, so the
             # comparison with stored rows sees exactly what would be stored
-            # (real columns round the same way on both sides).
+            # (real columns round the same way on both sides); ``position``
+            # tells a batch's copies of one id apart.
             conn.execute(
                 text(
                     "CREATE TEMP TABLE incoming_flows ON COMMIT DROP AS "
-                    f"SELECT {cols} FROM flows WITH NO DATA"
+                    f"SELECT 0 AS position, {cols} FROM flows WITH NO DATA"
                 )
             )
             # Typed as the flows columns are (extra is jsonb).
             types = FlowRow.__table__.c
-            incoming = table("incoming_flows", *(column(c, types[c].type) for c in _FLOW_COLUMNS))
-            conn.execute(insert(incoming), [{"trial_pk": pk, **r} for r in rows])
+            incoming = table(
+                "incoming_flows",
+                column("position", Integer()),
+                *(column(c, types[c].type) for c in _FLOW_COLUMNS),
+            )
+            conn.execute(
+                insert(incoming), [{"position": i, "trial_pk": pk, **r} for i, r in enumerate(rows)]
+            )
+            # Of one id sent twice, the first copy is the one stored.
             conn.execute(
                 text(
-                    f"INSERT INTO flows ({cols}) SELECT {cols} FROM incoming_flows "
+                    f"INSERT INTO flows ({cols}) SELECT DISTINCT ON (flow_id) {cols} "
+                    "FROM incoming_flows ORDER BY flow_id, position "
                     "ON CONFLICT (flow_id) DO NOTHING"
                 )
             )
             differing = conn.execute(
                 text(
-                    "SELECT DISTINCT i.flow_id FROM incoming_flows i JOIN flows f USING (flow_id) "
+                    "SELECT i.position FROM incoming_flows i JOIN flows f USING (flow_id) "
                     f"WHERE ({', '.join('f.' + c for c in _FLOW_COLUMNS)}) IS DISTINCT FROM "
                     f"({', '.join('i.' + c for c in _FLOW_COLUMNS)})"
                 )
             ).scalars()
             bad = set(differing)
             out = FlowsResult()
-            for r in rows:
+            for i, r in enumerate(rows):
                 fid = r["flow_id"]
-                if fid in bad:
-                    out.conflicts.append((fid, "stored before with other content; kept as stored"))
+                if i in bad:
+                    why = "this flow id is stored with other content; the stored record was kept"
+                    out.conflicts.append((i, fid, why))
                 elif fid not in out.stored:
                     out.stored.append(fid)
             return out

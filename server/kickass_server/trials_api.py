@@ -13,8 +13,10 @@ per record, so one bad record never takes its neighbours with it:
 
 A refused record's ``error`` is ``bad-flow`` (it can never be stored as
 sent) or ``conflict`` (its id is stored with other content: nothing was
-replaced). A batch of flows of a trial not uploaded yet is a 404
-``unknown-trial``: keep the flows and send the trial first.
+replaced). One id twice in a batch: the first copy is stored, an identical
+later copy is answered stored too, a different one is a conflict. A batch
+of flows of a trial not uploaded yet is a 404 ``unknown-trial``: keep the
+flows and send the trial first.
 """
 
 from __future__ import annotations
@@ -111,9 +113,8 @@ def put_flows(trial_id: str) -> Response:
         )
     except UnknownTrial as exc:
         raise ApiError(404, "unknown-trial", exc.message) from None
-    index_of = {f["flow_id"]: f["_index"] for f in valid}
-    for fid, why in result.conflicts:
-        refused.append(_refusal(index_of[fid], fid, "conflict", why))
+    for position, fid, why in result.conflicts:
+        refused.append(_refusal(valid[position]["_index"], fid, "conflict", why))
     if refused:
         log.info("trial %s: %d of %d flows refused (first: %s)", tid, len(refused),
                  len(body.flows), refused[0]["message"][:120])  # fmt: skip

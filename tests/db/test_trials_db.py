@@ -92,3 +92,38 @@ def test_runners_are_kept_apart(trials: TrialStore) -> None:
         trials.put_trial(b, _trial(tid))
     with pytest.raises(BadRecord):
         trials.put_flows(b, tid, [_flow(tid, 0, "tcp", 5, 10.0, None)])
+
+
+def test_conflicts_are_answered_by_position_and_the_first_copy_is_stored(
+    trials: TrialStore, database_url: str
+) -> None:
+    runner = trials.authenticate(trials.add_runner("edge-1"))
+    assert runner is not None
+    tid = secrets.token_hex(16)
+    trials.put_trial(runner, _trial(tid))
+    kept = _flow(tid, 0, "tcp", 5, 10.0, None)
+    assert trials.put_flows(runner, tid, [kept]).stored == [kept["flow_id"]]
+    new = _flow(tid, 1, "kickass", 5, 20.0, 0.5)
+    other = {**new, "ka_mode_fraction": 0.25}
+    # A real column rounds 0.1 to float32 both in the table and in the
+    # comparison: a repeat of it is identical, not a conflict.
+    real = _flow(tid, 2, "kickass", 5, 30.0, 0.1)
+    batch = [{**kept, "fct_ms": 11.0}, new, other, new, real, kept, real]
+    result = trials.put_flows(runner, tid, batch)
+    assert result.stored == [new["flow_id"], real["flow_id"], kept["flow_id"]]
+    assert [(pos, fid) for pos, fid, _ in result.conflicts] == [
+        (0, kept["flow_id"]),
+        (2, new["flow_id"]),
+    ]
+    assert all("other content" in why for _, _, why in result.conflicts)
+    engine = create_engine(db.sqlalchemy_url(database_url))
+    with engine.connect() as conn:
+        rows = {
+            r.flow_id: r.fct_ms for r in conn.execute(text("SELECT flow_id, fct_ms FROM flows"))
+        }
+        fraction = conn.execute(
+            text("SELECT ka_mode_fraction FROM flows WHERE flow_id = :f"), {"f": new["flow_id"]}
+        ).scalar()
+    engine.dispose()
+    assert rows == {kept["flow_id"]: 10.0, new["flow_id"]: 20.0, real["flow_id"]: 30.0}
+    assert fraction == 0.5

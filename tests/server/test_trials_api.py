@@ -7,6 +7,7 @@ import json
 import secrets
 from typing import Any
 
+import kickass_db as db
 import pytest
 from flask.testing import FlaskClient
 from hypothesis import HealthCheck, given, settings
@@ -16,6 +17,7 @@ from kickass_db.study_store import StudyStore
 from kickass_db.trial_store import TrialStore
 from kickass_server.api import ApiConfig, create_app
 from kickass_server.engine import ProbeEngine
+from sqlalchemy import create_engine, text
 from support.trial_records import flow as _flow
 from support.trial_records import trial as _trial
 
@@ -152,3 +154,135 @@ def test_any_json_body_gets_a_4xx_or_2xx_never_a_5xx(client_and_token, body) -> 
         wrapped = {"flows": [body]} if "flows" in path else {**_trial(tid), "periods": [body]}
         r = call(client, method, path, token, wrapped)
         assert r.status_code < 500, (path, body, r.data)
+
+
+# -- idempotency that tells the truth (issue 16 item 3), through the real app -----------
+
+
+def _stored_flows(database_url: str, tid: str) -> dict[str, dict[str, Any]]:
+    engine = create_engine(db.sqlalchemy_url(database_url))
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(
+                text(
+                    "SELECT f.* FROM flows f JOIN trials t ON t.id = f.trial_pk "
+                    "WHERE t.trial_id = :t"
+                ),
+                {"t": tid},
+            ).mappings()
+            return {r["flow_id"]: dict(r) for r in rows}
+    finally:
+        engine.dispose()
+
+
+def _upload(client: FlaskClient, token: str, tid: str, flows: list[dict]) -> Any:
+    r = call(client, "POST", f"/api/v1/trials/{tid}/flows", token, {"flows": flows})
+    assert r.status_code == 200, r.json
+    return r.json
+
+
+def test_a_conflict_in_a_mixed_batch_is_refused_alone_and_replaces_nothing(
+    client_and_token,
+    database_url: str,  # noqa: ANN001
+) -> None:
+    client, token = client_and_token
+    tid = secrets.token_hex(16)
+    assert call(client, "PUT", f"/api/v1/trials/{tid}", token, _trial(tid)).status_code == 200
+    first = [_flow(tid, i, "tcp", 5, 100.0 + i, None) for i in range(3)]
+    assert _upload(client, token, tid, first)["stored"] == [f["flow_id"] for f in first]
+    before = _stored_flows(database_url, tid)
+
+    changed = {**first[1], "fct_ms": 999.0, "retransmissions": 4}
+    new = [_flow(tid, 10 + i, "tcp", 5, 50.0, None) for i in range(2)]
+    bad = {**_flow(tid, 20, "tcp", 5, 1.0, None), "size_packets": 0}
+    batch = [new[0], changed, new[1], first[2], bad]
+    answer = _upload(client, token, tid, batch)
+
+    # Neighbours stored (new ones and the identical repeat), in batch order.
+    assert answer["stored"] == [new[0]["flow_id"], new[1]["flow_id"], first[2]["flow_id"]]
+    refused = {r["index"]: r for r in answer["refused"]}
+    assert sorted(refused) == [1, 4], answer
+    assert refused[1]["error"] == "conflict" and refused[1]["flow_id"] == changed["flow_id"]
+    assert "other content" in refused[1]["message"]
+    assert refused[4]["error"] == "bad-flow" and "size_packets" in refused[4]["message"]
+
+    after = _stored_flows(database_url, tid)
+    assert set(after) == {f["flow_id"] for f in first + new}
+    for f in first:  # nothing replaced, not even in part
+        assert after[f["flow_id"]] == before[f["flow_id"]]
+    assert after[changed["flow_id"]]["fct_ms"] == 101.0
+    assert after[changed["flow_id"]]["retransmissions"] is None
+
+
+def test_one_flow_id_twice_in_a_batch(client_and_token, database_url: str) -> None:  # noqa: ANN001
+    client, token = client_and_token
+    tid = secrets.token_hex(16)
+    assert call(client, "PUT", f"/api/v1/trials/{tid}", token, _trial(tid)).status_code == 200
+
+    # Identical copies: stored once, and neither copy refused.
+    same = _flow(tid, 0, "tcp", 5, 10.0, None)
+    answer = _upload(client, token, tid, [same, dict(same)])
+    assert answer == {"stored": [same["flow_id"]], "refused": []}
+
+    # Different copies of a new id: the first stored, the second a conflict.
+    a = _flow(tid, 1, "tcp", 5, 20.0, None)
+    b = {**a, "fct_ms": 30.0}
+    answer = _upload(client, token, tid, [a, b, dict(a)])
+    assert answer["stored"] == [a["flow_id"]]
+    assert [(r["index"], r["flow_id"], r["error"]) for r in answer["refused"]] == [
+        (1, a["flow_id"], "conflict")
+    ]
+
+    # Both copies differ from what is stored: both conflicts, nothing stored.
+    c, d = {**a, "fct_ms": 40.0}, {**a, "fct_ms": 50.0}
+    answer = _upload(client, token, tid, [c, d])
+    assert answer["stored"] == []
+    assert [(r["index"], r["error"]) for r in answer["refused"]] == [
+        (0, "conflict"),
+        (1, "conflict"),
+    ]
+
+    stored = _stored_flows(database_url, tid)
+    assert set(stored) == {same["flow_id"], a["flow_id"]}
+    assert stored[a["flow_id"]]["fct_ms"] == 20.0
+
+
+def test_a_trial_re_sent_with_other_content_is_a_409_and_replaces_nothing(
+    client_and_token,
+    database_url: str,  # noqa: ANN001
+) -> None:
+    client, token = client_and_token
+    tid = secrets.token_hex(16)
+    path = f"/api/v1/trials/{tid}"
+    trial = _trial(tid)
+    assert call(client, "PUT", path, token, trial).status_code == 200
+    assert call(client, "PUT", path, token, trial).status_code == 200  # identical: a no-op
+
+    moved_period = {**trial["periods"][1], "start_s": 130}
+    for changed, what in (
+        ({**trial, "destination": "agent-b"}, "destination"),
+        ({**trial, "parameters": {"workload": {"seed": 2}}}, "parameters"),
+        ({**trial, "periods": [trial["periods"][0], moved_period]}, "period 1"),
+    ):
+        r = call(client, "PUT", path, token, changed)
+        assert r.status_code == 409, (what, r.json)
+        assert r.json["error"] == "conflict" and what in r.json["message"], r.json
+
+    engine = create_engine(db.sqlalchemy_url(database_url))
+    try:
+        with engine.connect() as conn:
+            row = conn.execute(
+                text("SELECT id, destination, parameters FROM trials WHERE trial_id = :t"),
+                {"t": tid},
+            ).one()
+            periods = conn.execute(
+                text(
+                    "SELECT period_index, start_offset_s FROM trial_periods "
+                    "WHERE trial_pk = :pk ORDER BY period_index"
+                ),
+                {"pk": row.id},
+            ).all()
+    finally:
+        engine.dispose()
+    assert (row.destination, row.parameters) == ("agent-a", {"workload": {"seed": 1}})
+    assert [tuple(p) for p in periods] == [(0, 0.0), (1, 120.0)]
