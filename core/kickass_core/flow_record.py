@@ -11,23 +11,29 @@ reads the table below:
   columns;
 * ``core/vectors/flow_record.json`` pins the table and transport-to-record
   examples; the Rust tests (ka-transport ``tests/flow_record_vectors.rs``)
-  deserialise the transport halves, Python tests check the conversion and
-  that the file is what this module generates
-  (``core/vectors/make_vectors.py``).
+  deserialise the transport halves, the Python tests
+  (``tests/core/test_flow_record.py``) check the conversion and that the
+  file is what this module generates (``core/vectors/make_vectors.py``).
 
 Bounds are those of the columns the values land in (a 32-bit ``integer``, a
-``real``), tightened to what a flow can mean: no flow lasts 10^9 ms.
-Standard library only: the volunteer client ships this package.
+``real``), tightened to what a flow can mean: no flow lasts 10^9 ms. Every
+bound is in ``FIELDS``; what a bound cannot say (a time, printable text, a
+``real``'s smallest value, free-form JSON) is one function here or in
+``strictjson`` that ``check`` and the server's model both call, and
+``tests/server/test_flow_validators.py`` shows that the two accept and refuse
+the same records. Standard library only: the volunteer client ships this package.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any
+
+from . import strictjson
 
 PROTOCOLS = ("kickass", "tcp")
 HANDSHAKES = ("paper", "padded")
@@ -44,17 +50,24 @@ ERROR_MAX_CHARS = 2000
 REAL_MIN = 1.1754943508222875e-38
 EXTRA_MAX_KEYS = 32
 EXTRA_MAX_BYTES = 4096  # as compact JSON
+# An ISO 8601 time with its offset is 32 characters at most; room for more digits.
+TIME_MAX_CHARS = 64
 
 # Anchored with ^...$ and used with fullmatch: the same text is a valid
 # pattern for Python's re and for the Rust regex engine under pydantic.
+# Each pattern's longest match is its field's max_len (written once, here).
 TRIAL_ID_RE = re.compile(r"^[0-9a-f]{32}$")
-FLOW_ID_RE = re.compile(r"^([0-9a-f]{32})-([0-9]{1,15})$")
-CONGESTION_CONTROL_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+FLOW_ID_DIGITS = 15
+FLOW_ID_MAX_CHARS = 32 + 1 + FLOW_ID_DIGITS
+FLOW_ID_RE = re.compile(rf"^([0-9a-f]{{32}})-([0-9]{{1,{FLOW_ID_DIGITS}}})$")
+CONGESTION_CONTROL_MAX_CHARS = 32
+CONGESTION_CONTROL_RE = re.compile(rf"^[a-z][a-z0-9_]{{0,{CONGESTION_CONTROL_MAX_CHARS - 1}}}$")
 # An arm's name (kickass_wan.schedule): "kickass", "kickass:paper", "tcp:cubic+50ms#2"...
-ARM_RE = re.compile(r"^[a-z][a-z0-9_:+.#-]{0,63}$")
+ARM_MAX_CHARS = 64
+ARM_RE = re.compile(rf"^[a-z][a-z0-9_:+.#-]{{0,{ARM_MAX_CHARS - 1}}}$")
 # C0 controls, DEL and lone surrogates: PostgreSQL text takes no NUL, UTF-8
 # no surrogates, and none of them belongs in a flow's error message.
-BAD_TEXT_RE = re.compile("[\x00-\x1f\x7f\ud800-\udfff]")
+BAD_TEXT_RE = strictjson.UNPRINTABLE
 
 
 @dataclass(frozen=True)
@@ -69,7 +82,10 @@ class Field:
     maximum: float | None = None
     choices: tuple[str, ...] | None = None
     pattern: str | None = None
+    # Characters of a text, keys of an object.
     max_len: int | None = None
+    # An object's size as compact JSON.
+    max_bytes: int | None = None
     # Stored in a 4-byte ``real`` column: a nonzero value must be a normal
     # float32 (PostgreSQL refuses what would underflow to a subnormal).
     real: bool = False
@@ -80,7 +96,7 @@ class Field:
             out[key] = getattr(self, key)
         if self.real:
             out["real"] = True
-        for key in ("minimum", "maximum", "choices", "pattern", "max_len"):
+        for key in ("minimum", "maximum", "choices", "pattern", "max_len", "max_bytes"):
             value = getattr(self, key)
             if value is not None:
                 out[key] = list(value) if isinstance(value, tuple) else value
@@ -89,14 +105,26 @@ class Field:
 
 # The record as uploaded and stored, in the order of the ``flows`` columns.
 FIELDS: tuple[Field, ...] = (
-    Field("flow_id", "str", nullable=False, required=True, pattern=FLOW_ID_RE.pattern),
+    Field(
+        "flow_id",
+        "str",
+        nullable=False,
+        required=True,
+        pattern=FLOW_ID_RE.pattern,
+        max_len=FLOW_ID_MAX_CHARS,
+    ),
     Field("period_index", "int", nullable=False, required=True, minimum=0, maximum=INT32_MAX),
     Field("protocol", "str", nullable=False, required=True, choices=PROTOCOLS),
-    Field("congestion_control", "str", pattern=CONGESTION_CONTROL_RE.pattern),
+    Field(
+        "congestion_control",
+        "str",
+        pattern=CONGESTION_CONTROL_RE.pattern,
+        max_len=CONGESTION_CONTROL_MAX_CHARS,
+    ),
     Field("handshake", "str", choices=HANDSHAKES),
     Field("size_bytes", "int", nullable=False, required=True, minimum=1, maximum=SIZE_BYTES_MAX),
     Field("size_packets", "int", nullable=False, required=True, minimum=1, maximum=INT32_MAX),
-    Field("started_at", "time", nullable=False, required=True),
+    Field("started_at", "time", nullable=False, required=True, max_len=TIME_MAX_CHARS),
     Field("completed", "bool", nullable=False, required=True),
     Field("fct_ms", "float", minimum=0.0, maximum=DURATION_MS_MAX),
     Field("ka_mode_ms", "float", minimum=0.0, maximum=DURATION_MS_MAX),
@@ -113,7 +141,7 @@ FIELDS: tuple[Field, ...] = (
     # What the transport adds (rto_count, datagrams_sent, the first mode
     # switches with their reasons...): at most EXTRA_MAX_KEYS keys and
     # EXTRA_MAX_BYTES of JSON.
-    Field("extra", "object", max_len=EXTRA_MAX_KEYS),
+    Field("extra", "object", max_len=EXTRA_MAX_KEYS, max_bytes=EXTRA_MAX_BYTES),
     # The paired design (migration 0010): the pair of periods the flow belongs
     # to (its twin under the other arm has the same pair and index), the arm
     # its period ran, how long it waited for a concurrency slot after it was
@@ -121,7 +149,7 @@ FIELDS: tuple[Field, ...] = (
     # the protocol the transport negotiated (a Kick-Ass period's flow that
     # fell back to TCP from the start says "tcp").
     Field("pair", "int", minimum=0, maximum=INT32_MAX),
-    Field("arm", "str", pattern=ARM_RE.pattern),
+    Field("arm", "str", pattern=ARM_RE.pattern, max_len=ARM_MAX_CHARS),
     Field("queued_ms", "float", minimum=0.0, maximum=DURATION_MS_MAX),
     Field("negotiated_protocol", "str", choices=PROTOCOLS),
 )
@@ -194,6 +222,9 @@ def from_transport(record: Mapping[str, Any], error: str | None = None) -> dict[
 
 
 # -- validation (the runner's own check before it spools) --------------------------------
+# The server's model (kickass_server.schemas.FlowRecord) is built from the same
+# FIELDS and calls parse_time, real_ok and strictjson.check_bounded for what a
+# declared bound cannot say, so the two accept the same records.
 
 
 class FlowRecordError(ValueError):
@@ -207,11 +238,13 @@ class FlowRecordError(ValueError):
 def check(record: Mapping[str, Any]) -> None:
     """Raise FlowRecordError unless ``record`` fits ``FIELDS`` (unknown keys too).
 
-    Times are ISO 8601 strings with an offset here; the server parses them.
+    Times are ISO 8601 strings with an offset (``parse_time``), as uploaded.
     """
-    unknown = set(record) - set(FIELD_NAMES)
+    if not isinstance(record, Mapping):
+        raise FlowRecordError("record", "must be an object")
+    unknown = sorted(str(k)[:64] for k in record if k not in BY_NAME)
     if unknown:
-        raise FlowRecordError(sorted(unknown)[0], "not a field of a flow record")
+        raise FlowRecordError(unknown[0], "not a field of a flow record")
     for f in FIELDS:
         if f.name not in record:
             if f.required:
@@ -223,6 +256,26 @@ def check(record: Mapping[str, Any]) -> None:
 def real_ok(value: float) -> bool:
     """Whether ``value`` fits a ``real`` column (0, or a normal float32 magnitude)."""
     return value == 0 or abs(value) >= REAL_MIN
+
+
+def parse_time(value: Any, max_len: int = TIME_MAX_CHARS) -> datetime:
+    """An ISO 8601 time with a UTC offset, as a flow record (and every upload)
+    carries it; ValueError otherwise. The time must have a UTC equivalent
+    that a reader can hold: 9999-12-31T23:00-05:00 is in year 10000 in UTC,
+    which PostgreSQL stores and no Python reader reads back."""
+    if not isinstance(value, str) or len(value) > max_len:
+        raise ValueError("not an ISO 8601 time")
+    try:
+        t = datetime.fromisoformat(value)
+    except ValueError:
+        raise ValueError("not an ISO 8601 time") from None
+    if t.utcoffset() is None:
+        raise ValueError("needs a UTC offset (a time without one is hours off)")
+    try:
+        t.astimezone(timezone.utc)
+    except OverflowError:
+        raise ValueError("outside the years 1 to 9999 in UTC") from None
+    return t
 
 
 def _check_value(f: Field, value: Any) -> None:
@@ -239,15 +292,25 @@ def _check_value(f: Field, value: Any) -> None:
             raise FlowRecordError(
                 f.name, f"must be {'an integer' if f.kind == 'int' else 'a number'}"
             )
-        if not math.isfinite(value):
-            raise FlowRecordError(f.name, "must be finite")
+        if f.kind == "float":
+            try:
+                value = float(value)  # an integer beyond a double's range is no number here
+            except OverflowError:
+                raise FlowRecordError(f.name, "must be a finite number") from None
+            if not math.isfinite(value):
+                raise FlowRecordError(f.name, "must be finite")
         if (f.minimum is not None and value < f.minimum) or (
             f.maximum is not None and value > f.maximum
         ):
             raise FlowRecordError(f.name, f"must lie within [{f.minimum}, {f.maximum}]")
-        if f.real and value != 0 and abs(value) < REAL_MIN:
+        if f.real and not real_ok(value):
             raise FlowRecordError(f.name, f"too small for its column (0, or at least {REAL_MIN})")
-    elif f.kind in ("str", "time"):
+    elif f.kind == "time":
+        try:
+            parse_time(value, f.max_len or TIME_MAX_CHARS)
+        except ValueError as exc:
+            raise FlowRecordError(f.name, str(exc)) from None
+    elif f.kind == "str":
         if not isinstance(value, str):
             raise FlowRecordError(f.name, "must be a string")
         if f.choices is not None and value not in f.choices:
@@ -258,21 +321,15 @@ def _check_value(f: Field, value: Any) -> None:
             raise FlowRecordError(f.name, f"longer than {f.max_len} characters")
         if BAD_TEXT_RE.search(value):
             raise FlowRecordError(f.name, "holds control characters or invalid Unicode")
-        if f.kind == "time" and len(value) > 64:
-            raise FlowRecordError(f.name, "not an ISO 8601 time")
     elif f.kind == "object":
         if not isinstance(value, dict):
             raise FlowRecordError(f.name, "must be an object")
         if f.max_len is not None and len(value) > f.max_len:
             raise FlowRecordError(f.name, f"more than {f.max_len} keys")
-        if any(not isinstance(k, str) or len(k) > 64 for k in value):
-            raise FlowRecordError(f.name, "keys must be short strings")
         try:
-            size = len(json.dumps(value, allow_nan=False, separators=(",", ":")))
-        except (TypeError, ValueError) as exc:
-            raise FlowRecordError(f.name, f"not plain JSON: {exc}") from None
-        if size > EXTRA_MAX_BYTES:
-            raise FlowRecordError(f.name, f"more than {EXTRA_MAX_BYTES} bytes of JSON")
+            strictjson.check_bounded(value, f.max_bytes or EXTRA_MAX_BYTES)
+        except ValueError as exc:
+            raise FlowRecordError(f.name, str(exc)) from None
 
 
 def vectors_document(examples: list[dict[str, Any]]) -> dict[str, Any]:

@@ -29,6 +29,15 @@ WHOLE = "whole"
 SPLIT = "split"
 PHASES = (WHOLE, SPLIT)
 PAPER_WHOLE_MAX = 1480
+# The largest plan any server may offer. A server's policy sets its own limits
+# within these (kickass_server.policy refuses a configuration above them), and
+# the request schema (kickass_server.schemas.PlanRequest) refuses a request
+# above them before the policy is asked. 2,000 repetitions of the finest plan
+# (step 8: 366 sizes) are 732,000 probes, fewer than a volunteer's client
+# accepts (kickass_probe.session.MAX_PLAN_PROBES, 1,000,000).
+MAX_REPETITIONS = 2000
+# Probes in flight: 16 times the default policy's 64, 1.5 MB of probes.
+MAX_WINDOW = 1024
 
 
 class PlanError(ValueError):

@@ -168,14 +168,22 @@ def flow_record_vectors() -> dict:
     return flow_record.vectors_document(examples)
 
 
+def documents() -> dict[str, str]:
+    """Each vector file's name and its text as this generator writes it today
+    (tests/core/test_flow_record.py compares it with the checked-in file)."""
+    return {
+        name: json.dumps(data, indent=1, allow_nan=False) + "\n"
+        for name, data in (
+            ("rate_encoding.json", rate_vectors()),
+            ("rtt_indicator.json", rtt_vectors()),
+            ("probe_wire.json", wire_vectors()),
+            ("flow_record.json", flow_record_vectors()),
+        )
+    }
+
+
 def main() -> None:
-    for name, data in (
-        ("rate_encoding.json", rate_vectors()),
-        ("rtt_indicator.json", rtt_vectors()),
-        ("probe_wire.json", wire_vectors()),
-        ("flow_record.json", flow_record_vectors()),
-    ):
-        text = json.dumps(data, indent=1, allow_nan=False) + "\n"
+    for name, text in documents().items():
         (HERE / name).write_text(text)
         print(f"wrote {name}")
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, fields
 
 from kickass_core.errors import KickassError
 from kickass_core.pacing import prefix_of
-from kickass_core.plan import PHASES, PlanError, ProbePlan
+from kickass_core.plan import MAX_REPETITIONS, MAX_WINDOW, PHASES, PlanError, ProbePlan
 from kickass_core.rate import FULL_PACKET_LEN
 from pydantic import ValidationError
 
@@ -87,6 +87,14 @@ class Policy:
             if getattr(self, name) <= 0:
                 raise KickassError(
                     f"policy {name} must be above 0", hint=f"check KICKASS_POLICY_{name.upper()}"
+                )
+        for name, ceiling in (("max_repetitions", MAX_REPETITIONS), ("max_window", MAX_WINDOW)):
+            # The request schema refuses more than the ceiling before a policy is asked.
+            if getattr(self, name) > ceiling:
+                raise KickassError(
+                    f"policy {name} {getattr(self, name)} is above {ceiling}, the most any "
+                    "server may offer (kickass_core.plan)",
+                    hint=f"check KICKASS_POLICY_{name.upper()}",
                 )
         if self.min_timeout_ms > self.max_timeout_ms:
             raise KickassError(

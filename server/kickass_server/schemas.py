@@ -15,14 +15,12 @@ of the flow record, ``kickass_core.flow_record.FIELDS``.
 
 from __future__ import annotations
 
-import json
-import math
-import re
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from kickass_core import flow_record
-from kickass_core.plan import PHASES
+from kickass_core import flow_record, strictjson
+from kickass_core.plan import MAX_REPETITIONS, MAX_WINDOW, PHASES
+from kickass_core.rate import FRAGMENT_UNIT, FULL_PACKET_LEN
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -35,9 +33,9 @@ from pydantic import (
 
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
-# C0 controls, DEL and lone surrogates: PostgreSQL text takes no NUL, UTF-8
-# has no surrogates, and none of them belongs in a name or a version.
-_BAD_TEXT = re.compile("[\x00-\x1f\x7f\ud800-\udfff]")
+# Printable text, free-form JSON and times are checked by the functions the
+# trial runner's own check of a flow record calls (kickass_core): one rule each.
+_BAD_TEXT = strictjson.UNPRINTABLE
 
 
 def _printable(value: str) -> str:
@@ -46,58 +44,11 @@ def _printable(value: str) -> str:
     return value
 
 
-def _aware_time(value: Any) -> datetime:
-    if not isinstance(value, str) or len(value) > 64:
-        raise ValueError("not an ISO 8601 time")
-    try:
-        t = datetime.fromisoformat(value)
-    except ValueError:
-        raise ValueError("not an ISO 8601 time") from None
-    if t.utcoffset() is None:
-        raise ValueError("needs a UTC offset (a time without one is hours off)")
-    return t
-
-
-MAX_JSON_NODES = 2000
-MAX_KEY_CHARS = 64
-MAX_FREE_TEXT_CHARS = 200
-
-
 def _bounded_json(limit: int) -> Any:
-    """Free-form JSON that PostgreSQL's jsonb takes as it is: printable short
-    text (no NUL, no lone surrogate), 64-bit integers, finite numbers, at most
-    ``MAX_JSON_NODES`` values and ``limit`` bytes."""
-
-    def walk(v: Any, budget: list[int]) -> None:
-        budget[0] -= 1
-        if budget[0] < 0:
-            raise ValueError(f"more than {MAX_JSON_NODES} values")
-        if isinstance(v, str):
-            if len(v) > MAX_FREE_TEXT_CHARS or _BAD_TEXT.search(v):
-                raise ValueError("text must be short and printable")
-        elif isinstance(v, bool) or v is None:
-            return
-        elif isinstance(v, int):
-            if not -INT64_MAX <= v <= INT64_MAX:
-                raise ValueError("integers must fit in 64 bits")
-        elif isinstance(v, float):
-            if not math.isfinite(v):
-                raise ValueError("numbers must be finite")
-        elif isinstance(v, list):
-            for x in v:
-                walk(x, budget)
-        elif isinstance(v, dict):
-            for k, x in v.items():
-                if not isinstance(k, str) or len(k) > MAX_KEY_CHARS or _BAD_TEXT.search(k):
-                    raise ValueError("keys must be short printable text")
-                walk(x, budget)
-        else:
-            raise ValueError("not plain JSON")
+    """Free-form JSON that PostgreSQL's jsonb takes as it is (strictjson.check_bounded)."""
 
     def check(value: Any) -> Any:
-        walk(value, [MAX_JSON_NODES])
-        if len(json.dumps(value, separators=(",", ":"))) > limit:
-            raise ValueError(f"more than {limit} bytes of JSON")
+        strictjson.check_bounded(value, limit)
         return value
 
     return check
@@ -125,7 +76,7 @@ def JsonObject(max_bytes: int) -> Any:  # noqa: N802
 
 # JSON has no time type: an ISO 8601 string with an offset, parsed before
 # the (strict) datetime check.
-AwareTime = Annotated[datetime, BeforeValidator(_aware_time)]
+AwareTime = Annotated[datetime, BeforeValidator(flow_record.parse_time)]
 Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 
@@ -146,20 +97,28 @@ class Lenient(Strict):
 
 
 def _window(value: Any) -> Any:
-    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool)):
+    # Checked here, not only by the union below, whose error would name each
+    # of its members ("window.constrained-int: ...; window.literal['auto']: ...").
+    if value == "auto" or (
+        isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_WINDOW
+    ):
         return value
-    raise ValueError('must be an integer or "auto"')
+    raise ValueError(f'must be an integer or "auto" (an integer from 1 to {MAX_WINDOW})')
 
 
 class PlanRequest(Lenient):
-    """What a client may ask of the plan; the server's policy sets the bounds.
-    Absent fields take the paper's plan (null is not absent: it is refused)."""
+    """What a client may ask of the plan. The bounds here are the most any
+    server may offer (``kickass_core.plan``); the server's policy sets its own
+    within them. Absent fields take the paper's plan (null is not absent: it
+    is refused)."""
 
     quick: bool = False
-    repetitions: int = 100
-    step: int = 8
+    repetitions: Annotated[int, Field(ge=1, le=MAX_REPETITIONS)] = 100
+    step: Annotated[int, Field(ge=FRAGMENT_UNIT, le=FULL_PACKET_LEN, multiple_of=FRAGMENT_UNIT)] = 8
     # No window: the paper's stop-and-wait; "auto": the server adapts it.
-    window: Annotated[int | Literal["auto"], BeforeValidator(_window)] = 1
+    window: Annotated[
+        Annotated[int, Field(ge=1, le=MAX_WINDOW)] | Literal["auto"], BeforeValidator(_window)
+    ] = 1
     phases: Annotated[list[Literal[PHASES]], Field(min_length=1, max_length=len(PHASES))] = (  # type: ignore[valid-type]
         Field(default_factory=lambda: list(PHASES))
     )
@@ -327,12 +286,13 @@ def _flow_annotation(f: flow_record.Field) -> Any:
     elif f.kind == "bool":
         base = bool
     elif f.kind == "time":
-        base = AwareTime
+        limit = f.max_len or flow_record.TIME_MAX_CHARS
+        base = Annotated[datetime, BeforeValidator(lambda v: flow_record.parse_time(v, limit))]
     elif f.kind == "object":
         base = Annotated[
             dict[str, Any],
             Field(max_length=f.max_len),
-            AfterValidator(_bounded_json(flow_record.EXTRA_MAX_BYTES)),
+            AfterValidator(_bounded_json(f.max_bytes or flow_record.EXTRA_MAX_BYTES)),
         ]
     elif f.choices is not None:
         base = Literal[f.choices]

@@ -7,6 +7,13 @@ with ``http.accepts(Model, example)`` (the test fails for one that does not),
 and the example is mutated here, field by field, with values of every type
 and size, and with numbers at and just past the limits of the columns they
 reach (smallint, integer, bigint, real, double).
+
+An endpoint that takes flow records answers per record: there a mutated
+record must be answered as the flow record's own check (``kickass_core.
+flow_record.check``) judges it, refused with a message naming the field or
+not refused as bad at all; and each field at its own limits from
+``flow_record.FIELDS`` (``support.flow_limits``) is stored as sent, and just
+past them refused by name and not stored.
 """
 
 from __future__ import annotations
@@ -14,22 +21,27 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+import struct
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
+import kickass_db as db
 import pytest
 from flask import Flask
 from flask.testing import FlaskClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kickass_core import signing
+from kickass_core import flow_record, signing
 from kickass_db.schedule_store import ScheduleStore
 from kickass_db.study_store import StudyStore
 from kickass_db.trial_store import TrialStore
 from kickass_server.api import ApiConfig, create_app
 from kickass_server.engine import ProbeEngine
 from kickass_server.policy import Policy
+from kickass_server.schemas import FlowsBody
+from sqlalchemy import create_engine, text
+from support.flow_limits import limit_cases
 
 BODY_METHODS = {"POST", "PUT", "PATCH"}
 # The limits of PostgreSQL's number columns, and one past each.
@@ -64,6 +76,7 @@ class Api:
     """The whole app with a finished session, a stored trial and a runner."""
 
     def __init__(self, database_url: str) -> None:
+        self.database_url = database_url
         self.study = StudyStore(database_url)
         self.trials = TrialStore(database_url)
         policy = Policy(
@@ -127,6 +140,19 @@ class Api:
             environ_base={"REMOTE_ADDR": "198.51.100.8"},
         )  # fmt: skip
 
+    def flow_routes(self) -> list[tuple[str, str]]:
+        """(method, path) of every route whose body is a batch of flow records."""
+        return [(m, p) for m, p, v in self.body_routes() if v.body_model is FlowsBody]
+
+    def stored_flows(self) -> dict[str, dict[str, Any]]:
+        engine = create_engine(db.sqlalchemy_url(self.database_url))
+        try:
+            with engine.connect() as conn:
+                rows = conn.execute(text("SELECT * FROM flows")).mappings()
+                return {r["flow_id"]: dict(r) for r in rows}
+        finally:
+            engine.dispose()
+
     def close(self) -> None:
         self.engine.stop()
         self.study.close()
@@ -188,11 +214,28 @@ def _replace(value: Any, path: tuple[Any, ...], new: Any) -> Any:
     return out
 
 
+def _check_flow_answer(r: Any, flow: Any, field: str, what: Any) -> None:
+    """A batch of one mutated flow record is answered per record, as the flow
+    record's own check judges it."""
+    assert r.status_code == 200, (what, r.status_code, r.json)
+    refusals = [x for x in r.json["refused"] if x["index"] == 0]
+    try:
+        flow_record.check(flow)
+    except flow_record.FlowRecordError as exc:
+        assert exc.field == field, (what, str(exc))
+        assert [x["error"] for x in refusals] == ["bad-flow"], (what, r.json)
+        assert field in refusals[0]["message"], (what, refusals[0]["message"])
+        assert r.json["stored"] == [], (what, r.json)
+    else:
+        # Valid: stored, or (its id was stored by an earlier mutation) a conflict.
+        assert [x["error"] for x in refusals] in ([], ["conflict"]), (what, r.json)
+
+
 def test_every_field_at_and_past_the_limits_of_its_column(
     api: Api, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Each field of each example, in turn, set to every edge value."""
-    tried = 0
+    tried = flows_checked = 0
     for method, path, view in api.body_routes():
         if view.body_model is None:
             continue
@@ -204,10 +247,73 @@ def test_every_field_at_and_past_the_limits_of_its_column(
             edges += [None, "", [], {}, True, "x" * 300, [0] * 5000]
             for new in edges:
                 caplog.clear()
-                r = api.request(method, path, _replace(example, where, new))
+                body = _replace(example, where, new)
+                r = api.request(method, path, body)
                 _check(r, caplog, (method, path, where, new))
+                if view.body_model is FlowsBody and where[:2] == ("flows", 0) and len(where) > 2:
+                    _check_flow_answer(r, body["flows"][0], where[2], (path, where, new))
+                    flows_checked += 1
                 tried += 1
     assert tried > 500
+    assert flows_checked > 300
+
+
+def _float32(value: float) -> float:
+    rounded: float = struct.unpack("f", struct.pack("f", value))[0]
+    return rounded
+
+
+def _same_as_stored(f: flow_record.Field, sent: Any, stored: Any) -> bool:
+    """Whether a column holding ``stored`` holds what was sent for field ``f``."""
+    if sent is None or stored is None:
+        return sent is None and stored is None
+    if f.kind == "time":
+        return bool(stored == flow_record.parse_time(sent))
+    if f.real:
+        # A real column holds a float32; psycopg reads it back as its shortest
+        # decimal, so both sides are compared as float32.
+        return _float32(stored) == _float32(sent)
+    return bool(stored == sent and type(stored) is type(sent))
+
+
+def test_each_flow_field_at_its_own_limits_is_stored_and_just_past_is_refused_by_name(
+    api: Api, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The limits of ``flow_record.FIELDS`` (not only the columns' generic ones),
+    all in one batch per flow endpoint: each record stands or falls alone."""
+    routes = api.flow_routes()
+    assert routes, "no endpoint takes flow records"
+    for method, path in routes:
+        base = api.view("trials.put_flows").body_example(api.args)["flows"][0]
+        cases = limit_cases(api.trial_id)
+        batch = []
+        for n, case in enumerate(cases):
+            fid = flow_record.flow_id(api.trial_id, 1, n)  # period 1: not the example's ids
+            batch.append({**base, "flow_id": fid, case.field: case.value})
+        caplog.clear()
+        r = api.request(method, path, {"flows": batch})
+        _check(r, caplog, (method, path))
+        assert r.status_code == 200, r.json
+        refused = {x["index"]: x for x in r.json["refused"]}
+        stored_ids = set(r.json["stored"])
+        rows = api.stored_flows()
+        for n, (case, record) in enumerate(zip(cases, batch, strict=True)):
+            f = flow_record.BY_NAME[case.field]
+            fid = record["flow_id"]
+            if case.ok:
+                assert n not in refused, (str(case), refused.get(n))
+                assert fid in stored_ids and fid in rows, str(case)
+                assert _same_as_stored(f, case.value, rows[fid][f.name]), (
+                    str(case),
+                    rows[fid][f.name],
+                )
+            else:
+                assert n in refused, f"{case} was not refused"
+                assert refused[n]["error"] == "bad-flow", (str(case), refused[n])
+                assert case.field in refused[n]["message"], (str(case), refused[n])
+                if isinstance(fid, str) and flow_record.FLOW_ID_RE.fullmatch(fid):
+                    assert fid not in rows and fid not in stored_ids, str(case)
+        assert len(refused) == sum(not c.ok for c in cases)
 
 
 @settings(
