@@ -15,8 +15,9 @@ reading and the monotonic reading taken with it) before submitting it.
 
 from __future__ import annotations
 
+import math
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
 from typing import Any, NamedTuple, Union
@@ -115,9 +116,16 @@ _TAGS: dict[type, str] = {
 }
 
 
+class StudyEventError(ValueError):
+    """A journal record that is not a study event this code wrote; the
+    message says which field of which event type is wrong."""
+
+
 def to_json(event: StudyEvent) -> dict[str, Any]:
     """The event as a JSON-able object (the journal's line)."""
-    tag = _TAGS[type(event)]
+    tag = _TAGS.get(type(event))
+    if tag is None:
+        raise TypeError(f"not a study event: {type(event).__name__}")
     if isinstance(event, OutcomeBatch):
         if event.anchor is None:
             raise ValueError("an OutcomeBatch is journaled only once the shell stamped its anchor")
@@ -146,35 +154,123 @@ def to_json(event: StudyEvent) -> dict[str, Any]:
             "probe_port": event.probe_port,
             "rtt_ms": event.rtt_ms,
         }
+    assert isinstance(event, Heartbeat)
     return {"type": tag, "session_id": event.session_id, "sent": event.sent, "acked": event.acked}
 
 
-def from_json(obj: Mapping[str, Any]) -> StudyEvent:
-    """The event ``to_json`` wrote; ValueError for anything else."""
-    try:
-        tag = obj["type"]
-        sid = str(obj["session_id"])
-        if tag == "outcomes":
-            unix, mono = obj["anchor"]
-            return OutcomeBatch(
-                sid,
-                tuple(OutcomeEntry(*e) for e in obj["entries"]),
-                ClockAnchor(float(unix), float(mono)),
-            )
-        if tag == "finished":
-            return RunFinished(
-                sid,
-                obj["state"],
-                obj["verdict"],
-                obj["verdict_reason"],
-                obj["end_reason"],
-                obj.get("reassembly"),
-                obj.get("window"),
-            )
-        if tag == "probing":
-            return RunProbing(sid, obj["probe_address"], int(obj["probe_port"]), obj["rtt_ms"])
-        if tag == "heartbeat":
-            return Heartbeat(sid, int(obj["sent"]), int(obj["acked"]))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"not a study event: {exc}") from None
-    raise ValueError(f"unknown study event type {obj.get('type')!r}")
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# What a journal record's values may be: a kind's test and how a message says it.
+_KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "text": (lambda v: isinstance(v, str), "a string"),
+    "int": (_int, "an integer"),
+    "number": (lambda v: _int(v) or (isinstance(v, float) and math.isfinite(v)), "a finite number"),
+    "flag": (lambda v: isinstance(v, bool), "true or false"),
+    "object": (lambda v: isinstance(v, dict), "an object"),
+}
+# Each record's values in order, "?" for those that may be null.
+_ENTRY = (
+    ("seq", "int"),
+    ("phase", "text"),
+    ("ip_len", "int"),
+    ("outcome", "text"),
+    ("sent_at", "number"),
+    ("acked_at", "number?"),
+    ("ack_count", "int"),
+    ("received_len", "int?"),
+    ("observed_frag_size", "int?"),
+    ("reassembly_invalid", "flag"),
+)
+_FIELDS: dict[str, tuple[tuple[str, str], ...]] = {
+    "probing": (
+        ("session_id", "text"),
+        ("probe_address", "text"),
+        ("probe_port", "int"),
+        ("rtt_ms", "number?"),
+    ),
+    "outcomes": (("session_id", "text"),),
+    "heartbeat": (("session_id", "text"), ("sent", "int"), ("acked", "int")),
+    "finished": (
+        ("session_id", "text"),
+        ("state", "text"),
+        ("verdict", "text"),
+        ("verdict_reason", "text"),
+        ("end_reason", "text?"),
+        ("reassembly", "object?"),
+        ("window", "object?"),
+    ),
+}
+# Written by servers before the field existed: absent means null.
+_MAY_BE_ABSENT = ("reassembly", "window")
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _value(where: str, name: str, kind: str, value: Any) -> Any:
+    nullable = kind.endswith("?")
+    check, said = _KINDS[kind.rstrip("?")]
+    if (value is None and nullable) or (value is not None and check(value)):
+        return value
+    raise StudyEventError(
+        f"{where}: {name} must be {'null or ' if nullable else ''}{said}, got {_shown(value)}"
+    )
+
+
+def from_json(obj: Any) -> StudyEvent:
+    """The event ``to_json`` wrote; StudyEventError (a ValueError) naming the
+    event type and the field for anything else."""
+    if not isinstance(obj, Mapping):
+        raise StudyEventError(f"not a study event: a {type(obj).__name__}, not an object")
+    tag = obj.get("type")
+    fields = _FIELDS.get(tag) if isinstance(tag, str) else None
+    if fields is None:
+        raise StudyEventError(
+            f"unknown study event type {_shown(tag)} (known: {', '.join(sorted(_FIELDS))})"
+        )
+    where = f"study event {tag!r}"
+    values = []
+    for name, kind in fields:
+        if name not in obj and name not in _MAY_BE_ABSENT:
+            raise StudyEventError(f"{where}: {name} missing")
+        values.append(_value(where, name, kind, obj.get(name)))
+    if tag == "probing":
+        sid, address, port, rtt_ms = values
+        return RunProbing(sid, address, port, None if rtt_ms is None else float(rtt_ms))
+    if tag == "heartbeat":
+        return Heartbeat(*values)
+    if tag == "finished":
+        return RunFinished(*values)
+    anchor = obj.get("anchor")
+    number = _KINDS["number"][0]
+    if not (isinstance(anchor, list) and len(anchor) == 2 and all(map(number, anchor))):
+        raise StudyEventError(f"{where}: anchor must be [unix, mono], two finite numbers")
+    entries = obj.get("entries")
+    if not isinstance(entries, list):
+        raise StudyEventError(f"{where}: entries must be a list")
+    return OutcomeBatch(
+        values[0],
+        tuple(_entry(f"{where} entry {i}", e) for i, e in enumerate(entries)),
+        ClockAnchor(float(anchor[0]), float(anchor[1])),
+    )
+
+
+def _entry(where: str, e: Any) -> OutcomeEntry:
+    # Nine values: an entry journaled before reassembly_invalid existed.
+    if not isinstance(e, list) or len(e) not in (len(_ENTRY) - 1, len(_ENTRY)):
+        raise StudyEventError(f"{where}: must be a list of {len(_ENTRY)} values")
+    values = [_value(where, name, kind, v) for (name, kind), v in zip(_ENTRY, e)]
+    seq, phase, ip_len, outcome, sent_at, acked_at = values[:6]
+    return OutcomeEntry(
+        seq,
+        phase,
+        ip_len,
+        outcome,
+        float(sent_at),
+        None if acked_at is None else float(acked_at),
+        *values[6:],
+    )

@@ -84,21 +84,32 @@ class Journal(Generic[R]):
             return self.open_writes
 
 
-def open_records(path: Path) -> list[dict[str, Any]]:
-    """Records (as JSON objects) in a journal file that were never marked done, in order."""
-    records: dict[int, dict[str, Any]] = {}
+def open_records(path: Path) -> list[Any]:
+    """Records (as JSON, objects unless the file was tampered with) in a journal
+    file that were never marked done, in order."""
+    records: dict[int, Any] = {}
     with path.open(encoding="utf-8") as f:
-        for line in f:
+        for number, line in enumerate(f, 1):
             try:
                 rec = json.loads(line)
             except ValueError:
-                continue  # a line cut by a crash: it was never confirmed either
-            if "done" in rec:
+                # A line cut by a crash: it was never confirmed either.
+                log.warning("%s line %d: not JSON, skipped: %.80r", path.name, number, line)
+                continue
+            if isinstance(rec, dict) and _is_seq(rec.get("done")):
                 records.pop(rec["done"], None)
-            elif "seq" in rec:
+            elif isinstance(rec, dict) and _is_seq(rec.get("seq")):
                 # "call": a journal of an older server, set aside at replay.
                 records[rec["seq"]] = rec.get("record", rec.get("call"))
+            else:
+                log.warning(
+                    "%s line %d: not a journal entry, skipped: %.80r", path.name, number, line
+                )
     return [records[k] for k in sorted(records)]
+
+
+def _is_seq(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def replay(
@@ -149,7 +160,8 @@ def _replay_file(
         except DatabaseUnavailable:
             raise
         except Exception as exc:
-            log.error("journaled write could not be stored (%s): %s", obj.get("type"), exc)
+            kind = obj.get("type") if isinstance(obj, dict) else type(obj).__name__
+            log.error("journaled write could not be stored (%s): %s", kind, exc)
             failed.append({"record": obj, "reason": str(exc)[:500]})
     if failed:
         with (d / f"failed-{path.name}").open("a", encoding="utf-8") as f:
