@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import os
 import secrets
 import threading
@@ -29,7 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 KEY_ID = "X-Kickass-Key-Id"
 TIME = "X-Kickass-Time"
@@ -85,6 +86,48 @@ def sign(
     nonce = nonce or secrets.token_hex(NONCE_CHARS // 2)
     mac = hmac.new(key, _canonical(method, path, when, nonce, body), hashlib.sha256)
     return {KEY_ID: key_id, TIME: when, NONCE: nonce, SIGNATURE: mac.hexdigest()}
+
+
+def signed_json(
+    key: bytes,
+    key_id: str,
+    method: str,
+    url: str,
+    body: Any = None,
+    *,
+    timeout_s: float,
+) -> tuple[int, dict[str, Any]]:
+    """One signed request with a JSON body (``body`` None: none) and a JSON
+    answer: (status, the answer if it is an object, else {}). An HTTP error
+    status is returned, not raised: what a 409 or a 413 means is the
+    caller's. An unreachable peer raises OSError (urllib's URLError, a
+    timeout) and an answer that is not JSON ValueError, for the caller to
+    say what that means. The signed path keeps the URL's query."""
+    # Imported here: most of this module's users never send (an agent, the server).
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method)
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    parts = urllib.parse.urlsplit(url)
+    path = parts.path + (f"?{parts.query}" if parts.query else "")
+    for name, value in sign(key, key_id, method, path, data or b"").items():
+        req.add_header(name, value)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            status, raw = resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        status, raw = exc.code, exc.read()
+        try:
+            answer = json.loads(raw or b"{}")
+        except ValueError:
+            answer = {}  # an error page from a proxy, say: the status says enough
+        return status, answer if isinstance(answer, dict) else {}
+    answer = json.loads(raw or b"{}")
+    return status, answer if isinstance(answer, dict) else {}
 
 
 @dataclass(frozen=True)

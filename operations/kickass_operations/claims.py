@@ -6,10 +6,6 @@ same table: one run per item and due time, whatever the number of hosts.
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.parse
-import urllib.request
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol
@@ -112,33 +108,21 @@ class ApiClaims:
         self.timeout_s = timeout_s
 
     def _call(self, method: str, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        url = self.base + path
-        data = json.dumps(body).encode()
-        req = urllib.request.Request(url, data=data, method=method)
-        req.add_header("Content-Type", "application/json")
-        parts = urllib.parse.urlsplit(url)
-        for k, v in signing.sign(self.key, self.name, method, parts.path, data).items():
-            req.add_header(k, v)
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                return resp.status, json.loads(resp.read() or b"{}")
-        except urllib.error.HTTPError as exc:
-            try:
-                payload = json.loads(exc.read() or b"{}")
-            except ValueError:
-                payload = {}
-            if exc.code in (400, 401, 403):
-                raise KickassError(
-                    f"the server refused a schedule call ({exc.code}): "
-                    f"{payload.get('message', '')}",
-                    hint="check the runner token and the server's clock",
-                ) from None
-            return exc.code, payload if isinstance(payload, dict) else {}
+            status, payload = signing.signed_json(
+                self.key, self.name, method, self.base + path, body, timeout_s=self.timeout_s
+            )
         except (OSError, ValueError) as exc:
             raise KickassError(
                 f"the measurement server is unreachable at {self.base}: {exc}",
                 hint="the item is left for the next run",
             ) from None
+        if status in (400, 401, 403):
+            raise KickassError(
+                f"the server refused a schedule call ({status}): {payload.get('message', '')}",
+                hint="check the runner token and the server's clock",
+            )
+        return status, payload
 
     def claim(self, item: str, kind: str, due_at: datetime, definition_hash: str) -> Claim | None:
         status, body = self._call(

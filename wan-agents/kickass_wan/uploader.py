@@ -13,11 +13,7 @@ without a word.
 
 from __future__ import annotations
 
-import json
 import logging
-import urllib.error
-import urllib.parse
-import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,22 +50,7 @@ class Uploader:
         self.timeout_s = timeout_s
 
     def _call(self, method: str, url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        data = json.dumps(body).encode()
-        req = urllib.request.Request(url, data=data, method=method)
-        req.add_header("Content-Type", "application/json")
-        parts = urllib.parse.urlsplit(url)
-        path = parts.path + (f"?{parts.query}" if parts.query else "")
-        for name, value in signing.sign(self.key, self.name, method, path, data).items():
-            req.add_header(name, value)
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                return resp.status, json.loads(resp.read() or b"{}")
-        except urllib.error.HTTPError as exc:
-            try:
-                payload = json.loads(exc.read() or b"{}")
-            except ValueError:
-                payload = {}
-            return exc.code, payload if isinstance(payload, dict) else {}
+        return signing.signed_json(self.key, self.name, method, url, body, timeout_s=self.timeout_s)
 
     def flush(self) -> UploadReport:
         """One pass over the spool; never raises for network or server trouble."""
