@@ -32,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter, defaultdict
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -130,12 +131,24 @@ def speedups(rows: list[dict[str, Any]]) -> dict[str, Any]:
             continue
         out.setdefault(f"{r['arm']} vs {r['baseline_arm']}", {})[r["size_bucket"]] = {
             "matched": r["matched"],
+            "clusters": r["clusters"],
+            "completion": [r["completion_arm"], r["completion_baseline"]],
             "speedup": None if r["speedup"] is None else round(r["speedup"], 3),
             "interval": [
                 None if r[k] is None else round(r[k], 3) for k in ("speedup_low", "speedup_high")
             ],  # fmt: skip
         }
     return out
+
+
+def failures(flows: list[dict[str, Any]]) -> dict[str, list[tuple[str, int]]]:
+    """Why flows did not complete, per arm: the five commonest reasons (their
+    first 100 characters), so a completion rate comes with its causes."""
+    by: dict[str, Counter[str]] = defaultdict(Counter)
+    for f in flows:
+        if not f["completed"]:
+            by[f["arm"]][(f.get("error") or "no reason stored")[:100]] += 1
+    return {arm: c.most_common(5) for arm, c in sorted(by.items())}
 
 
 def pooled_speedups(database: str) -> list[dict[str, Any]]:
@@ -176,6 +189,7 @@ def scenario(
         "by_arm": {arm: pooled(flows, arm) for arm in sorted({f["arm"] for f in flows})},
         "paired_speedup": speedups(pooled_speedups(database)),
         "by_size": fct_table(flows),
+        "failures": failures(flows),
         "queueing_delay_ms_cdf": queue_cdf(out.telemetry, spans(out.periods), bps),
         "schedule": alignment(out.periods),
         "seconds": round(time.monotonic() - t0, 1),

@@ -19,6 +19,7 @@ from kickass_wan import token as tk
 from kickass_wan.tcpflow import (
     ACCEPTED,
     MAGIC,
+    TIMED_OUT,
     TcpReceiver,
     available_congestion_controls,
     send_flow,
@@ -145,6 +146,43 @@ def test_refused_token_and_agent_gone_mid_flow_are_told_apart(receiver: TcpRecei
         closed.close()
     assert not down.completed
     assert "nothing listens on the agent's TCP port" in down.error, down.error
+
+
+def test_a_flow_cut_by_its_own_time_limit_is_not_blamed_on_the_agent() -> None:
+    """An agent that accepts and then reads nothing (a stalled path, a flow
+    too long for its period): the sender's time limit ends it, and the error
+    says so. It used to read "the agent accepted the flow, then broke the
+    connection ... (it stopped or restarted mid-flow)", which the runner then
+    stored for TCP flows cut at their period's end (12 of 13 CUBIC failures in
+    the heavy-load bench), while the Kick-Ass ones read "cut at the deadline"."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    release = threading.Event()
+
+    def stalled_agent() -> None:
+        conn, _ = srv.accept()
+        with conn:
+            conn.recv(42)
+            conn.sendall(ACCEPTED)
+            release.wait(10)  # reads nothing more: the sender's buffers fill
+
+    t = threading.Thread(target=stalled_agent, daemon=True)
+    t.start()
+    try:
+        began = time.monotonic()
+        cut = send_flow(
+            srv.getsockname(), tk.issue(SECRET, tk.KIND_TCP, time.time()), 16_000_000,
+            timeout_s=0.5,
+        )  # fmt: skip
+        took = time.monotonic() - began
+    finally:
+        release.set()
+        t.join(timeout=10)
+        srv.close()
+    assert not cut.completed
+    assert cut.error == f"{TIMED_OUT} (0.5 s)", cut.error
+    assert 0.4 < took < 5.0, took
 
 
 # -- the baselines the paper compared --------------------------------------------------

@@ -49,7 +49,7 @@ from kickass_core.errors import KickassError
 from . import __version__, environment
 from .schedule import KICKASS, Arm, Period, default_arms, interleaved
 from .spool import Spool
-from .tcpflow import send_flow
+from .tcpflow import TIMED_OUT, send_flow
 from .uploader import Uploader
 from .workload import Flow, Workload, pair_flows
 
@@ -62,6 +62,11 @@ LATE_START_S = 1.0
 # The quiet before a period: the previous period's flows are cut this long
 # before it starts (at most half the gap).
 QUIET_S = 1.0
+# Why a flow still running at its period's deadline failed, for both protocols.
+CUT_AT_DEADLINE = "not completed by the end of its period (cut at the deadline)"
+# An upload between periods needs this much time left before the next start,
+# beyond twice what the last upload took.
+UPLOAD_MARGIN_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -85,31 +90,25 @@ class AgentClient:
         self.timeout_s = timeout_s
 
     def _call(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        data = None if body is None else json.dumps(body).encode()
-        method = "GET" if body is None else "POST"
-        base = urllib.parse.urlsplit(self.agent.control_url)
-        req = urllib.request.Request(
-            self.agent.control_url.rstrip("/") + path, data=data, method=method
-        )
         # Signed with a key derived from the agent secret, which never travels.
-        full = base.path.rstrip("/") + path
-        headers = signing.sign(self.key, signing.AGENT_KEY_ID, method, full, data or b"")
-        for name, value in headers.items():
-            req.add_header(name, value)
+        url = self.agent.control_url.rstrip("/") + path
+        method = "GET" if body is None else "POST"
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                reply: dict[str, Any] = json.loads(resp.read())
-                return reply
-        except urllib.error.HTTPError as exc:
-            hint = "check the agent secret and both clocks" if exc.code == 401 else None
-            raise KickassError(
-                f"agent {self.agent.name}: HTTP {exc.code} on {path}: {_message(exc)}", hint
-            ) from None
+            status, reply = signing.signed_json(
+                self.key, signing.AGENT_KEY_ID, method, url, body, timeout_s=self.timeout_s
+            )
         except (OSError, ValueError) as exc:
             raise KickassError(
                 f"agent {self.agent.name} unreachable at {self.agent.control_url}: {exc}",
                 hint="is kickass-agent running there, and the control port open?",
             ) from None
+        if status >= 400:
+            hint = "check the agent secret and both clocks" if status == 401 else None
+            message = str(reply.get("message") or reply.get("error") or "")[:200]
+            raise KickassError(
+                f"agent {self.agent.name}: HTTP {status} on {path}: {message}", hint
+            ) from None
+        return reply
 
     def health(self) -> dict[str, Any]:
         return self._call("/v1/health")
@@ -134,16 +133,6 @@ class AgentClient:
             out += [bytes.fromhex(t) for t in reply["tokens"]]
             port = int(reply["port"])
         return out, port
-
-
-def _message(exc: urllib.error.HTTPError) -> str:
-    try:
-        body = json.loads(exc.read() or b"{}")
-    except ValueError:
-        return ""
-    return (
-        str(body.get("message") or body.get("error") or "")[:200] if isinstance(body, dict) else ""
-    )
 
 
 @dataclass
@@ -236,6 +225,7 @@ class TrialRunner:
         self._started = ""
         self._slots: dict[int, _Slot] = {}
         self._environment: dict[str, Any] = {}
+        self._upload_s = 0.0  # how long the last upload took
 
     # -- the whole trial --------------------------------------------------
 
@@ -306,6 +296,14 @@ class TrialRunner:
                     dest_index[period.destination],
                 )  # fmt: skip
                 tokens = self._tokens_or_why(client, period, len(flows))
+                # What the last periods measured goes to the server in the gap
+                # before this one, only while that cannot make it start late
+                # (eight senders uploading at once on a loaded host took more
+                # than the gap's quiet second): otherwise it waits, spooled,
+                # for a longer gap or the end.
+                left = t0 + period.start_s - time.monotonic()
+                if left > UPLOAD_MARGIN_S + 2 * self._upload_s:
+                    self._upload()
                 # Keep the schedule: wait for the period's time (the last
                 # period's flows were cut at its end plus gap_s).
                 wait = t0 + period.start_s - time.monotonic()
@@ -329,7 +327,6 @@ class TrialRunner:
                     tokens,
                     deadline=t0 + period.start_s + period.duration_s + cfg.gap_s - quiet,
                 )
-                self._upload()
             for agent in cfg.agents:
                 rec = self._trial_record(agent, trial_ids, schedule, versions)
                 rec["finished_at"] = _now().isoformat()
@@ -392,7 +389,9 @@ class TrialRunner:
     def _upload(self) -> Any:
         if self.uploader is None:
             return None
+        began = time.monotonic()
         report = self.uploader.flush()
+        self._upload_s = time.monotonic() - began
         for err in report.errors:
             log.warning("upload: %s (kept in the spool)", err)
         return report
@@ -496,6 +495,11 @@ class TrialRunner:
                         "error": f"timeout: waited {queued:.1f} s for one of the "
                         f"{cfg.max_concurrent} concurrent flows and never started"}  # fmt: skip
             r = send_flow(addr, tok, f.size_bytes, cc, end_by - start, cfg.source).to_json()
+            if (
+                str(r.get("error") or "").startswith(TIMED_OUT)
+                and end_by < due + cfg.flow_timeout_s
+            ):
+                r["error"] = CUT_AT_DEADLINE  # as a Kick-Ass flow still running then
             r["queued_ms"] = round(queued * 1000.0, 3)
             if r.get("fct_ms") is not None:
                 # From when it was due: the arm's handicap and the wait included.
@@ -581,7 +585,7 @@ class TrialRunner:
                     if rec.get("fct_ms") is not None:
                         rec["fct_ms"] = rec["fct_ms"] + (handicap + queued) * 1000.0
                 if rec.get("error") == "interrupted":
-                    rec["error"] = "not completed by the end of its period (cut at the deadline)"
+                    rec["error"] = CUT_AT_DEADLINE
                 results[index] = rec
         finally:
             timer.cancel()

@@ -74,6 +74,10 @@ def _tcp_info(sock: socket.socket) -> tuple[float | None, int | None, float | No
     return rtt, retrans, min_rtt
 
 
+# A flow still running when its time limit passed (the caller's timeout_s).
+TIMED_OUT = "not completed within its time limit"
+
+
 def send_flow(
     addr: tuple[str, int],
     token: bytes,
@@ -126,7 +130,11 @@ def send_flow(
             end = time.monotonic()
         except (OSError, TimeoutError) as exc:
             result.error = f"{type(exc).__name__}: {exc}"
-            if connected and _accepted_before(sock):
+            if connected and isinstance(exc, TimeoutError):
+                # Our own limit (the flow timeout, or the end of the period
+                # the runner gave it), not the agent's doing.
+                result.error = f"{TIMED_OUT} ({timeout_s:g} s)"
+            elif connected and _accepted_before(sock):
                 result.error = (
                     "the agent accepted the flow, then broke the connection before confirming "
                     f"every byte (it stopped or restarted mid-flow): {result.error}"
