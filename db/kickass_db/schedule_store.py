@@ -171,7 +171,7 @@ class ScheduleStore(StoreBase):
         def work(conn: Connection) -> list[dict[str, Any]]:
             rows = conn.execute(
                 text(
-                    "SELECT id, item, host, attempt, due_at, "
+                    "SELECT id, item, kind, host, attempt, due_at, heartbeat_at, history, "
                     "now() - heartbeat_at > make_interval(secs => :stale) AS stale "
                     "FROM item_runs WHERE outcome = 'running' AND item = ANY(:items) "
                     "FOR UPDATE SKIP LOCKED"
@@ -196,6 +196,10 @@ class ScheduleStore(StoreBase):
                     ),
                     {"reason": reason, "id": r.id},
                 )
+                if r.kind == "trials":
+                    dead = {int(h["attempt"]): h["heartbeat_at"] for h in r.history or []}
+                    dead[int(r.attempt)] = r.heartbeat_at
+                    _close_dead_trials(conn, int(r.id), dead)
                 out.append(
                     {"item": r.item, "run_id": int(r.id), "due_at": r.due_at,
                      "host": r.host, "attempt": int(r.attempt), "reason": reason}
@@ -321,27 +325,35 @@ class ScheduleStore(StoreBase):
         reason: str | None = None,
         counts: dict[str, Any] | None = None,
     ) -> bool:
-        """Record the outcome; False if the run is no longer ours."""
-        done = self.run(
-            lambda c: (
-                c.execute(
-                    text(
-                        "UPDATE item_runs SET outcome = :outcome, reason = :reason, "
-                        "counts = (counts - '_locked') || CAST(:counts AS jsonb), "
-                        "finished_at = now(), heartbeat_at = now() "
-                        "WHERE id = :id AND host = :host AND outcome = 'running'"
-                    ),
-                    {
-                        "id": run_id,
-                        "host": host,
-                        "outcome": outcome,
-                        "reason": reason,
-                        "counts": json.dumps(counts or {}),
-                    },  # fmt: skip
-                ).rowcount
-                > 0
-            )
-        )
+        """Record the outcome; False if the run is no longer ours. A trial
+        round that took over dead attempts closes their trials (see
+        ``_close_dead_trials``)."""
+
+        def work(c: Connection) -> bool:
+            row = c.execute(
+                text(
+                    "UPDATE item_runs SET outcome = :outcome, reason = :reason, "
+                    "counts = (counts - '_locked') || CAST(:counts AS jsonb), "
+                    "finished_at = now(), heartbeat_at = now() "
+                    "WHERE id = :id AND host = :host AND outcome = 'running' "
+                    "RETURNING kind, history"
+                ),
+                {
+                    "id": run_id,
+                    "host": host,
+                    "outcome": outcome,
+                    "reason": reason,
+                    "counts": json.dumps(counts or {}),
+                },  # fmt: skip
+            ).first()
+            if row is None:
+                return False
+            if row.kind == "trials":
+                dead = {int(h["attempt"]): h["heartbeat_at"] for h in row.history or []}
+                _close_dead_trials(c, run_id, dead)
+            return True
+
+        done = self.run(work)
         self._unlock(run_id)
         return done
 
@@ -474,3 +486,34 @@ class ScheduleStore(StoreBase):
                     conn.execute(text("SELECT pg_advisory_unlock(:ns, :k)"), args)
         finally:
             conn.close()
+
+
+def _close_dead_trials(conn: Connection, run_id: int, dead: Mapping[int, Any]) -> None:
+    """Close the trials of a scheduled round's dead attempts (attempt -> its
+    last heartbeat): each trial still open gets that heartbeat as its
+    ``finished_at`` (it measured nothing after), and the run's counts list
+    them as ``interrupted_trials``. Their flows stay as measured, each once.
+    A trial whose record is still in a spool when this runs stays open."""
+    closed: list[str] = []
+    for attempt, last_heard in sorted(dead.items()):
+        scheduled = json.dumps({"scheduled": {"run_id": run_id, "attempt": attempt}})
+        closed += (
+            conn.execute(
+                text(
+                    "UPDATE trials SET finished_at = CAST(:at AS timestamptz) "
+                    "WHERE finished_at IS NULL AND parameters @> CAST(:scheduled AS jsonb) "
+                    "RETURNING trial_id"
+                ),
+                {"at": last_heard, "scheduled": scheduled},
+            )
+            .scalars()
+            .all()
+        )
+    if closed:
+        conn.execute(
+            text(
+                "UPDATE item_runs SET counts = counts || jsonb_build_object("
+                "'interrupted_trials', CAST(:ids AS jsonb)) WHERE id = :id"
+            ),
+            {"ids": json.dumps(sorted(closed)), "id": run_id},
+        )
