@@ -12,6 +12,7 @@ import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import kickass_db as db
 from kickass_db.schedule_store import ScheduleStore
 from support.schedule import (
     KICKASS,
@@ -258,3 +259,45 @@ def test_no_database_and_no_server_is_a_usage_error(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KICKASS_")}
     proc = run_schedule(schedule, env)
     assert proc.returncode == 2 and "nowhere to claim runs" in proc.stderr
+
+
+def test_a_reaped_trial_round_closes_its_trial_and_no_other(database_url: str) -> None:
+    """A trials run whose host died and whose due time passed is reaped; the
+    trial it had uploaded (open) is closed at its last heartbeat and named
+    in the run's counts; another round's open trial is left alone."""
+    from kickass_db.trial_store import TrialStore
+
+    due = datetime(2026, 11, 1, 3, 0, tzinfo=UTC)
+    store = ScheduleStore(database_url)
+    trials = TrialStore(database_url)
+    try:
+        dead = store.claim("round", "trials", due, "gone-host", lock=False)
+        other = store.claim("other-round", "trials", due, "live-host", lock=False)
+        assert dead is not None and other is not None
+        for tid, run in (("a" * 32, dead), ("b" * 32, other)):
+            trials.put_trial(None, {
+                "trial_id": tid, "destination": "far-1", "started_at": due.isoformat(),
+                "parameters": {"scheduled": {"item": run.item, "run_id": run.run_id,
+                                             "attempt": run.attempt}},
+            })  # fmt: skip
+        store.run(
+            lambda c: c.exec_driver_sql(
+                "UPDATE item_runs SET heartbeat_at = now() - interval '1 hour' WHERE id = %s",
+                (dead.run_id,),
+            )
+        )
+        [reaped] = store.reap({"round": due + timedelta(hours=1)}, stale_s=30)
+        assert reaped["run_id"] == dead.run_id
+    finally:
+        trials.close()
+        store.close()
+    runs = {r["item"]: r for r in item_runs(database_url)}
+    assert runs["round"]["outcome"] == "failed"
+    assert runs["round"]["counts"]["interrupted_trials"] == ["a" * 32]
+    engine = db.make_engine(database_url)
+    try:
+        with engine.connect() as conn:
+            closed = dict(conn.exec_driver_sql("SELECT trial_id, finished_at FROM trials").all())
+    finally:
+        engine.dispose()
+    assert closed == {"a" * 32: runs["round"]["heartbeat_at"], "b" * 32: None}
