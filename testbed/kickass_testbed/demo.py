@@ -223,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"report: {report.path}", file=sys.stderr if args.json else sys.stdout, flush=True)
     bad = [s for s in summary if s["verdict"] != s["expected"]]
     trial_bad = trial is not None and (trial["failed_flows"] or not trial["kickass_flows"])
-    schedule_bad = scheduled["exit_code"] != 0
+    schedule_bad = scheduled["exit_code"] != 0 or scheduled.get("status_exit_code") != 0
     return 1 if bad or len(summary) != len(kinds) or trial_bad or schedule_bad else 0
 
 
@@ -292,6 +292,14 @@ def _third_act(url: str, work: Path, console: Any, out_console: Any) -> dict[str
     summary: dict[str, Any] = {"exit_code": run.returncode}
     with contextlib.suppress(json.JSONDecodeError, IndexError):
         summary.update(json.loads(run.stdout.splitlines()[-1]))
+    # What `schedule status` says after the run, for scripts and the demo's test.
+    status_json = subprocess.run(
+        [kickass, "schedule", "status", str(schedule), "--json"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    summary["status_exit_code"] = status_json.returncode
+    with contextlib.suppress(json.JSONDecodeError):
+        summary["status"] = json.loads(status_json.stdout)
     if run.returncode != 0:
         console.print(f"[red]schedule run failed (exit {run.returncode})[/]: {run.stderr.strip()}")
     return summary

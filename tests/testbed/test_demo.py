@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -44,7 +45,8 @@ def test_demo_json(database_url: str, tmp_path: Path) -> None:
         timeout=420,
         env=env,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # The summary says which act failed (stderr ends in progress lines).
+    assert proc.returncode == 0, (proc.stdout[-4000:], proc.stderr[-3000:])
     summary = json.loads(proc.stdout)
     verdicts = {c["client"]: c["verdict"] for c in summary["clients"]}
     assert verdicts == {
@@ -80,6 +82,23 @@ def test_demo_json(database_url: str, tmp_path: Path) -> None:
     assert sorted((r["item"], r["outcome"]) for r in scheduled["ran"]) == [
         ("housekeeping", "ok"), ("rollups", "ok"),
     ]  # fmt: skip
+    # ...and `schedule status` after it says so: what ran, when, where, ok.
+    assert scheduled["status_exit_code"] == 0
+    status = scheduled["status"]
+    ran = {r["item"]: datetime.fromisoformat(r["due_at"]) for r in scheduled["ran"]}
+    items = {i["name"]: i for i in status["items"]}
+    assert {n: i["kind"] for n, i in items.items()} == {
+        "rollups": "refresh", "housekeeping": "housekeeping",
+    }  # fmt: skip
+    for name, item in items.items():
+        last = item["last"]
+        assert (last["outcome"], last["host"], last["attempt"]) == ("ok", "demo-host", 1), item
+        assert datetime.fromisoformat(last["due_at"]) == ran[name]
+        assert last["finished_at"] is not None and item["overdue"] is None
+        assert datetime.fromisoformat(item["next_start"]) > ran[name]
+    assert (status["overdue"], status["failures"]) == ([], [])
+    assert status["runs_today"] == {"ok": 2}
+    assert f"schedule {status['schedule']} at " in proc.stderr  # the human view, printed
     assert not _netns() - before  # every namespace it built is gone
     # The end: the report, written where it was asked to be.
     assert f"report: {tmp_path / 'report.html'}" in proc.stderr
