@@ -45,11 +45,14 @@ def wheel_of_installed(name: str, out: Path) -> Path:
     assert files, name
     (info,) = {f.parts[0] for f in files if f.parts[0].endswith(".dist-info")}
     skip = {f"{info}/{n}" for n in ("RECORD", "INSTALLER", "REQUESTED", "direct_url.json")}
-    tag = next(
-        ln.split(":", 1)[1].strip()
+    # Every Tag line, compressed into the file name (py2-none-any and
+    # py3-none-any: py2.py3-none-any), or pip would not take it for py3.
+    tags = [
+        ln.split(":", 1)[1].strip().split("-")
         for ln in (dist.read_text("WHEEL") or "").splitlines()
         if ln.startswith("Tag:")
-    )
+    ]
+    tag = "-".join(".".join(dict.fromkeys(t[i] for t in tags)) for i in range(3))
     stem = re.sub(r"[-_.]+", "_", dist.metadata["Name"])
     wheel = out / f"{stem}-{dist.version}-{tag}.whl"
     record = []

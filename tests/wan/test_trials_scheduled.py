@@ -22,7 +22,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -44,6 +43,7 @@ from support.schedule import (
     wait_until,
     write_schedule,
 )
+from support.wheels import install_offline, wheelhouse
 from test_wan_agent import SECRET, agent
 
 REPO = Path(__file__).resolve().parents[2]
@@ -92,18 +92,11 @@ def trials_item(
 def test_a_runner_host_without_database_runs_its_scheduled_round(
     database_url: str, tmp_path: Path
 ) -> None:
+    # Built and installed offline (no package index: tests/support/wheels.py).
     wheels = tmp_path / "wheels"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(wheels),
-         str(REPO / "core"), str(REPO / "wan-agents"), str(REPO / "operations")],
-        check=True, timeout=600,
-    )  # fmt: skip
+    ours, _ = wheelhouse(["core", "wan-agents", "operations"], wheels)
     venv = tmp_path / "runner-venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-    subprocess.run(
-        [str(venv / "bin" / "pip"), "install", "--quiet", *map(str, sorted(wheels.glob("*.whl")))],
-        check=True, timeout=600,
-    )  # fmt: skip
+    install_offline(venv, wheels, sorted(ours))
     home = tmp_path / "home"
     home.mkdir()
     bare = {"PATH": "/usr/bin:/bin", "HOME": str(home)}
