@@ -15,14 +15,15 @@ JSON object:
 * throughput: rows/s of the CSV and Parquet exports (the export's own
   clock, from ``--json``: connection to published files) against
   PostgreSQL's own ``COPY (SELECT * FROM v_whole_drop) TO STDOUT`` of the
-  same view written to a file in the same directory, measured in the same
+  same view written to a file in the same directory (read with psycopg's
+  ``Copy``, a row at a time, as a Python client would), measured in the same
   run, best of ``--repeats``. The CSV path *is* COPY (``FORMAT csv, HEADER,
   FORCE_QUOTE *``, plus the file's sha256 and fsync), so the figure that
-  says something about the exporter is Parquet's (a server-side cursor into
-  Arrow row groups) against COPY. ``v_whole_drop`` costs PostgreSQL a sort
-  and an aggregate per row; ``v_router_telemetry`` (``--telemetry-rows``
-  samples, a month at one second) is a plain join, where the client's work
-  shows more.
+  says something about the exporter is Parquet's (the same COPY's CSV
+  parsed by Arrow and written as row groups) against COPY. ``v_whole_drop``
+  costs PostgreSQL a sort and an aggregate per row; ``v_router_telemetry``
+  (``--telemetry-rows`` samples, a month at one second) is a plain join,
+  where the client's work shows more.
 
 The same seeding runs in CI at 100 thousand rows
 (tests/analysis/test_export.py imports ``seed_probe_rows`` from here).

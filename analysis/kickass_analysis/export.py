@@ -10,29 +10,44 @@ How the rows travel, all inside one read-only REPEATABLE READ transaction
 (the rows, the row count, the export time and the alembic revision are one
 snapshot of the database):
 
-* **Parquet**: a server-side cursor (psycopg 3 named cursor: ``DECLARE``,
-  then ``FETCH`` of ``FETCH_ROWS`` rows at a time; one thread fetches the
-  next batch while the caller converts the last one) into Arrow arrays,
-  written as row groups of at most ``ROW_GROUP_BYTES`` of Arrow data by
-  ``pyarrow.parquet.ParquetWriter``. Types: integers int64, real, double and
-  numeric float64, boolean bool, timestamptz ``timestamp[us, tz=UTC]``
-  (timestamp without time zone stays naive), date date32, and everything
-  else (text, jsonb, inet, arrays, ...) as a string in PostgreSQL's own text
-  form. Values travel in the text protocol, so a ``real`` reads back as the
-  number PostgreSQL prints (12.345, not 12.345000267...), as in the CSV.
-  NULLs stay NULL.
+* **Parquet**: PostgreSQL's ``COPY (SELECT ...) TO STDOUT (FORMAT csv)``,
+  parsed by Arrow's C++ CSV reader (``pyarrow.csv.open_csv``) with every
+  column's type given from the catalogue (nothing inferred), and written as
+  row groups of at most ``ROW_GROUP_BYTES`` of Arrow data by
+  ``pyarrow.parquet.ParquetWriter``. The calling thread runs the COPY and
+  hands its rows over in blocks of ``COPY_BLOCK_BYTES`` (at most
+  ``COPY_BLOCKS_AHEAD`` waiting); one thread parses and writes them. Not a
+  server-side cursor (the first version): it made a Python object of every
+  value, and that alone took 3x as long as COPY of a cheap view
+  (bench/README.md).
+  Types: integers int64, real, double and numeric float64, boolean bool,
+  timestamptz ``timestamp[us, tz=UTC]`` (timestamp without time zone stays
+  naive), date date32, and everything else (text, jsonb, inet, arrays, ...)
+  as a string in PostgreSQL's own text form. Values are PostgreSQL's text
+  output, so a ``real`` reads back as the number PostgreSQL prints (12.345,
+  not 12.345000267...), as in the CSV. NULL is COPY's unquoted empty field
+  and an empty string its quoted ``""``, so NULLs stay NULL and ``''`` stays
+  ``''``. A value Arrow cannot hold in its column's type (an infinite or BC
+  timestamp, a year after 9999) is an error naming it: such a view exports
+  as CSV.
 * **CSV**: PostgreSQL's own ``COPY (SELECT ...) TO STDOUT (FORMAT csv,
-  HEADER, FORCE_QUOTE *)``, streamed to the file chunk by chunk (not a
-  cursor: COPY is PostgreSQL's fastest stream, and its CSV is the one
-  psql's ``\\copy`` writes). Every value is quoted except NULL, which is an
-  unquoted empty field, so an empty string (``""``) and NULL differ; values
-  are PostgreSQL's text output (timestamps ``2026-11-25 03:12:05.123+00``
-  in UTC, booleans ``t``/``f``, jsonb as JSON text). The ``.schema.json``
+  HEADER, FORCE_QUOTE *)``, streamed to the file in blocks of
+  ``COPY_BLOCK_BYTES`` (not a cursor: COPY is PostgreSQL's fastest stream,
+  and its CSV is the one psql's ``\\copy`` writes). Every value is quoted
+  except NULL, which is an unquoted empty field, so an empty string
+  (``""``) and NULL differ; values are PostgreSQL's text output (timestamps
+  ``2026-11-25 03:12:05.123+00`` in UTC, booleans ``t``/``f``, jsonb as
+  JSON text). The ``.schema.json``
   says how to read it back typed (its ``arrow_type`` per column).
 
-Memory: one batch of rows, one row group of Arrow data and the Parquet
-writer's footer (a few hundred bytes per row group and column) whatever the
-number of rows (measured: tests/analysis/test_export.py, bench/export_bench.py).
+Both run with DateStyle ISO and extra_float_digits 1 (whatever the server's
+defaults), so dates are ISO 8601 and a float's text is the shortest that
+reads back exactly.
+
+Memory: a few blocks of COPY's output, one row group of Arrow data and the
+Parquet writer's footer (a few hundred bytes per row group and column)
+whatever the number of rows (measured: tests/analysis/test_export.py,
+bench/export_bench.py).
 
 Files: ``<view>[-<source>][-campaign-<c>][-since<T>][-until<T>]-<exported>.<ext>``
 with times as ``20261125T031205Z``; the export time is the database's
@@ -53,24 +68,24 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import os
 import queue
 import re
+import select
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 import psycopg
 from kickass_core.errors import KickassError
 from kickass_db import engine as db
-from psycopg import sql
-from psycopg.types.numeric import FloatLoader
-from psycopg.types.string import TextLoader
+from psycopg import pq, sql
 from sqlalchemy import Connection, text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import NullPool
@@ -81,12 +96,18 @@ FORMATS = ("csv", "parquet")
 SOURCES = ("volunteer", "atlas")
 SCHEMA_VERSION = 1
 
-FETCH_ROWS = 2_000  # rows per FETCH from the server-side cursor
+COPY_BLOCK_BYTES = 1024 * 1024  # COPY output handed on (to the file, to Arrow) at a time
+COPY_BLOCKS_AHEAD = 2  # Parquet: blocks the COPY may run ahead of the parser
+ARROW_READ_BYTES = 2**31 - 1  # Arrow's block_size (an int32): see _Converter
 ROW_GROUP_BYTES = 4 * 1024 * 1024  # Arrow bytes buffered before a Parquet row group is written
 PARQUET_COMPRESSION = "zstd"
 PROGRESS_EVERY_S = 2.0
 STAMP = "%Y%m%dT%H%M%SZ"
-PARQUET_SETTINGS = {"compression": PARQUET_COMPRESSION, "row_group_bytes": ROW_GROUP_BYTES}
+PARQUET_SETTINGS = {
+    "compression": PARQUET_COMPRESSION,
+    "row_group_bytes": ROW_GROUP_BYTES,
+    "source": "COPY (FORMAT csv) parsed by pyarrow.csv with the columns' types",
+}
 
 
 @dataclass(frozen=True)
@@ -334,6 +355,9 @@ def _export(
     t0: float,
 ) -> ExportResult:
     conn.exec_driver_sql("SET LOCAL client_encoding TO 'UTF8'")
+    # The text both formats carry: ISO dates (Arrow parses them), floats shortest-exact.
+    conn.exec_driver_sql("SET LOCAL DateStyle TO 'ISO, MDY'")
+    conn.exec_driver_sql("SET LOCAL extra_float_digits TO 1")
     views = _views(conn)
     if view not in views:
         raise KickassError(
@@ -373,7 +397,7 @@ def _export(
                 out.flush()
                 os.fsync(out.fileno())
         else:
-            rows = _write_parquet(raw, select, columns, data_tmp, meter)
+            rows = _write_parquet(raw, select, view, columns, data_tmp, meter)
             digest = _sha256_fsync(data_tmp)
         size = data_tmp.stat().st_size
         seconds = time.monotonic() - t0
@@ -568,6 +592,128 @@ def _utc(t: datetime | None) -> datetime | None:
     return t.replace(tzinfo=UTC) if t.tzinfo is None else t.astimezone(UTC)
 
 
+# -- COPY's output, in blocks ----------------------------------------------------------------
+
+
+def _copy(
+    raw: psycopg.Connection[Any],
+    statement: sql.Composed,
+    sink: Callable[[bytearray], None],
+    meter: _Meter,
+    header: bool,
+) -> int:
+    """Runs ``statement`` (a COPY ... TO STDOUT) and hands its output to ``sink`` in
+    blocks of about COPY_BLOCK_BYTES; returns PostgreSQL's row count.
+
+    Read from libpq directly (the connection's documented ``pgconn``), as
+    psycopg's own COPY reader does, but a whole buffer of rows per wait:
+    PostgreSQL sends every row as one message, and psycopg's ``Copy`` spends
+    a generator and a wait on each, which made it the slowest part of an
+    export of a cheap view (bench/README.md). The file write, the hash and
+    Arrow's parser then see a block at a time. An error or Ctrl-C cancels the
+    COPY and reads it to its end, so the connection can roll back."""
+    pgconn = raw.pgconn
+    pgconn.send_query(statement.as_bytes(raw))
+    try:
+        first = _result(pgconn)
+        if first is None or first.status != pq.ExecStatus.COPY_OUT:
+            _raise_for(first, pgconn)
+        sent = _copy_out(pgconn, sink, meter, 1 if header else 0)
+        final = _result(pgconn)
+        if final is None or final.status != pq.ExecStatus.COMMAND_OK:
+            _raise_for(final, pgconn)
+        rows = final.command_tuples
+        while _result(pgconn) is not None:  # none expected after a COPY; read to the end
+            pass
+    except BaseException:
+        with contextlib.suppress(Exception):
+            raw.cancel_safe(timeout=5.0)
+        with contextlib.suppress(Exception):
+            _drain(pgconn, time.monotonic() + 10.0)
+        raise
+    return sent if rows is None else rows
+
+
+def _copy_out(
+    pgconn: pq.abc.PGconn, sink: Callable[[bytearray], None], meter: _Meter, skip: int
+) -> int:
+    """The COPY's rows to ``sink`` until its end; returns the rows (less ``skip`` header lines).
+
+    Each row is copied into the block at once, so libpq's buffer of it is freed at
+    once (holding a block's rows and joining them cost half as much again)."""
+    block = bytearray()
+    get = pgconn.get_copy_data
+    messages = 0
+    while True:
+        nbytes, data = get(1)
+        if nbytes > 0:
+            block += data
+            messages += 1
+            if len(block) >= COPY_BLOCK_BYTES:
+                sink(block)  # the sink's to keep: a new block is started
+                block = bytearray()
+            continue
+        if nbytes < 0:
+            break  # the end (-1), or an error (-2) the final result tells
+        # Nothing buffered: a moment to report progress, then wait for the server.
+        meter.tick(max(messages - skip, 0))
+        _wait_readable(pgconn, None)
+        pgconn.consume_input()
+    if block:
+        sink(block)
+    return max(messages - skip, 0)
+
+
+def _wait_readable(pgconn: pq.abc.PGconn, deadline: float | None) -> bool:
+    """Waits for the server (interruptible: Ctrl-C raises here); False at the deadline."""
+    timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+    readable, _, _ = select.select([pgconn.socket], [], [], timeout)
+    return bool(readable)
+
+
+def _result(pgconn: pq.abc.PGconn) -> pq.abc.PGresult | None:
+    """The next result of the query sent, waiting for it."""
+    while pgconn.is_busy():
+        _wait_readable(pgconn, None)
+        pgconn.consume_input()
+    return pgconn.get_result()
+
+
+def _raise_for(result: pq.abc.PGresult | None, pgconn: pq.abc.PGconn) -> NoReturn:
+    """Raises the psycopg error (its class by SQLSTATE, as psycopg raises it) of a failed COPY."""
+    if result is None:
+        raise psycopg.OperationalError(pgconn.get_error_message() or "no result from the COPY")
+    if result.status not in (pq.ExecStatus.FATAL_ERROR, pq.ExecStatus.NONFATAL_ERROR):
+        status = pq.ExecStatus(result.status).name
+        raise psycopg.ProgrammingError(f"unexpected {status} from a COPY ... TO STDOUT")
+    sqlstate = (result.error_field(pq.DiagnosticField.SQLSTATE) or b"").decode("ascii", "replace")
+    cls: type[psycopg.Error] = psycopg.DatabaseError
+    with contextlib.suppress(KeyError):
+        cls = psycopg.errors.lookup(sqlstate)
+    raise cls(result.get_error_message(), info=result)
+
+
+def _drain(pgconn: pq.abc.PGconn, deadline: float) -> None:
+    """Reads a cancelled or failed COPY to its end, so the connection can roll back;
+    gives up at the deadline (the connection is then closed with the engine)."""
+    # The rest of its rows, if it is still sending them (psycopg raises
+    # "no COPY in progress" once it has ended).
+    with contextlib.suppress(psycopg.OperationalError):
+        while (nbytes := pgconn.get_copy_data(1)[0]) >= 0:
+            if nbytes == 0:
+                if not _wait_readable(pgconn, deadline):
+                    return
+                pgconn.consume_input()
+    # Then its results, to the last.
+    while True:
+        while pgconn.is_busy():
+            if not _wait_readable(pgconn, deadline):
+                return
+            pgconn.consume_input()
+        if pgconn.get_result() is None:
+            return
+
+
 # -- CSV: PostgreSQL's COPY ---------------------------------------------------------------
 
 
@@ -578,69 +724,209 @@ def _write_csv(
     copy_sql = sql.SQL("COPY ({}) TO STDOUT (FORMAT csv, HEADER true, FORCE_QUOTE *)").format(
         select
     )
-    lines = 0
-    with raw.cursor() as cur:
-        try:
-            with cur.copy(copy_sql) as copy:
-                for chunk in copy:
-                    data = bytes(chunk)
-                    out.write(data)
-                    digest.update(data)
-                    lines += data.count(b"\n")
-                    # Lines, not rows, while it runs (a value may hold a newline).
-                    meter.tick(max(lines - 1, 0))
-        except BaseException:
-            # Stop the server's side of the COPY, so leaving the block does not
-            # wait for the rest of the view to stream by.
-            with contextlib.suppress(Exception):
-                raw.cancel_safe()
-            raise
-        rows = cur.rowcount
+
+    def sink(block: bytearray) -> None:
+        out.write(block)
+        digest.update(block)
+
+    rows = _copy(raw, copy_sql, sink, meter, header=True)
     return rows, digest.hexdigest()
 
 
-# -- Parquet: a server-side cursor into Arrow row groups ----------------------------------
+# -- Parquet: COPY's CSV through Arrow's parser into row groups -----------------------------
 
 
 def _write_parquet(
     raw: psycopg.Connection[Any],
     select: sql.Composed,
+    view: str,
     columns: Sequence[Column],
     path: Path,
     meter: _Meter,
 ) -> int:
     import pyarrow as pa  # type: ignore[import-untyped]  # lazily: `kickass` starts fast
-    import pyarrow.parquet as pq  # type: ignore[import-untyped]
 
     schema = pa.schema([(c.name, _arrow(pa, c.arrow_type)) for c in columns])
-    # Rows convert as one struct array (tuples in field order), in C++, no transposing here.
-    row_type = pa.struct(list(schema))
-    rows = 0
-    pending: list[Any] = []  # RecordBatches of the row group being filled
-    pending_bytes = 0
-    with (
-        raw.cursor(name="kickass_export") as cur,
-        pq.ParquetWriter(str(path), schema, compression=PARQUET_COMPRESSION) as writer,
-    ):
-        for c in columns:
-            if c.arrow_type == STRING:
-                cur.adapters.register_loader(c.oid, TextLoader)  # jsonb, inet, ... as text
-            elif c.typname == "numeric":
-                cur.adapters.register_loader(c.oid, FloatLoader)
-        cur.execute(select)
-        with _Prefetch(cur, FETCH_ROWS) as batches:
-            for batch in batches:
-                record = pa.RecordBatch.from_struct_array(pa.array(batch, type=row_type))
-                pending.append(record)
-                pending_bytes += record.nbytes
-                rows += len(batch)
+    # Plain CSV: NULL is an unquoted empty field, an empty string a quoted one
+    # (PostgreSQL quotes a value equal to the NULL string); no header, the
+    # names are given.
+    copy_sql = sql.SQL("COPY ({}) TO STDOUT (FORMAT csv)").format(select)
+    stream = _BlockStream(COPY_BLOCKS_AHEAD)
+    converter = _Converter(stream, schema, path)
+    converter.start()
+    try:
+        sent = _copy(raw, copy_sql, stream.put, meter, header=False)
+        stream.put(None)
+        converter.join()
+    except BaseException as exc:
+        stream.abort()
+        converter.join()
+        stopped_the_copy = converter.error is not None and not isinstance(converter.error, _Aborted)
+        if isinstance(exc, KeyboardInterrupt) or not stopped_the_copy:
+            raise  # the COPY failed or was interrupted, and stopped the converter
+        # The parser or the writer failed, and so stopped the COPY: its error is the cause.
+    if converter.error is not None:
+        if isinstance(converter.error, pa.ArrowInvalid):
+            raise _unreadable(view, converter.error) from converter.error
+        raise converter.error
+    if converter.rows != sent:
+        raise KickassError(
+            f"export of {view} failed: PostgreSQL sent {sent} rows, "
+            f"the Parquet file got {converter.rows}",
+            hint="nothing was written; please report this with the view's definition",
+        )
+    return sent
+
+
+def _unreadable(view: str, exc: Exception) -> KickassError:
+    reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    if "conversion error" not in reason:
+        return KickassError(
+            f"export of {view} failed: Arrow could not read COPY's CSV: {reason}",
+            hint="nothing was written; please report this with the view's definition",
+        )
+    return KickassError(
+        f"export of {view} failed: a value does not fit its Parquet column: {reason}",
+        hint="e.g. an infinite or BC timestamp, or a year after 9999; the CSV export "
+        "carries PostgreSQL's text as it is (--format csv); nothing was written",
+    )
+
+
+class _Aborted(Exception):
+    """The other side of a _BlockStream gave up."""
+
+
+class _BlockStream(io.RawIOBase):
+    """COPY's output, put in blocks by the thread running the COPY, read as a file
+    by Arrow's CSV reader in another; at most ``ahead`` blocks waiting, so memory
+    stays bounded. ``abort()`` makes both sides raise _Aborted instead of waiting."""
+
+    def __init__(self, ahead: int) -> None:
+        super().__init__()
+        self._queue: queue.Queue[bytearray | None] = queue.Queue(maxsize=ahead)
+        self._aborted = threading.Event()
+        self._block = bytearray()
+        self._offset = 0
+        self._eof = False
+
+    def readable(self) -> bool:
+        return True
+
+    def put(self, block: bytearray | None) -> None:
+        """One block, or None at the end."""
+        while True:
+            if self._aborted.is_set():
+                raise _Aborted("the Parquet writer stopped")
+            try:
+                self._queue.put(block, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def abort(self) -> None:
+        self._aborted.set()
+
+    def at_end(self) -> bool:
+        """True when the stream holds nothing (waits for the first block)."""
+        return not self._next()
+
+    def _next(self) -> bool:
+        while self._offset >= len(self._block):
+            if self._eof:
+                return False
+            try:
+                item = self._queue.get(timeout=0.1)
+            except queue.Empty:
+                if self._aborted.is_set():
+                    raise _Aborted("the COPY stopped") from None
+                continue
+            if item is None:
+                self._eof = True
+                return False
+            self._block, self._offset = item, 0
+        return True
+
+    def read(self, size: int = -1, /) -> bytearray:
+        if not self._next():
+            return bytearray()
+        if self._offset == 0 and (size < 0 or size >= len(self._block)):
+            self._offset = len(self._block)
+            return self._block  # the whole block, not a copy of it
+        end = len(self._block) if size < 0 else self._offset + size
+        data = self._block[self._offset : end]
+        self._offset += len(data)
+        return data
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+
+class _Converter(threading.Thread):
+    """Parses a _BlockStream of COPY's CSV with Arrow (C++, the GIL released while it
+    parses, so the COPY goes on beside it) and writes row groups of about
+    ROW_GROUP_BYTES. Its exception, if any, is left in ``error`` (and the stream
+    aborted, so the COPY stops)."""
+
+    def __init__(self, stream: _BlockStream, schema: Any, path: Path) -> None:
+        super().__init__(name="kickass-export-parquet", daemon=True)
+        self._stream = stream
+        self._schema = schema
+        self._path = path
+        self.rows = 0
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self._convert()
+        except BaseException as exc:  # noqa: BLE001 - handed to the thread running the COPY
+            self.error = exc
+            self._stream.abort()
+
+    def _convert(self) -> None:
+        import pyarrow as pa
+        import pyarrow.csv as pacsv  # type: ignore[import-untyped]
+        import pyarrow.parquet as pq  # type: ignore[import-untyped]
+
+        schema = self._schema
+        with pq.ParquetWriter(str(self._path), schema, compression=PARQUET_COMPRESSION) as writer:
+            if self._stream.at_end():
+                return  # Arrow refuses an empty CSV: an empty view is a file with no row group
+            reader = pacsv.open_csv(
+                self._stream,
+                read_options=pacsv.ReadOptions(
+                    column_names=schema.names,
+                    # The most it asks for at once: more than any block (under
+                    # COPY_BLOCK_BYTES plus one row, and a row is under 1 GiB), so
+                    # every read is one whole block of whole rows. Arrow refuses a
+                    # row spread over more than two reads, and reads only what
+                    # _BlockStream has, so nothing of this size is allocated.
+                    block_size=ARROW_READ_BYTES,
+                    # Parsing runs in this thread: the COPY and PostgreSQL have the other cores.
+                    use_threads=False,
+                ),
+                parse_options=pacsv.ParseOptions(newlines_in_values=True),
+                convert_options=pacsv.ConvertOptions(
+                    column_types={f.name: f.type for f in schema},
+                    strings_can_be_null=True,
+                    quoted_strings_can_be_null=False,
+                    null_values=[""],
+                    true_values=["t"],
+                    false_values=["f"],
+                ),
+            )
+            pending: list[Any] = []  # RecordBatches of the row group being filled
+            pending_bytes = 0
+            for batch in reader:
+                pending.append(batch)
+                pending_bytes += batch.nbytes
+                self.rows += batch.num_rows
                 if pending_bytes >= ROW_GROUP_BYTES:
                     _write_row_group(pa, writer, pending)
                     pending, pending_bytes = [], 0
-                meter.tick(rows)
             if pending:
                 _write_row_group(pa, writer, pending)
-    return rows
 
 
 def _write_row_group(pa: Any, writer: Any, batches: list[Any]) -> None:
@@ -658,59 +944,6 @@ def _arrow(pa: Any, name: str) -> Any:
         "date32[day]": pa.date32(),
         STRING: pa.string(),
     }[name]
-
-
-class _Prefetch:
-    """Iterates over a cursor's rows in batches, FETCHing the next batch in a
-    thread while the caller converts the last one (the server computes while
-    the client converts; one batch ahead, so memory stays bounded)."""
-
-    def __init__(self, cursor: psycopg.ServerCursor[Any], rows: int) -> None:
-        self._cursor = cursor
-        self._rows = rows
-        self._queue: queue.Queue[list[Any] | BaseException] = queue.Queue(maxsize=1)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kickass-export-fetch", daemon=True)
-
-    def __enter__(self) -> Iterator[list[Any]]:
-        self._thread.start()
-        return self._batches()
-
-    def __exit__(self, exc_type: object, *rest: object) -> None:
-        self._stop.set()
-        if exc_type is not None:
-            # The consumer failed or was interrupted: cancel a FETCH under way (the
-            # first one of a sorting view can take minutes) instead of waiting for it.
-            with contextlib.suppress(Exception):
-                self._cursor.connection.cancel_safe()
-        self._thread.join()
-
-    def _batches(self) -> Iterator[list[Any]]:
-        while True:
-            item = self._queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            if not item:
-                return
-            yield item
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                batch = self._cursor.fetchmany(self._rows)
-                self._put(batch)
-                if not batch:
-                    return
-        except BaseException as exc:  # noqa: BLE001 - handed to the consuming thread
-            self._put(exc)
-
-    def _put(self, item: list[Any] | BaseException) -> None:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return
-            except queue.Full:
-                continue
 
 
 # -- files ---------------------------------------------------------------------------------

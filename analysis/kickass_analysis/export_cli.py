@@ -28,9 +28,10 @@ Files appear under their final names only when complete.
 
 Times are ISO 8601 (2026-11-25, 2026-11-25T03:12, ...Z or +01:00; without an
 offset, UTC); the window is since <= time < until. An unknown VIEW lists the
-exportable ones. Parquet comes from a server-side cursor; CSV is PostgreSQL's
-COPY ... (FORMAT csv, FORCE_QUOTE *): NULL is an unquoted empty field, ""
-an empty string (analysis/README.md)."""
+exportable ones. Both formats come from PostgreSQL's COPY: CSV is its
+COPY ... (FORMAT csv, FORCE_QUOTE *) as it is, NULL an unquoted empty field
+and "" an empty string; Parquet is that CSV read by Arrow with each column's
+type (analysis/README.md)."""
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -191,6 +191,7 @@ def _read_back(result: export.ExportResult) -> tuple[list[str], list[dict[str, A
         types = {c["name"]: _arrow_type(c["arrow_type"]) for c in columns}
         table = pacsv.read_csv(
             result.data_path,
+            read_options=pacsv.ReadOptions(block_size=64 << 20),  # rows of a few MiB
             parse_options=pacsv.ParseOptions(newlines_in_values=True),
             convert_options=pacsv.ConvertOptions(
                 column_types=types,
@@ -352,6 +353,100 @@ def test_types_nulls_and_text_survive(seeded: str, tmp_path: Path) -> None:
     printed = _direct(seeded, "SELECT flow_id, ka_mode_fraction::text FROM v_flow_results")
     assert {f: None if t is None else float(t) for f, t in printed} == got
     assert any(t and len(t) > 6 for _, t in printed)
+
+
+@pytest.mark.parametrize("fmt", export.FORMATS)
+def test_rows_over_many_blocks_and_rows_larger_than_a_block(
+    seeded: str, database_url: str, tmp_path: Path, monkeypatch: Any, fmt: str
+) -> None:
+    """COPY's output goes to the file and to Arrow's parser in blocks of whole rows:
+    with blocks of 100 bytes nearly every row (quotes, commas and newlines in its
+    text included) is larger than a block, some 3 MiB, and the file still equals the
+    view (Arrow's parser refuses a row spread over more than two of its reads)."""
+    monkeypatch.setattr(export, "COPY_BLOCK_BYTES", 100)
+    for view in ("v_session_summary", "v_flow_results", "v_router_telemetry"):
+        result = export_view(seeded, view, fmt, tmp_path)
+        _assert_equal(result, _direct(seeded, f"SELECT * FROM {view}"))
+    with psycopg.connect(db.libpq_url(database_url), autocommit=True) as conn:
+        conn.execute(
+            "CREATE VIEW v_export_wide AS SELECT g AS n, repeat(E'a,\\n\"', 1000 * g * g) AS t "
+            "FROM generate_series(1, 30) AS g"
+        )  # rows of 4 kB to 3.6 MB
+    monkeypatch.setattr(export, "COPY_BLOCK_BYTES", 1024 * 1024)
+    result = export_view(database_url, "v_export_wide", fmt, tmp_path)
+    _assert_equal(result, _direct(database_url, "SELECT * FROM v_export_wide"))
+
+
+def test_server_settings_do_not_change_the_values(database_url: str, tmp_path: Path) -> None:
+    """A database whose DateStyle, TimeZone and extra_float_digits differ from the
+    defaults exports the same values: the export sets what its text depends on."""
+    with psycopg.connect(db.libpq_url(database_url), autocommit=True) as conn:
+        name = conn.execute("SELECT current_database()").fetchone()
+        assert name is not None
+        for setting, value in (("DateStyle", "SQL, DMY"), ("TimeZone", "Asia/Kathmandu"),
+                               ("extra_float_digits", "-2")):  # fmt: skip
+            conn.execute(
+                sql.SQL("ALTER DATABASE {} SET {} = {}").format(
+                    sql.Identifier(name[0]), sql.Identifier(setting), sql.Literal(value)
+                )
+            )
+        conn.execute(
+            "CREATE VIEW v_export_settings AS SELECT g AS n, "
+            "timestamptz '2026-11-25 03:12:05.123456+00' + g * interval '1 day 1 ms' AS at, "
+            "date '2026-02-03' + g AS day, 0.1::float8 * g + 1e-17 AS x, (g / 3.0)::real AS r "
+            "FROM generate_series(1, 50) AS g"
+        )
+    at = datetime(2026, 11, 25, 3, 12, 5, 123456, UTC)
+    day = datetime(2026, 2, 3).date()
+    exact = [
+        (n, at + n * timedelta(days=1, milliseconds=1), day + timedelta(days=n), 0.1 * n + 1e-17)
+        for n in range(1, 51)
+    ]
+    for fmt in export.FORMATS:
+        result = export_view(database_url, "v_export_settings", fmt, tmp_path)
+        _, rows = _read_back(result)
+        assert [(r["n"], r["at"], r["day"], r["x"]) for r in rows] == exact, fmt
+        assert rows[2]["x"] == 0.30000000000000004  # all 17 digits, not extra_float_digits -2
+        assert rows[0]["r"] == 0.33333334  # a real as PostgreSQL prints it by default
+
+
+def test_a_value_parquet_cannot_hold_is_an_error_that_names_it(
+    database_url: str, tmp_path: Path
+) -> None:
+    """An infinite timestamp has no place in timestamp[us]: the Parquet export stops
+    with an error and a hint (CSV carries it), and leaves no file."""
+    with psycopg.connect(db.libpq_url(database_url), autocommit=True) as conn:
+        conn.execute(
+            "CREATE VIEW v_export_infinite AS SELECT g AS n, CASE WHEN g = 40000 "
+            "THEN 'infinity'::timestamptz ELSE now() END AS at FROM generate_series(1, 50000) AS g"
+        )
+    with pytest.raises(KickassError) as err:
+        export_view(database_url, "v_export_infinite", "parquet", tmp_path)
+    assert "does not fit its Parquet column" in err.value.message
+    assert "infinity" in err.value.message
+    assert err.value.hint and "--format csv" in err.value.hint
+    assert list(tmp_path.iterdir()) == []
+    result = export_view(database_url, "v_export_infinite", "csv", tmp_path)
+    assert result.rows == 50_000 and b',"infinity"' in result.data_path.read_bytes()
+
+
+@pytest.mark.parametrize("fmt", export.FORMATS)
+def test_an_error_in_the_middle_of_a_view_is_an_error_and_no_file(
+    database_url: str, tmp_path: Path, fmt: str
+) -> None:
+    """PostgreSQL fails after streaming rows (a division by zero at row 60,000): the
+    export says so, leaves nothing, and the database takes the next export."""
+    with psycopg.connect(db.libpq_url(database_url), autocommit=True) as conn:
+        conn.execute(
+            "CREATE VIEW v_export_fails AS SELECT g AS n, 1 / (g - 60000) AS x "
+            "FROM generate_series(1, 100000) AS g"
+        )
+    with pytest.raises(KickassError) as err:
+        export_view(database_url, "v_export_fails", fmt, tmp_path)
+    assert err.value.message == "export of v_export_fails failed: division by zero"
+    assert err.value.hint and "nothing was written" in err.value.hint
+    assert list(tmp_path.iterdir()) == []
+    assert export_view(database_url, "v_flow_summary", fmt, tmp_path).rows == 0
 
 
 def test_an_empty_selection_is_a_valid_empty_file(seeded: str, tmp_path: Path) -> None:
@@ -565,7 +660,6 @@ def test_progress_is_reported_for_long_exports(
     seeded: str, tmp_path: Path, monkeypatch: Any
 ) -> None:
     monkeypatch.setattr(export, "PROGRESS_EVERY_S", 0.0)
-    monkeypatch.setattr(export, "FETCH_ROWS", 500)
     for fmt in export.FORMATS:
         seen: list[tuple[int, float]] = []
 
