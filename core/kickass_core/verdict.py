@@ -1,6 +1,11 @@
 """The per-session verdict on fragment viability, its rule, and its statistics.
 
-Inputs are the pooled counts of each phase. Probes measured while the
+Inputs are the pooled counts of each phase. ``*_acked`` counts every probe
+the client acknowledged, in time or late: the verdict asks whether datagrams
+arrive, and an acknowledgement after the probe's timeout proves one did (a
+client descheduled for a moment, on a loaded machine, acknowledges a whole
+window late). The drop rates shown beside it keep the paper's rule, late
+counts as lost, and report late on their own. Probes measured while the
 client's own kernel refused fragments (its reassembly memory was full:
 ``IpReasmFails`` rising, see ``kickass_probe.reassembly``) are *invalid*: they
 say nothing about the path, so they are left out of ``sent`` and counted
@@ -163,11 +168,15 @@ def decide(
     *,
     split_invalid: int = 0,
     whole_invalid: int = 0,
+    late: int = 0,
 ) -> Verdict:
-    """The verdict from valid counts (``*_sent`` exclude invalid probes)."""
+    """The verdict from valid counts (``*_sent`` exclude invalid probes;
+    ``*_acked`` include the ``late`` ones, which the reason then mentions)."""
     invalid_note = ""
+    if late:
+        invalid_note = f"; {late} probes acknowledged after their timeout, counted as delivered"
     if split_invalid or whole_invalid:
-        invalid_note = (
+        invalid_note += (
             f"; {split_invalid + whole_invalid} probes invalid (the client's kernel refused "
             "fragments: reassembly memory full)"
         )

@@ -129,11 +129,13 @@ FROM v_split_drop WHERE session_id = :session_id ORDER BY leading_ip_len
 
 # Valid probes only: one lost while the client's kernel refused fragments
 # (reassembly_invalid) is evidence of nothing (migration 0007).
+# For the verdict: a late acknowledgement counts as delivered (kickass_core.verdict).
 _PHASE_COUNTS = text("""
 SELECT session_pk, phase,
        count(*) FILTER (WHERE NOT (reassembly_invalid AND outcome = 'lost')) AS sent,
-       count(*) FILTER (WHERE outcome = 'acked') AS acked,
-       count(*) FILTER (WHERE reassembly_invalid AND outcome = 'lost') AS invalid
+       count(*) FILTER (WHERE outcome IN ('acked', 'late')) AS acked,
+       count(*) FILTER (WHERE reassembly_invalid AND outcome = 'lost') AS invalid,
+       count(*) FILTER (WHERE outcome = 'late') AS late
 FROM probe_outcomes WHERE session_pk = ANY(:pks) GROUP BY session_pk, phase
 """)
 
@@ -413,8 +415,10 @@ class StudyStore(StoreBase):
                 )
             if marked and state in FINAL_STATES:
                 counts = {
-                    phase: (sent, acked, invalid)
-                    for _, phase, sent, acked, invalid in conn.execute(_PHASE_COUNTS, {"pks": [pk]})
+                    phase: (sent, acked, invalid, late)
+                    for _, phase, sent, acked, invalid, late in conn.execute(
+                        _PHASE_COUNTS, {"pks": [pk]}
+                    )
                 }
                 v = _decide(counts)
                 conn.execute(
@@ -449,11 +453,11 @@ class StudyStore(StoreBase):
             ).all()
             if not orphans:
                 return []
-            counts: dict[int, dict[str, tuple[int, int, int]]] = {}
-            for pk, phase, sent, acked, invalid in conn.execute(
+            counts: dict[int, dict[str, tuple[int, int, int, int]]] = {}
+            for pk, phase, sent, acked, invalid, late in conn.execute(
                 _PHASE_COUNTS, {"pks": [pk for pk, _ in orphans]}
             ):
-                counts.setdefault(pk, {})[phase] = (sent, acked, invalid)
+                counts.setdefault(pk, {})[phase] = (sent, acked, invalid, late)
             updates = []
             for pk, _ in orphans:
                 v = _decide(counts.get(pk, {}))
@@ -597,13 +601,15 @@ def _with_server(meta: Any, reassembly: dict[str, Any]) -> Any:
     )
 
 
-def _decide(counts: dict[str, tuple[int, int, int]]) -> Any:
-    """The verdict from per-phase (valid sent, acked, invalid) counts."""
-    whole = counts.get("whole", (0, 0, 0))
-    split = counts.get("split", (0, 0, 0))
+def _decide(counts: dict[str, tuple[int, int, int, int]]) -> Any:
+    """The verdict from per-phase (valid sent, acked in time or late, invalid,
+    late) counts."""
+    whole = counts.get("whole", (0, 0, 0, 0))
+    split = counts.get("split", (0, 0, 0, 0))
     return decide(
-        whole[0], whole[1], split[0], split[1], whole_invalid=whole[2], split_invalid=split[2]
-    )
+        whole[0], whole[1], split[0], split[1],
+        whole_invalid=whole[2], split_invalid=split[2], late=whole[3] + split[3],
+    )  # fmt: skip
 
 
 def _results(s: Any, whole: list[dict[str, Any]], split: list[dict[str, Any]]) -> dict[str, Any]:

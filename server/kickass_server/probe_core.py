@@ -281,6 +281,9 @@ class ProbeRun:
     acked: int = 0
     phase_sent: dict[str, int] = field(default_factory=lambda: {WHOLE: 0, SPLIT: 0})
     phase_acked: dict[str, int] = field(default_factory=lambda: {WHOLE: 0, SPLIT: 0})
+    # Acknowledged after their timeout: recorded late (lost by the paper's
+    # rule), delivered for the verdict.
+    phase_late: dict[str, int] = field(default_factory=lambda: {WHOLE: 0, SPLIT: 0})
     # Probes marked invalid and not acknowledged, per phase (out of phase_sent).
     phase_invalid: dict[str, int] = field(default_factory=lambda: {WHOLE: 0, SPLIT: 0})
     # Flow control (None: the client sent none): split seqs below this may go.
@@ -693,6 +696,7 @@ class ProbeCore:
                 run.phase_invalid[self._phase(run, seq)] -= 1
             run.codes[seq] = _LATE
             run.acked_at[seq] = now
+            run.phase_late[self._phase(run, seq)] += 1
             self.counters["late_acks"] += 1
             self._record(now, run, seq, LATE, msg)
         else:
@@ -1042,13 +1046,15 @@ class ProbeCore:
             v = verdicts.Verdict(verdicts.INCONCLUSIVE, "no probes were sent")
         else:
             inv = run.phase_invalid
+            late = run.phase_late
             v = verdicts.decide(
                 run.phase_sent[WHOLE] - inv[WHOLE],
-                run.phase_acked[WHOLE],
+                run.phase_acked[WHOLE] + late[WHOLE],
                 run.phase_sent[SPLIT] - inv[SPLIT],
-                run.phase_acked[SPLIT],
+                run.phase_acked[SPLIT] + late[SPLIT],
                 whole_invalid=inv[WHOLE],
                 split_invalid=inv[SPLIT],
+                late=late[WHOLE] + late[SPLIT],
             )
         reasm = None
         if run.reasm is not None:

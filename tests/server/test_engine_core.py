@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from kickass_core import wire
 from kickass_core.pacing import Pacer, TokenBucket
 from kickass_core.plan import ProbePlan, plan_bytes
+from kickass_core.verdict import decide
 from kickass_server.policy import AdmissionDenied, Policy
 from kickass_server.probe_core import (
     FINISHED_GRACE_S,
@@ -419,6 +420,43 @@ def test_a_completed_plan_finishes_with_a_verdict_and_done() -> None:
     # The final batch and heartbeat come before RunFinished, DONE after.
     kinds = [type(a).__name__ for a in sim.actions[-4:]]
     assert kinds[-2:] == ["RunFinished", "SendDatagram"]
+
+
+def test_a_client_that_stalls_past_the_timeout_is_late_not_a_fragment_loss() -> None:
+    """A client descheduled for longer than the probe timeout (a loaded
+    machine: seen in the demo, where a clean path then read 'inconclusive')
+    acknowledges a whole window of splits after their timeout. Those probes
+    are recorded late, lost by the paper's rule for the drop rates, but they
+    arrived: the verdict counts them as delivered and says so."""
+    sim = Sim()
+    plan = ProbePlan.build(repetitions=2, step=32, window=16)  # 47 sizes, 46 splits, twice
+    v = Volunteer(sim, plan)
+    sim.on_probe = lambda p: None
+    v.handshake()
+    stalled: list[int] = []
+    while v.finished() is None:
+        pending = [seq for seq in v.probes() if seq not in v.rows()]
+        if not stalled and pending and pending[0] >= plan.split_from:
+            stalled = pending
+            # Past the window's timeout (sent together: one deadline): recorded lost.
+            sim.advance(sim.core.next_deadline() - sim.now + 1e-3)
+            for seq in stalled:
+                v.ack(seq)  # ...then acknowledged, late
+            continue
+        for seq in pending:
+            if v.snap() and seq not in v.rows():
+                v.ack(seq)
+        sim.take(sim.core.flush())
+    rows = v.rows()
+    assert len(stalled) == 16 and {rows[s].outcome for s in stalled} == {"late"}
+    splits = plan.total_probes - plan.split_from
+    assert v.snap().acked == plan.total_probes - 16  # the drop rates: late is lost
+    done = v.finished()
+    assert done.state == "complete" and done.verdict == "fragments-ok", done.verdict_reason
+    assert "16 probes acknowledged after their timeout" in done.verdict_reason
+    # By the paper's rule alone the same counts read as a fragment problem.
+    whole = plan.split_from
+    assert decide(whole, whole, splits, splits - 16).verdict == "inconclusive"
 
 
 # -- pacing -----------------------------------------------------------------------------------

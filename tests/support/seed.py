@@ -207,14 +207,16 @@ def _run_session(
     if stop_after is not None:
         store.heartbeat(session_id, n, sum(o.outcome == "acked" for o in outcomes))
         return SeededSession(session_id, c.install_id, c.kind, "probing", None, c.platform)
+    # As the engine decides: a late acknowledgement counts as delivered.
     counts = {
         phase: (
             sum(o.phase == phase for o in outcomes),
-            sum(o.phase == phase and o.outcome == "acked" for o in outcomes),
+            sum(o.phase == phase and o.outcome in ("acked", "late") for o in outcomes),
         )
         for phase in ("whole", "split")
     }
-    v = decide(*counts["whole"], *counts["split"])
+    late = sum(o.outcome == "late" for o in outcomes)
+    v = decide(*counts["whole"], *counts["split"], late=late)
     store.finish_session(session_id, "complete", v.verdict, v.reason)
     if backdate:
         end = max(o.acked_at or o.sent_at for o in outcomes)
