@@ -29,13 +29,19 @@ packet, and nothing larger than what arrived is ever sent to an unproven
 address.
 
 Probing: W probes in flight, each with its own timeout (``RttEstimator``),
-paced by ``Pacer``. W is the plan's window, or, for an adaptive plan, what
-the run's ``WindowController`` (window.py) allows up to it: it grows from the
-measured RTT and shrinks on a standing queue or on loss the window causes,
-and paces the run to the access-link rate. A client that announced flow control (``split_credit`` at
-admission) also bounds the split phase: its REPORTs (about 20 per second)
-carry ``split_limit``, and no split probe with a higher seq is sent, so the
-study's own unfinished datagrams never fill the client's reassembly memory
+paced by ``Pacer``. In an adaptive run a probe older than the estimator's
+``window_timeout`` (RFC 6298's RTO, a little over half the study's timeout) no
+longer counts against W: it is presumed lost for the window, not for the
+study, whose outcome waits for the timeout, nor for the split credit, which
+protects the client's memory. A fixed window (``--window N``, stop-and-wait at
+1) keeps its meaning: at most N probes unresolved. W is the plan's window, or,
+for an adaptive plan, what the run's ``WindowController`` (window.py) allows
+up to it: it grows from the measured RTT and shrinks on a standing queue or on
+loss the window causes, and paces the run to the access-link rate. A client
+that announced flow control (``split_credit`` at admission) also bounds the
+split phase: its REPORTs (about 20 per second) carry ``split_limit``, and no
+split probe with a higher seq is sent, so the study's own unfinished datagrams
+never fill the client's reassembly memory
 (kickass_probe.reassembly explains the budget). REPORTs also name ranges of
 seqs measured while the client's kernel refused fragments: a probe there that
 was not acknowledged is *invalid* (``reassembly_invalid``), not lost, and
@@ -269,6 +275,9 @@ class ProbeRun:
     handshake_rtt_ms: float | None = None
     next_seq: int = 0
     outstanding: dict[int, float] = field(default_factory=dict)  # seq -> send time
+    # Outstanding probes past the window timeout (adaptive runs only): they
+    # leave W, not the split credit.
+    presumed_lost: set[int] = field(default_factory=set)
     # Per-seq arrays, allocated when probing starts: an unproven session
     # costs no memory proportional to its plan.
     codes: bytearray = field(default_factory=bytearray)
@@ -319,12 +328,16 @@ class ProbeRun:
             self.state == PROBING
             and self.end_requested is None
             and self.next_seq < self.plan.total_probes
-            and len(self.outstanding) < self.window()
+            and self.in_window() < self.window()
             and not self.credit_blocked()
         )
 
     def window(self) -> int:
         return self.plan.window if self.ctl is None else self.ctl.window
+
+    def in_window(self) -> int:
+        """Probes holding a place in the window: outstanding, not presumed lost."""
+        return len(self.outstanding) - len(self.presumed_lost)
 
     def credit_blocked(self) -> bool:
         """The next probe is a split the client has not given credit for."""
@@ -435,6 +448,8 @@ class ProbeCore:
         # round-robin order.
         self._ready: dict[str, ProbeRun] = {}
         self._timers: list[tuple[float, str, int]] = []  # (deadline, session_id, seq)
+        # (window timeout, session_id, seq): when a probe stops holding its window place.
+        self._window_timers: list[tuple[float, str, int]] = []
         self._lifecycle_due = math.inf
         self._next_flush = math.inf
         self._next_sweep = now + SWEEP_INTERVAL_S
@@ -681,6 +696,7 @@ class ProbeCore:
             run.min_fragmented_whole = min(run.min_fragmented_whole, self._ip_len(run, seq))
         if code == _OUT:
             sent_at = run.outstanding.pop(seq)
+            run.presumed_lost.discard(seq)
             run.rtt.sample(max(now - sent_at, 0.0))
             if run.ctl is not None:
                 run.ctl.on_ack(now, seq, max(now - sent_at, 0.0))
@@ -850,6 +866,8 @@ class ProbeCore:
         d = min(self._lifecycle_due, self._next_flush, self._next_sweep)
         if self._timers:
             d = min(d, self._timers[0][0])
+        if self._window_timers:
+            d = min(d, self._window_timers[0][0])
         for run in self._ready.values():
             if run.may_send() and run.lane is not None:
                 ready = max(
@@ -874,6 +892,18 @@ class ProbeCore:
         return out
 
     def _expire_probes(self, now: float, out: list[Action]) -> None:
+        window_timers = self._window_timers
+        while window_timers and window_timers[0][0] <= now:
+            _, sid, seq = heapq.heappop(window_timers)
+            run = self.runs.get(sid)
+            if run is None or run.codes[seq] != _OUT:
+                continue
+            due = run.outstanding[seq] + run.rtt.window_timeout
+            if now < due:
+                heapq.heappush(window_timers, (due, sid, seq))
+                continue
+            run.presumed_lost.add(seq)
+            self._make_ready(run)
         timers = self._timers
         while timers and timers[0][0] <= now:
             _, sid, seq = heapq.heappop(timers)
@@ -887,6 +917,7 @@ class ProbeCore:
                 heapq.heappush(timers, (due, sid, seq))
                 continue
             del run.outstanding[seq]
+            run.presumed_lost.discard(seq)
             run.codes[seq] = _LOST
             if run.ctl is not None:
                 run.ctl.on_loss(now, seq)
@@ -953,11 +984,13 @@ class ProbeCore:
         run.phase_sent[phase] += 1
         self.counters["probes_sent"] += 1
         heapq.heappush(self._timers, (now + run.rtt.timeout, run.session_id, seq))
+        if run.ctl is not None:
+            heapq.heappush(self._window_timers, (now + run.rtt.window_timeout, run.session_id, seq))
         self._arm_flush(now)
         out.append(SendProbe(run.session_id, seq, peer[0], tuple(packets)))
         if run.ctl is not None:
             nbytes = sum(len(p) for p in packets)
-            run.ctl.on_send(now, seq, phase, self._ip_len(run, seq), nbytes, len(run.outstanding))
+            run.ctl.on_send(now, seq, phase, self._ip_len(run, seq), nbytes, run.in_window())
         if run.reasm is not None:
             self._credit_wait(now, run)
 
@@ -980,6 +1013,7 @@ class ProbeCore:
             if seq != run.next_seq - 1 or run.codes[seq] != _OUT:
                 continue  # not the newest probe: leave it to its timeout
             del run.outstanding[seq]
+            run.presumed_lost.discard(seq)
             if run.ctl is not None:
                 run.ctl.on_unsent(seq, sum(len(pkt) for pkt in p.packets))
             run.codes[seq] = _UNSENT
@@ -1042,6 +1076,7 @@ class ProbeCore:
                 run.phase_invalid[self._phase(run, seq)] += 1
             self._record(now, run, seq, LOST, None)
         run.outstanding.clear()
+        run.presumed_lost.clear()
         if state == EXPIRED:
             v = verdicts.Verdict(verdicts.INCONCLUSIVE, "no probes were sent")
         else:

@@ -272,6 +272,7 @@ def test_rtt_estimator_seed_sample_and_clamp() -> None:
     e.seed(0.1)
     assert (e.srtt, e.rttvar) == (0.1, 0.05)
     assert e.timeout == pytest.approx(0.4)  # 2*SRTT + 4*RTTVAR
+    assert e.window_timeout == pytest.approx(0.3)  # SRTT + 4*RTTVAR
     e.sample(0.3)
     assert e.rttvar == pytest.approx(0.75 * 0.05 + 0.25 * 0.2)
     assert e.srtt == pytest.approx(0.875 * 0.1 + 0.125 * 0.3)
@@ -438,8 +439,8 @@ def test_a_client_that_stalls_past_the_timeout_is_late_not_a_fragment_loss() -> 
         pending = [seq for seq in v.probes() if seq not in v.rows()]
         if not stalled and pending and pending[0] >= plan.split_from:
             stalled = pending
-            # Past the window's timeout (sent together: one deadline): recorded lost.
-            sim.advance(sim.core.next_deadline() - sim.now + 1e-3)
+            # Past the probes' timeout (sent together): recorded lost.
+            sim.advance(v.snap().timeout_ms / 1000.0 + 1e-3)
             for seq in stalled:
                 v.ack(seq)  # ...then acknowledged, late
             continue

@@ -48,11 +48,15 @@ RTT_MS = 100.0
 # Why a fragment-dropping path may take longer than a clean one, and how much:
 # the default plan's window is adaptive up to W = 64 probes in flight and the
 # server paces a run to 8 Mbit/s (about 667 full-size probes a second). On
-# the clean path a probe holds its window slot one RTT (100 ms): 640 probes/s,
+# the clean path a probe holds its window place one RTT (100 ms): 640 probes/s,
 # both phases alike. On the fragment-dropping path a split is resolved only by
-# its timeout, 2·SRTT + 4·RTTVAR ≈ 2.2 RTT: 64 / 0.22 s ≈ 290 splits/s. The
-# plan has 18,400 whole probes (same pace on both paths) and 18,200 splits:
-# about 29 + 29 s clean against 29 + 63 s here, a ratio near 1.6. The bound:
+# its timeout, 2·SRTT + 4·RTTVAR ≈ 2.2 RTT, but gives its window place back at
+# the window timeout, SRTT + 4·RTTVAR and at least 1.25·SRTT (kickass_server.
+# rtt_estimator): about 1.25 RTT, 64 / 0.125 s ≈ 510 splits/s. The plan has
+# 18,400 whole probes (same pace on both paths) and 18,200 splits: about
+# 29 + 29 s clean against 29 + 36 s here, a ratio near 1.1 (it was 1.6, and
+# 2.3 on a loaded CI machine, while a split held its place until its timeout).
+# The bound is the issue's:
 MAX_SLOWDOWN = 2.0
 
 
@@ -87,7 +91,13 @@ def test_a_path_that_drops_every_fragment_runs_the_default_plan_to_the_end(
     ratio = extra["elapsed_s"] / clean_extra["elapsed_s"]
     _report(
         "default plan, every fragment dropped",
-        {**n, **extra, "clean_elapsed_s": clean_extra["elapsed_s"], "ratio": round(ratio, 2)},
+        {
+            **n,
+            **extra,
+            "clean_elapsed_s": clean_extra["elapsed_s"],
+            "ratio": round(ratio, 2),
+            "whole_late": sum(r["late"] for r in out["whole"]),
+        },
     )
     # The client finished (run_with_truth checked exit 0), with a verdict.
     assert out["state"] == "complete" and out["incomplete"] is False
@@ -95,7 +105,12 @@ def test_a_path_that_drops_every_fragment_runs_the_default_plan_to_the_end(
     # Every probe of the plan was sent and accounted: no whole probe lost,
     # every split lost, none of them invalid (the memory was never touched).
     whole, split = out["pooled"]["whole"], out["pooled"]["split"]
-    assert whole["sent"] == plan.split_from and whole["drop_rate"] == 0.0, whole
+    # A whole probe acknowledged after its timeout (a descheduled client on a
+    # loaded machine) is lost by the paper's rule but was delivered: the path
+    # lost none, so every whole probe not acknowledged in time came late.
+    whole_late = sum(r["late"] for r in out["whole"])
+    assert whole["sent"] == plan.split_from, whole
+    assert whole["sent"] - whole["acked"] == whole_late, (whole, whole_late)
     assert split["sent"] == plan.total_probes - plan.split_from, split
     assert split["acked"] == 0 and split["drop_rate"] == 1.0, split
     assert out["reassembly_invalid"] == {"whole": 0, "split": 0}
