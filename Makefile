@@ -51,7 +51,7 @@ lint: install
 
 test: install lint
 	cargo test --quiet --workspace
-	$(BIN)/pytest -q
+	tools/run-tests.sh $(BIN)/pytest
 
 BENCHES := probe_bench router_bench atlas_bench trials_bench export_bench dashboards_bench schedule_bench
 

@@ -798,6 +798,9 @@ def test_a_killed_export_leaves_no_file_under_a_final_name(
     child = subprocess.Popen(
         [KICKASS, "export", "v_export_slow", "--format", fmt, "-o", str(tmp_path)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        # Ctrl-C's default, whatever this process inherited (a job started in the
+        # background of a shell ignores SIGINT, and so would the export).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     try:
         assert child.stderr is not None

@@ -434,6 +434,7 @@ def _https(
 
 
 @pytest.mark.slow
+@pytest.mark.machine  # Docker adds bridges and veths to the root namespace
 # The first run builds the images (their Python dependencies: minutes); later
 # runs rebuild only the layers of changed sources.
 @pytest.mark.timeout(1800)

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The whole pytest suite in two streams at once, so `make test` fits CI's time.
+#
+# Most of the suite's wall time is waiting (emulated 100 ms paths, two-minute
+# style periods, timeouts), not CPU: run alone it kept about one of the two
+# cores busy. The tests that build network namespaces or change the machine's
+# own network (marked `netns` or `machine`) run one after another in one
+# stream, as before: they measure time and bandwidth, and some compare the
+# machine's namespaces and links before and after. Everything else (its own
+# PostgreSQL, loopback servers, simulated time) runs in the other stream.
+# Each stream has its own temporary directory and embedded PostgreSQL.
+#
+# Usage: tools/run-tests.sh PYTEST [pytest arguments...]
+set -uo pipefail
+pytest=$1
+shift
+work=$(mktemp -d /tmp/kickass-tests.XXXXXX)
+trap 'rm -rf "$work"' EXIT
+serial="netns or machine"
+
+# A background job of a script starts with SIGINT and SIGQUIT ignored, and its
+# children would inherit that: the tests that stop a program with Ctrl-C need
+# the default.
+env --default-signal=INT,QUIT \
+    "$pytest" -q -m "$serial" --basetemp "$work/serial" "$@" >"$work/serial.log" 2>&1 &
+serial_pid=$!
+echo "tests that build namespaces or touch the machine's network: running in the background"
+echo "everything else:"
+"$pytest" -q -m "not ($serial)" --basetemp "$work/rest" "$@"
+rest_rc=$?
+if kill -0 "$serial_pid" 2>/dev/null; then
+    echo "waiting for the namespace tests..."
+fi
+wait "$serial_pid"
+serial_rc=$?
+echo
+echo "tests that build namespaces or touch the machine's network:"
+cat "$work/serial.log"
+echo
+echo "pytest exit status: namespace stream $serial_rc, the rest $rest_rc"
+# 5: no tests collected in a stream (a -k or path selection): not a failure.
+for rc in "$serial_rc" "$rest_rc"; do
+    if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then
+        exit 1
+    fi
+done
+if [ "$serial_rc" -eq 5 ] && [ "$rest_rc" -eq 5 ]; then
+    exit 5
+fi
