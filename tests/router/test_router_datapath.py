@@ -30,6 +30,8 @@ from router_netlib import Capture, read_ndjson, udp_socket
 
 pytestmark = [
     pytest.mark.netns,
+    # Python sender threads and sub-millisecond timing: alone on the machine.
+    pytest.mark.quiet,
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root for network namespaces"),
 ]
 

@@ -23,6 +23,8 @@ from kickass_testbed.topology import End, Host, Link, Neighbor, Process, Topolog
 
 pytestmark = [
     pytest.mark.netns,
+    # Python sender threads and sub-millisecond timing: alone on the machine.
+    pytest.mark.quiet,
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root for network namespaces"),
 ]
 

@@ -305,6 +305,7 @@ def _simultaneous_flows(
     return records, rates, telemetry
 
 
+@pytest.mark.quiet  # a rate measured every 10 ms
 def test_eight_kickass_senders_converge_to_the_fair_share(tmp_path: Path) -> None:
     """Eight senders each start one 1000-packet Kick-Ass flow at the same
     moment through the 10 Mbit/s edge router (ka-send directly, tokens from
