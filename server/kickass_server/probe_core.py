@@ -41,8 +41,8 @@ loss the window causes, and paces the run to the access-link rate. A client
 that announced flow control (``split_credit`` at admission) also bounds the
 split phase: its REPORTs (about 20 per second) carry ``split_limit``, and no
 split probe with a higher seq is sent, so the study's own unfinished datagrams
-never fill the client's reassembly memory
-(kickass_probe.reassembly explains the budget). REPORTs also name ranges of
+never fill the client's reassembly memory (kickass_probe.reassembly explains
+the budget). REPORTs also name ranges of
 seqs measured while the client's kernel refused fragments: a probe there that
 was not acknowledged is *invalid* (``reassembly_invalid``), not lost, and
 stays out of the verdict's counts. Such a run finishes ``REPORT_GRACE_S``
@@ -984,11 +984,10 @@ class ProbeCore:
         run.phase_sent[phase] += 1
         self.counters["probes_sent"] += 1
         heapq.heappush(self._timers, (now + run.rtt.timeout, run.session_id, seq))
-        if run.ctl is not None:
-            heapq.heappush(self._window_timers, (now + run.rtt.window_timeout, run.session_id, seq))
         self._arm_flush(now)
         out.append(SendProbe(run.session_id, seq, peer[0], tuple(packets)))
         if run.ctl is not None:
+            heapq.heappush(self._window_timers, (now + run.rtt.window_timeout, run.session_id, seq))
             nbytes = sum(len(p) for p in packets)
             run.ctl.on_send(now, seq, phase, self._ip_len(run, seq), nbytes, run.in_window())
         if run.reasm is not None:
