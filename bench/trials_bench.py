@@ -90,9 +90,11 @@ def spans(periods: list[dict[str, Any]]) -> list[tuple[float, float, str]]:
     ]  # fmt: skip
 
 
-def alignment(periods: list[dict[str, Any]]) -> dict[str, Any]:
+def alignment(periods: list[dict[str, Any]], runs: list[dict[str, Any]]) -> dict[str, Any]:
     """How well the senders kept the schedule: each period's start against its
-    scheduled offset, and the spread of the same period's start across senders."""
+    scheduled offset, and the spread of the same period's start across senders;
+    the latest starts with what the runner did before them (its ``--json``
+    ``period_starts``: the last period's deadline and end, an upload's time)."""
     deviation = [abs(float(p["start_deviation_s"])) for p in periods
                  if p["start_deviation_s"] is not None]  # fmt: skip
     by_index: dict[int, list[float]] = {}
@@ -103,6 +105,20 @@ def alignment(periods: list[dict[str, Any]]) -> dict[str, Any]:
         "start_deviation_s_max": round(max(deviation), 3) if deviation else None,
         "start_spread_across_senders_s_max": round(max(spread), 3) if spread else None,
         "goal_s": 1.0,
+        "latest": sorted(
+            (
+                {
+                    "sender": n,
+                    "period": int(i),
+                    **slot,
+                    "late_s": round(slot["actual_s"] - slot["scheduled_s"], 3),
+                }
+                for n, run in enumerate(runs)
+                for i, slot in run.get("period_starts", {}).items()
+                if slot.get("actual_s") is not None
+            ),
+            key=lambda x: -x["late_s"],
+        )[:3],
     }
 
 
@@ -191,7 +207,7 @@ def scenario(
         "by_size": fct_table(flows),
         "failures": failures(flows),
         "queueing_delay_ms_cdf": queue_cdf(out.telemetry, spans(out.periods), bps),
-        "schedule": alignment(out.periods),
+        "schedule": alignment(out.periods, out.result["runs"]),
         "seconds": round(time.monotonic() - t0, 1),
     }
 

@@ -8,6 +8,7 @@ import json
 import os
 import secrets
 import socket
+import time
 from pathlib import Path
 
 import kickass_db as db
@@ -17,6 +18,7 @@ from kickass_wan.spool import Spool
 from kickass_wan.uploader import Uploader
 from sqlalchemy import create_engine, text
 from support.live_server import free_port, server
+from support.slow_relay import SlowRelay
 from support.trial_records import flow, trial
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the server's probe engine needs root")
@@ -125,3 +127,34 @@ def test_a_conflicting_replay_is_set_aside_not_retried_forever(
     # Nothing left to retry: the next flush sends nothing.
     again = Uploader(url, token, spool).flush()
     assert again.sent == 0 and again.rejected == 0 and again.pending == 0
+
+
+def test_a_pass_with_a_deadline_stops_there_and_loses_nothing(
+    live,  # noqa: ANN001
+    database_url: str,
+    tmp_path: Path,
+) -> None:
+    """Between two periods the runner gives a pass a deadline. Through a
+    relay that holds every answer 2 s, a pass with 0.5 s returns at its
+    deadline (not after the answer), says it was deferred, not failed, and
+    keeps every record spooled, though the server may have stored the first
+    request's; the next pass, straight to the server, stores each record
+    once (a re-sent record is a no-op)."""
+    url, token = live
+    spool = Spool(tmp_path / "spool")
+    tid = secrets.token_hex(16)
+    _spool_trial(spool, tid)
+    flows = [flow(tid, i, "tcp", 10, 100.0 + i, None) for i in range(20)]
+    _spool_flows(spool, tid, flows)
+    port = int(url.rsplit(":", 1)[1])
+    with SlowRelay(port, delay_s=2.0) as relay:
+        began = time.monotonic()
+        report = Uploader(f"http://127.0.0.1:{relay.port}", token, spool).flush(began + 0.5)
+        took = time.monotonic() - began
+    assert 0.45 <= took < 1.0, took
+    assert report.deferred and report.errors == [] and report.rejected == 0, report
+    assert report.pending == spool.count() == 21
+    final = Uploader(url, token, spool).flush()
+    assert final.ok and not final.deferred, final
+    stored = _stored(database_url)
+    assert set(stored) == {f["flow_id"] for f in flows}

@@ -38,6 +38,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -64,9 +65,27 @@ LATE_START_S = 1.0
 QUIET_S = 1.0
 # Why a flow still running at its period's deadline failed, for both protocols.
 CUT_AT_DEADLINE = "not completed by the end of its period (cut at the deadline)"
+# Why a flow did not complete when the trial was stopped (Ctrl-C, a scheduled
+# round's timeout): cut while running, or never started.
+CUT_BY_STOP = "interrupted: the trial was stopped while it ran"
+NOT_RUN_STOPPED = "not run: the trial was stopped before it was due"
 # An upload between periods needs this much time left before the next start,
-# beyond twice what the last upload took.
+# beyond twice what the last upload took, and is cut this long before it.
 UPLOAD_MARGIN_S = 0.5
+# A period's flow tokens are fetched this long before it starts, during the
+# period before it: time for a slow answer and a retry over a loaded path,
+# while an agent that goes away shortly before a period still costs only
+# that period (tokens live for the agent's lifetime, 600 s by default).
+TOKENS_AHEAD_S = 5.0
+
+# A period's flow tokens and the agent's port, or why it has none.
+Tokens = tuple[list[bytes], int] | str
+
+
+def _done(value: Tokens) -> Future[Tokens]:
+    fut: Future[Tokens] = Future()
+    fut.set_result(value)
+    return fut
 
 
 @dataclass(frozen=True)
@@ -209,6 +228,12 @@ class _Slot:
 
     scheduled_s: float
     actual_s: float | None = None
+    # When its last flow's record was spooled, and the deadline its flows were
+    # cut at (ka-send's exit and the spooling come after the deadline).
+    ended_s: float | None = None
+    deadline_s: float | None = None
+    # How long the upload in the gap before it took (None: there was none).
+    upload_s: float | None = None
 
 
 class TrialRunner:
@@ -220,12 +245,15 @@ class TrialRunner:
         # destination -> arm -> FCTs of completed flows
         self.summary: dict[str, dict[str, list[float]]] = {}
         self.failed = 0
+        # Two periods' workers overlap (one ending as the next starts).
+        self._tally = threading.Lock()
         self.skipped_periods: list[dict[str, Any]] = []
         self.late_periods: list[dict[str, Any]] = []
         self._started = ""
         self._slots: dict[int, _Slot] = {}
         self._environment: dict[str, Any] = {}
         self._upload_s = 0.0  # how long the last upload took
+        self._t0 = 0.0  # the trial's clock (monotonic) at period offset 0
 
     # -- the whole trial --------------------------------------------------
 
@@ -281,52 +309,8 @@ class TrialRunner:
                     self._trial_record(agent, trial_ids, schedule, versions),
                 )
             self._upload()
-            t0 = time.monotonic()
-            # Flows still running this long before the next period are cut,
-            # so what they left in the queues drains before it starts.
-            quiet = min(QUIET_S, cfg.gap_s / 2)
-            for period in schedule:
-                if self.stop.is_set():
-                    break
-                client = clients[period.destination]
-                # Tokens first, so the flows start at their due times and not
-                # a token round trip late.
-                flows = pair_flows(
-                    cfg.workload, period.pair, period.duration_s, cfg.sender_index,
-                    dest_index[period.destination],
-                )  # fmt: skip
-                tokens = self._tokens_or_why(client, period, len(flows))
-                # What the last periods measured goes to the server in the gap
-                # before this one, only while that cannot make it start late
-                # (eight senders uploading at once on a loaded host took more
-                # than the gap's quiet second): otherwise it waits, spooled,
-                # for a longer gap or the end.
-                left = t0 + period.start_s - time.monotonic()
-                if left > UPLOAD_MARGIN_S + 2 * self._upload_s:
-                    self._upload()
-                # Keep the schedule: wait for the period's time (the last
-                # period's flows were cut at its end plus gap_s).
-                wait = t0 + period.start_s - time.monotonic()
-                if wait > 0 and self.stop.wait(wait):
-                    break
-                actual = time.monotonic() - t0
-                self._slots[period.index].actual_s = round(actual, 4)
-                if actual - period.start_s > LATE_START_S:
-                    self.late_periods.append(
-                        {"period": period.index, "late_s": round(actual - period.start_s, 3)}
-                    )
-                if progress:
-                    progress(period)
-                self._run_period(
-                    period,
-                    local[period.index],
-                    client,
-                    trial_ids[period.destination],
-                    ka_send,
-                    flows,
-                    tokens,
-                    deadline=t0 + period.start_s + period.duration_s + cfg.gap_s - quiet,
-                )
+
+            self._run_schedule(schedule, clients, dest_index, local, trial_ids, ka_send, progress)
             for agent in cfg.agents:
                 rec = self._trial_record(agent, trial_ids, schedule, versions)
                 rec["finished_at"] = _now().isoformat()
@@ -339,7 +323,13 @@ class TrialRunner:
             "skipped_periods": self.skipped_periods,
             "late_periods": self.late_periods,
             "period_starts": {
-                str(i): {"scheduled_s": s.scheduled_s, "actual_s": s.actual_s}
+                str(i): {
+                    "scheduled_s": s.scheduled_s,
+                    "actual_s": s.actual_s,
+                    "deadline_s": s.deadline_s,
+                    "ended_s": s.ended_s,
+                    "upload_s": s.upload_s,
+                }
                 for i, s in sorted(self._slots.items())
             },
             "tcp_metrics_cache": self._environment.get("tcp_metrics_cache"),
@@ -347,6 +337,125 @@ class TrialRunner:
             "rejected": self.spool.rejected(),
             "upload_errors": report.errors[-5:] if report else [],
         }
+
+    def _run_schedule(
+        self,
+        schedule: list[Period],
+        clients: dict[str, AgentClient],
+        dest_index: dict[str, int],
+        local: dict[int, int],
+        trial_ids: dict[str, str],
+        ka_send: str | None,
+        progress: Any,
+    ) -> None:
+        """Every period at its scheduled time; returns when the last has ended
+        (or the trial was stopped)."""
+        cfg = self.cfg
+
+        # Every period's flows, and the first period's tokens, before the
+        # clock starts: the first period starts at 0.
+        planned = {
+            p.index: pair_flows(
+                cfg.workload, p.pair, p.duration_s, cfg.sender_index, dest_index[p.destination]
+            )
+            for p in schedule
+        }
+        ahead: Future[Tokens] | None = None
+        if schedule:
+            first = schedule[0]
+            ahead = _done(
+                self._tokens_or_why(clients[first.destination], first, len(planned[first.index]))
+            )
+        t0 = time.monotonic()
+        self._t0 = t0
+        # Flows still running this long before the next period are cut,
+        # so what they left in the queues drains before it starts.
+        quiet = min(QUIET_S, cfg.gap_s / 2)
+        # A period runs on a worker of its own, so its start waits for
+        # nothing but the clock: the last period's ending (ka-send's exit,
+        # spooling its records) overlaps it, and its flow tokens were
+        # fetched during the last one (TOKENS_AHEAD_S early).
+        # Before this, a period started after the last one had ended and
+        # its tokens had come back: 1.17 s late at worst under heavy load.
+        running: Future[None] | None = None
+        with ThreadPoolExecutor(max_workers=3, thread_name_prefix="period") as pool:
+            try:
+                for i, period in enumerate(schedule):
+                    if self.stop.is_set():
+                        break
+                    client = clients[period.destination]
+                    flows = planned[period.index]
+                    tokens = ahead.result() if ahead is not None else "not run: stopped"
+                    ahead = None
+                    begins = t0 + period.start_s
+                    # What the last periods measured goes to the server in
+                    # the gap before this one, once the last period has
+                    # ended and only while that cannot make this one start
+                    # late (eight senders uploading at once on a loaded host
+                    # took more than the gap's quiet second): otherwise it
+                    # waits, spooled, for a longer gap or the end.
+                    if running is not None:
+                        wait_for(
+                            [running],
+                            timeout=max(0.0, begins - UPLOAD_MARGIN_S - time.monotonic()),
+                        )
+                    left = begins - time.monotonic()
+                    if (
+                        running is None or running.done()
+                    ) and left > UPLOAD_MARGIN_S + 2 * self._upload_s:
+                        # Cut at the margin: an upload that is slow this time
+                        # (eight senders at once) must not make it late either.
+                        self._upload(deadline=begins - UPLOAD_MARGIN_S)
+                        self._slots[period.index].upload_s = round(self._upload_s, 4)
+                    # Keep the schedule: wait for the period's time.
+                    wait = begins - time.monotonic()
+                    if wait > 0 and self.stop.wait(wait):
+                        break
+                    begun = time.monotonic()
+                    started = _now()
+                    actual = begun - t0
+                    self._slots[period.index].actual_s = round(actual, 4)
+                    if actual - period.start_s > LATE_START_S:
+                        self.late_periods.append(
+                            {
+                                "period": period.index,
+                                "late_s": round(actual - period.start_s, 3),
+                            }
+                        )
+                    if progress:
+                        progress(period)
+                    this = pool.submit(
+                        self._run_period,
+                        period,
+                        local[period.index],
+                        client,
+                        trial_ids[period.destination],
+                        ka_send,
+                        flows,
+                        tokens,
+                        begun=begun,
+                        started=started,
+                        deadline=begins + period.duration_s + cfg.gap_s - quiet,
+                    )
+                    if running is not None:
+                        running.result()  # the last period's error, if any, ends the trial
+                    running = this
+                    if i + 1 < len(schedule):
+                        nxt = schedule[i + 1]
+                        ahead = pool.submit(
+                            self._tokens_ahead,
+                            clients[nxt.destination],
+                            nxt,
+                            len(planned[nxt.index]),
+                            at=t0 + nxt.start_s - TOKENS_AHEAD_S,
+                        )
+                if running is not None:
+                    running.result()
+            except BaseException:
+                # Ctrl-C or an error: the period's flows stop now, not at
+                # its deadline (the pool's exit waits for its workers).
+                self.stop.set()
+                raise
 
     def _trial_record(
         self,
@@ -386,11 +495,11 @@ class TrialRunner:
             ],
         }
 
-    def _upload(self) -> Any:
+    def _upload(self, deadline: float | None = None) -> Any:
         if self.uploader is None:
             return None
         began = time.monotonic()
-        report = self.uploader.flush()
+        report = self.uploader.flush(deadline)
         self._upload_s = time.monotonic() - began
         for err in report.errors:
             log.warning("upload: %s (kept in the spool)", err)
@@ -398,9 +507,15 @@ class TrialRunner:
 
     # -- one period -------------------------------------------------------
 
-    def _tokens_or_why(
-        self, client: AgentClient, period: Period, count: int
-    ) -> tuple[list[bytes], int] | str:
+    def _tokens_ahead(
+        self, client: AgentClient, period: Period, count: int, *, at: float
+    ) -> Tokens:
+        """The period's tokens, asked for at monotonic time ``at`` (or now, if later)."""
+        if self.stop.wait(max(0.0, at - time.monotonic())):
+            return "not run: the trial was stopped"
+        return self._tokens_or_why(client, period, count)
+
+    def _tokens_or_why(self, client: AgentClient, period: Period, count: int) -> Tokens:
         """The period's flow tokens, or why there are none (the period is then
         skipped, its flows recorded as not run)."""
         if count == 0:
@@ -419,28 +534,30 @@ class TrialRunner:
         trial_id: str,
         ka_send: str | None,
         fl: list[Flow],
-        tokens: tuple[list[bytes], int] | str,
+        tokens: Tokens,
         *,
+        begun: float,
+        started: datetime,
         deadline: float,
     ) -> None:
-        started = _now()
-        begun = time.monotonic()
+        """One period, from its start (``begun``, monotonic; ``started``, the
+        same instant by the wall clock) to its deadline, its flows spooled."""
+        # A period with nothing to run ends at once: the main loop keeps the
+        # schedule, so the next one still starts at its time.
         if not fl:
-            self.stop.wait(max(0.0, deadline - time.monotonic()))
             return
         if isinstance(tokens, str):
             # The trial goes on (the agent may be back for the next period);
             # every flow this period would have run is recorded as not run.
             log.warning("period %d skipped: %s", period.index + 1, tokens)
-            self.skipped_periods.append(
-                {"period": period.index, "destination": period.destination, "error": tokens}
-            )
+            with self._tally:
+                self.skipped_periods.append(
+                    {"period": period.index, "destination": period.destination, "error": tokens}
+                )
             for f in fl:
                 self._record(
                     trial_id, local_index, period, f, {"completed": False, "error": tokens}, started
                 )
-            # The slot still passes, so periods stay aligned with other runners'.
-            self.stop.wait(max(0.0, deadline - time.monotonic()))
             return
         toks, port = tokens
         addr = (client.agent.host, port)
@@ -451,8 +568,14 @@ class TrialRunner:
         else:
             results = self._tcp_period(fl, toks, addr, period, begun, deadline)
         for f in fl:
-            rec = results.get(f.index) or {"completed": False, "error": "no result from the sender"}
+            rec = results.get(f.index) or {
+                "completed": False,
+                "error": NOT_RUN_STOPPED if self.stop.is_set() else "no result from the sender",
+            }
             self._record(trial_id, local_index, period, f, rec, started)
+        slot = self._slots[period.index]
+        slot.deadline_s = round(deadline - self._t0, 4)
+        slot.ended_s = round(time.monotonic() - self._t0, 4)
 
     def _tokens(self, client: AgentClient, kind: str, count: int) -> tuple[list[bytes], int]:
         """Flow tokens, retried with doubling waits for ``agent_retry_s``: an
@@ -564,9 +687,22 @@ class TrialRunner:
         proc.stdin.write("\n".join(lines) + "\n")
         proc.stdin.close()
         results: dict[int, dict[str, Any]] = {}
-        # At the deadline ka-send is asked to stop: flows still running end
-        # "interrupted", as TCP flows end at their timeout.
-        timer = threading.Timer(max(0.0, deadline - time.monotonic()), proc.terminate)
+        # At the deadline (or when the trial is stopped) ka-send is asked to
+        # stop: flows still running end "interrupted", as TCP flows end at
+        # their timeout.
+        ended = threading.Event()
+
+        def terminate_at_deadline() -> None:
+            while not ended.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0 or self.stop.is_set():
+                    proc.terminate()
+                    return
+                # The trial's stop and this period's end are two events:
+                # look at both, at least every 0.1 s.
+                ended.wait(min(left, 0.1))
+
+        timer = threading.Thread(target=terminate_at_deadline, name="ka-send-deadline", daemon=True)
         timer.start()
         try:
             for line in proc.stdout:
@@ -585,10 +721,10 @@ class TrialRunner:
                     if rec.get("fct_ms") is not None:
                         rec["fct_ms"] = rec["fct_ms"] + (handicap + queued) * 1000.0
                 if rec.get("error") == "interrupted":
-                    rec["error"] = CUT_AT_DEADLINE
+                    rec["error"] = CUT_BY_STOP if self.stop.is_set() else CUT_AT_DEADLINE
                 results[index] = rec
         finally:
-            timer.cancel()
+            ended.set()
             try:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
@@ -636,9 +772,9 @@ class TrialRunner:
             row = {**planned, "completed": False, "error": f"unusable sender record: {exc}"}
         row["trial_id"] = trial_id
         self.spool.put("flow", fid, row)
-        if row["completed"] and row.get("fct_ms") is not None:
-            self.summary.setdefault(period.destination, {}).setdefault(period.arm, []).append(
-                row["fct_ms"]
-            )
-        else:
-            self.failed += 1
+        with self._tally:
+            if row["completed"] and row.get("fct_ms") is not None:
+                by_arm = self.summary.setdefault(period.destination, {})
+                by_arm.setdefault(period.arm, []).append(row["fct_ms"])
+            else:
+                self.failed += 1

@@ -8,12 +8,16 @@ conflict with what is stored under its id) is moved aside to ``rejected/``
 with the server's reason, alone; its neighbours are unaffected. A batch over
 the server's body cap (413) is halved until it fits. A network error, a 5xx,
 a 401/429 keep everything for the next attempt, so nothing disappears
-without a word.
+without a word. A pass given a deadline (the trial runner's, between two
+periods) sends nothing after it and waits for no answer past it: what it did
+not send, or sent without hearing back, stays spooled for the next pass
+(re-sending a stored record is a no-op).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,10 +37,16 @@ class UploadReport:
     rejected: int = 0
     pending: int = 0
     errors: list[str] = field(default_factory=list)
+    # The pass reached its deadline: what is left waits for the next one.
+    deferred: bool = False
 
     @property
     def ok(self) -> bool:
         return self.pending == 0 and self.rejected == 0
+
+
+class _Deadline(Exception):
+    """The pass's deadline came: stop sending."""
 
 
 class Uploader:
@@ -48,13 +58,28 @@ class Uploader:
         self.key = signing.key_from_secret(runner_token)
         self.spool = spool
         self.timeout_s = timeout_s
+        self._deadline: float | None = None
 
     def _call(self, method: str, url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        return signing.signed_json(self.key, self.name, method, url, body, timeout_s=self.timeout_s)
+        timeout = self.timeout_s
+        if self._deadline is not None:
+            left = self._deadline - time.monotonic()
+            if left <= 0:
+                raise _Deadline
+            timeout = min(timeout, left)
+        try:
+            return signing.signed_json(self.key, self.name, method, url, body, timeout_s=timeout)
+        except OSError:
+            # A timeout (raw, or in urllib's URLError) cut short by the deadline.
+            if self._deadline is not None and time.monotonic() >= self._deadline - 0.01:
+                raise _Deadline from None
+            raise
 
-    def flush(self) -> UploadReport:
-        """One pass over the spool; never raises for network or server trouble."""
+    def flush(self, deadline: float | None = None) -> UploadReport:
+        """One pass over the spool, until ``deadline`` (monotonic) if given;
+        never raises for network or server trouble."""
         report = UploadReport()
+        self._deadline = deadline
         try:
             for rec in self.spool.pending("trial"):
                 status, body = self._call("PUT", f"{self.base}/{rec['id']}", rec["record"])
@@ -65,9 +90,13 @@ class Uploader:
             for trial_id, recs in by_trial.items():
                 for i in range(0, len(recs), BATCH):
                     self._send_flows(report, trial_id, recs[i : i + BATCH])
+        except _Deadline:
+            report.deferred = True
         except (OSError, ValueError) as exc:
             # Server unreachable or answering garbage: everything stays spooled.
             report.errors.append(f"{type(exc).__name__}: {exc}")
+        finally:
+            self._deadline = None
         report.pending = self.spool.count()
         return report
 
