@@ -102,7 +102,7 @@ def alignment(periods: list[dict[str, Any]], runs: list[dict[str, Any]]) -> dict
         by_index.setdefault(p["period_index"], []).append(p["period_started_at"].timestamp())
     spread = [max(v) - min(v) for v in by_index.values() if len(v) > 1]
     return {
-        "start_deviation_s_max": round(max(deviation), 3) if deviation else None,
+        "start_deviation_s_max": round(max(deviation), 4) if deviation else None,
         "start_spread_across_senders_s_max": round(max(spread), 3) if spread else None,
         "goal_s": 1.0,
         "latest": sorted(
@@ -111,7 +111,7 @@ def alignment(periods: list[dict[str, Any]], runs: list[dict[str, Any]]) -> dict
                     "sender": n,
                     "period": int(i),
                     **slot,
-                    "late_s": round(slot["actual_s"] - slot["scheduled_s"], 3),
+                    "late_s": round(slot["actual_s"] - slot["scheduled_s"], 4),
                 }
                 for n, run in enumerate(runs)
                 for i, slot in run.get("period_starts", {}).items()

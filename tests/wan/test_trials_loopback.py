@@ -263,7 +263,7 @@ def test_periods_start_on_time_when_the_agent_answers_slowly(tmp_path: Path) -> 
     its predecessor's ending overlaps it, so every period still starts at
     its scheduled time: within 0.5 s, where asking for tokens between
     periods made each one after the first start 2 s - 1 s of quiet = at
-    least 1 s late (issue 18: under heavy load the starts were 1.17 s late).
+    least 1 s late.
     Every flow completes: tokens fetched ahead are still valid when used."""
     common = ["--protocols", "tcp", "--pairs", "3", "--period", "1.5", "--gap", "3",
               "--mean-gap", "0.15", "--max-packets", "50", "--mean-packets", "10",

@@ -353,7 +353,9 @@ class TrialRunner:
         cfg = self.cfg
 
         # Every period's flows, and the first period's tokens, before the
-        # clock starts: the first period starts at 0.
+        # clock starts: the first period starts at 0 (drawing its flows after
+        # the clock started, eight runners sharing two cores began it a
+        # second late).
         planned = {
             p.index: pair_flows(
                 cfg.workload, p.pair, p.duration_s, cfg.sender_index, dest_index[p.destination]
@@ -375,8 +377,6 @@ class TrialRunner:
         # nothing but the clock: the last period's ending (ka-send's exit,
         # spooling its records) overlaps it, and its flow tokens were
         # fetched during the last one (TOKENS_AHEAD_S early).
-        # Before this, a period started after the last one had ended and
-        # its tokens had come back: 1.17 s late at worst under heavy load.
         running: Future[None] | None = None
         with ThreadPoolExecutor(max_workers=3, thread_name_prefix="period") as pool:
             try:
