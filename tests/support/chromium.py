@@ -137,10 +137,15 @@ class _DevTools:
 
 
 def _start(profile: Path) -> tuple[subprocess.Popen[bytes], str]:
+    # Chromium puts its singleton socket in TMPDIR (org.chromium.Chromium.*)
+    # and, killed, leaves it there: inside the profile it goes with it.
+    tmp = profile / "tmp"
+    tmp.mkdir(exist_ok=True)
     proc = subprocess.Popen(
         [CHROMIUM, *FLAGS, f"--user-data-dir={profile}", "about:blank"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        env={**os.environ, "TMPDIR": str(tmp)},
         start_new_session=True,  # the launcher script and every child: one group to kill
     )
     port_file = profile / "DevToolsActivePort"
