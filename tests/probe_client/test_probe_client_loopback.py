@@ -40,6 +40,13 @@ pytestmark = pytest.mark.timeout(60)
 ACK_WAIT_S = 0.3
 
 
+class _QuietHTTPServer(ThreadingHTTPServer):
+    errors: list[str]
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        self.errors.append(f"{client_address}: {sys.exc_info()[1]!r}")
+
+
 class ScriptedServer:
     """A measurement server in miniature: HTTP API + UDP probe engine."""
 
@@ -92,8 +99,16 @@ class ScriptedServer:
         self.udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.udp.bind(("127.0.0.1", 0))
         self.udp.settimeout(0.05)
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
-        self.httpd.daemon_threads = True
+        self._closing = threading.Event()
+        # Errors of request threads (a client that left before its answer),
+        # kept here: printed, a traceback parses source (3.11's carets), and
+        # on 3.11.7 that races with another thread's ast.parse (gh-106905).
+        self.http_errors: list[str] = []
+        self.httpd = _QuietHTTPServer(("127.0.0.1", 0), self._handler_class())
+        self.httpd.errors = self.http_errors
+        # Request threads are joined when the server closes (a delayed
+        # answer is cut short by then): none outlives its test.
+        self.httpd.daemon_threads = False
         self._http_thread = threading.Thread(
             target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
         )
@@ -111,6 +126,7 @@ class ScriptedServer:
 
     def close(self) -> None:
         self._stop.set()
+        self._closing.set()
         self._close_http()
         self._udp_thread.join(timeout=5)
         self.udp.close()
@@ -120,6 +136,7 @@ class ScriptedServer:
             if self._http_closed:
                 return
             self._http_closed = True
+        self._closing.set()
         self.httpd.shutdown()
         self.httpd.server_close()
 
@@ -198,7 +215,7 @@ class ScriptedServer:
 
             def do_GET(self) -> None:
                 peer.requests.append(("GET", self.path))
-                time.sleep(peer.http_delay)
+                peer._closing.wait(peer.http_delay)
                 if self.path == f"/api/v1/sessions/{peer.sid}":
                     peer.poll_cookies.append(self.headers.get("X-Kickass-Cookie"))
                     self._reply(200, peer.result())
@@ -209,7 +226,7 @@ class ScriptedServer:
 
             def do_POST(self) -> None:
                 peer.requests.append(("POST", self.path))
-                time.sleep(peer.http_delay)
+                peer._closing.wait(peer.http_delay)
                 length = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(length) or b"{}")
                 if self.path == "/api/v1/sessions":
