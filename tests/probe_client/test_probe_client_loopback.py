@@ -102,7 +102,7 @@ class ScriptedServer:
         self._closing = threading.Event()
         # Errors of request threads (a client that left before its answer),
         # kept here: printed, a traceback parses source (3.11's carets), and
-        # on 3.11.7 that races with another thread's ast.parse (gh-106905).
+        # on 3.11.7 that races with another thread's ast.parse (the SystemError of gh-106905).
         self.http_errors: list[str] = []
         self.httpd = _QuietHTTPServer(("127.0.0.1", 0), self._handler_class())
         self.httpd.errors = self.http_errors

@@ -210,7 +210,7 @@ def test_build_refuses_python_3_10_syntax(tmp_path: Path) -> None:
 
 def test_every_module_parses_as_python_3_9(pyz: Path) -> None:
     """Parsed in a fresh interpreter: CPython 3.11.7's AST recursion-depth
-    bookkeeping is shared between threads (gh-106905, fixed in 3.11.8), and
+    bookkeeping is shared between threads (the error reported in gh-106905), and
     a thread another test left running here (a loopback server compiling
     on import) made ``ast.parse`` raise SystemError in CI."""
     code = (
