@@ -209,10 +209,11 @@ def test_build_refuses_python_3_10_syntax(tmp_path: Path) -> None:
 
 
 def test_every_module_parses_as_python_3_9(pyz: Path) -> None:
-    """Parsed in a fresh interpreter: CPython 3.11.7's AST recursion-depth
-    bookkeeping is shared between threads (the error reported in gh-106905), and
-    a thread another test left running here (a loopback server compiling
-    on import) made ``ast.parse`` raise SystemError in CI."""
+    """Parsed in a fresh interpreter: CPython 3.11's AST recursion-depth
+    counter is shared between threads (the SystemError of gh-106905), and a
+    thread another test had left running (a loopback server printing a
+    traceback, whose carets parse the source line) made ``ast.parse`` raise
+    it in CI."""
     code = (
         "import ast, sys, zipfile\n"
         "names = [n for n in zipfile.ZipFile(sys.argv[1]).namelist() if n.endswith('.py')]\n"
