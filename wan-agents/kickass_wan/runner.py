@@ -82,12 +82,6 @@ TOKENS_AHEAD_S = 5.0
 Tokens = tuple[list[bytes], int] | str
 
 
-def _done(value: Tokens) -> Future[Tokens]:
-    fut: Future[Tokens] = Future()
-    fut.set_result(value)
-    return fut
-
-
 @dataclass(frozen=True)
 class AgentRef:
     name: str
@@ -362,12 +356,14 @@ class TrialRunner:
             )
             for p in schedule
         }
-        ahead: Future[Tokens] | None = None
+        # Each later period's tokens are fetched during the one before (ahead).
+        first_tokens: Tokens = ""
         if schedule:
             first = schedule[0]
-            ahead = _done(
-                self._tokens_or_why(clients[first.destination], first, len(planned[first.index]))
+            first_tokens = self._tokens_or_why(
+                clients[first.destination], first, len(planned[first.index])
             )
+        ahead: Future[Tokens] | None = None
         t0 = time.monotonic()
         self._t0 = t0
         # Flows still running this long before the next period are cut,
@@ -385,8 +381,7 @@ class TrialRunner:
                         break
                     client = clients[period.destination]
                     flows = planned[period.index]
-                    tokens = ahead.result() if ahead is not None else "not run: stopped"
-                    ahead = None
+                    tokens = first_tokens if ahead is None else ahead.result()
                     begins = t0 + period.start_s
                     # What the last periods measured goes to the server in
                     # the gap before this one, once the last period has
@@ -512,7 +507,7 @@ class TrialRunner:
     ) -> Tokens:
         """The period's tokens, asked for at monotonic time ``at`` (or now, if later)."""
         if self.stop.wait(max(0.0, at - time.monotonic())):
-            return "not run: the trial was stopped"
+            return NOT_RUN_STOPPED
         return self._tokens_or_why(client, period, count)
 
     def _tokens_or_why(self, client: AgentClient, period: Period, count: int) -> Tokens:
