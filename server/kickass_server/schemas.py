@@ -174,6 +174,8 @@ class SessionRequest(Lenient):
     plan: PlanRequest | None = None
     client_version: Truncated(64) | None = None  # type: ignore[valid-type]
     platform: Truncated(128) | None = None  # type: ignore[valid-type]
+    # Whatever the client calls itself: stored, never used to count anyone
+    # (the volunteer page counts address blocks, SQL client_key of 0016).
     install_id: Truncated(64) | None = None  # type: ignore[valid-type]
     reassembly: AnnouncedReassembly | None = None
 

@@ -21,10 +21,14 @@ those from the same network (ASN; from an ip2asn table, ``network_table``,
 ``kickass_analysis.networks``; without one, no country or network is shown).
 Nothing on it can single out another volunteer:
 
-- a group is shown only when at least ``k`` *other clients* are in it: distinct
-  install ids, or, for a client that sent none (the volunteer client never
-  does), distinct addresses, so one volunteer running many sessions counts
-  once;
+- a group is shown only when at least ``k`` *other clients* are in it, a
+  client being an address block: the /24 (IPv4) or /48 (IPv6) its sessions
+  were requested from (the SQL function ``client_key`` of migration 0016,
+  which the rollup ``mv_size_clients`` counts with too). Never the install
+  id, which the client writes itself: five runs from one address with five
+  made-up ids are one client, not five. A volunteer cannot mint address
+  blocks for free; volunteers behind one NAT, or in one provider's /24,
+  count once (their results share a path; their group shows up later);
 - each size of a group is shown only when ``k`` other clients measured it;
 - two groups shown on one page never differ by fewer than ``k`` clients (``all``
   minus ``country`` would otherwise be whoever is left);
@@ -34,8 +38,8 @@ Nothing on it can single out another volunteer:
   fetch (inline CSS and SVG, no script; a Content-Security-Policy that allows
   no fetch at all, and no referrer sent when a link is followed).
 
-The viewer's own sessions (same install id or address) are left out of the
-groups: the comparison is with *other* volunteers. What these rules do not
+The viewer's own client (every session from its address block) is left out
+of the groups: the comparison is with *other* volunteers. What these rules do not
 stop: the same group looked at twice, before and after fewer than ``k`` new
 clients joined it (the pooled counts are refreshed every ``cache_s``), and
 two groups that differ by ``k`` or more clients overall but by fewer at one
@@ -268,16 +272,16 @@ def index() -> Response:
 
 _SESSION = text("""
 SELECT s.session_id, s.state, s.verdict, s.verdict_reason, s.created_at, s.finished_at,
-       s.cookie_hash, host(s.source_address) AS address, c.install_id
-FROM sessions s LEFT JOIN clients c ON c.id = s.client_id
+       s.cookie_hash, host(s.source_address) AS address, client_key(s.source_address) AS who
+FROM sessions s
 WHERE s.session_id = :sid
 """)
-# Every finished session: who ran it (install id, else address) and from where.
+# Every finished session: which client ran it (client_key: its address
+# block) and from where. A session with no address is nobody's: not counted.
 _POPULATION = text(f"""
-SELECT s.session_id, host(s.source_address) AS address,
-       coalesce(c.install_id, 'addr:' || host(s.source_address)) AS who
-FROM sessions s LEFT JOIN clients c ON c.id = s.client_id
-WHERE s.state IN {tuple(FINAL_STATES)}
+SELECT s.session_id, host(s.source_address) AS address, client_key(s.source_address) AS who
+FROM sessions s
+WHERE s.state IN {tuple(FINAL_STATES)} AND s.source_address IS NOT NULL
 """)
 _OWN = {
     "whole": text(
@@ -295,8 +299,8 @@ _OWN = {
 _POOLED = {
     phase: text(f"""
 WITH m AS (
-    SELECT s.session_id, coalesce(c.install_id, 'addr:' || host(s.source_address)) AS who
-    FROM sessions s LEFT JOIN clients c ON c.id = s.client_id
+    SELECT s.session_id, client_key(s.source_address) AS who
+    FROM sessions s
     WHERE s.session_id = ANY(:ids))
 SELECT d.{size} AS size, sum(d.sent) AS sent, sum(d.acked) AS acked,
        count(DISTINCT m.who) AS clients
@@ -322,15 +326,13 @@ WITH sums AS (
     FROM v_drop_rollup WHERE source = 'volunteer' AND phase = :phase
     GROUP BY ip_len
 ), live AS (
-    SELECT x.ip_len AS size,
-           count(DISTINCT coalesce(c.install_id, 'addr:' || host(s.source_address))) AS clients
+    SELECT x.ip_len AS size, count(DISTINCT client_key(s.source_address)) AS clients
     FROM (SELECT DISTINCT o.session_pk, o.ip_len::integer AS ip_len
           FROM probe_outcomes o JOIN sessions s0 ON s0.id = o.session_pk
           WHERE o.phase = :phase AND s0.state IN {tuple(FINAL_STATES)}
             AND NOT EXISTS (SELECT 1 FROM mv_session_summary m
                             WHERE m.session_id = s0.session_id)) x
     JOIN sessions s ON s.id = x.session_pk
-    LEFT JOIN clients c ON c.id = s.client_id
     GROUP BY x.ip_len
 )
 SELECT sums.size, sums.sent, sums.acked,
@@ -345,7 +347,7 @@ LEFT JOIN live ON live.size = sums.size
 class Group:
     key: str  # all | country | network
     label: str
-    others: frozenset[str]  # the other clients in it
+    others: frozenset[str]  # the other clients (client_key) in it
     shown: bool
     why: str  # why it is not shown
     rates: dict[str, list[stats.SizeRate]] = field(default_factory=dict)  # phase -> rates
@@ -412,7 +414,9 @@ def _population(conn: Connection, networks: NetworkTable | None) -> _Snapshot:
     )
 
 
-def _groups(conn: Connection, state: _State, me: str, net: Network | None) -> list[Group]:
+def _groups(conn: Connection, state: _State, me: str | None, net: Network | None) -> list[Group]:
+    """The groups beside the viewer's session; ``me``: the viewer's client
+    (client_key), whose sessions are left out."""
     k = state.config.min_clients
     snapshot: _Snapshot = state.cached(("population",), lambda: _population(conn, state.networks))
     population = snapshot.members
@@ -452,7 +456,7 @@ def _groups(conn: Connection, state: _State, me: str, net: Network | None) -> li
         ids = [sid for sid, who, n in population if member(n)]
         others = frozenset(who for sid, who, n in population if member(n) and who != me)
         if len(others) < k:
-            why = f"fewer than {k} other volunteers measured from it yet"
+            why = f"fewer than {k} other address blocks measured from it yet"
             out.append(Group(key, label, others, False, why))
             continue
         clash = next(
@@ -461,8 +465,8 @@ def _groups(conn: Connection, state: _State, me: str, net: Network | None) -> li
         )
         if clash is not None:
             why = (
-                f"it differs from {clash.label} by fewer than {k} volunteers, "
-                "who could be told apart"
+                f"it differs from {clash.label} by fewer than {k} address blocks, "
+                "whose volunteers could be told apart"
             )
             out.append(Group(key, label, others, False, why))
             continue
@@ -503,7 +507,7 @@ def volunteer_page(session_id: str, key: str) -> Response:
             return None
         if not hmac.compare_digest(page_key(bytes(row["cookie_hash"])), key):
             return None
-        me = row["install_id"] or f"addr:{row['address']}"
+        me = row["who"]
         net = state.networks.lookup(row["address"]) if state.networks else None
         own = {
             phase: stats.drop_by_size(

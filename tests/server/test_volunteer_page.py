@@ -48,13 +48,14 @@ K = 5
 PUBLIC_URL = "http://measure.example"
 SVG = "{http://www.w3.org/2000/svg}"
 QUICK = ProbePlan.quick()
-# ip2asn rows: loopback (the real client's address) and the documentation
-# prefixes (RFC 5737) of the seeded neighbours.
+# ip2asn rows: loopback (the real client's address) and the /16s around the
+# documentation prefixes (RFC 5737) of the seeded neighbours: a group counts
+# address blocks (/24s), so its neighbours sit in blocks of their own.
 NETWORK_TABLE = (
     "127.0.0.0\t127.255.255.255\t64500\tXA\tTEST-NET-HOME\n"
-    "192.0.2.0\t192.0.2.255\t64500\tXA\tTEST-NET-HOME\n"
-    "198.51.100.0\t198.51.100.255\t64501\tXA\tTEST-NET-OTHER\n"
-    "203.0.113.0\t203.0.113.255\t64502\tXB\tTEST-NET-ABROAD\n"
+    "192.0.0.0\t192.0.255.255\t64500\tXA\tTEST-NET-HOME\n"
+    "198.51.0.0\t198.51.255.255\t64501\tXA\tTEST-NET-OTHER\n"
+    "203.0.0.0\t203.0.255.255\t64502\tXB\tTEST-NET-ABROAD\n"
 )
 
 
@@ -126,13 +127,13 @@ def seed_session(
 def seed_neighbours(store: StudyStore) -> list[Neighbour]:
     """Around a client on 127.0.0.1 (AS64500, country XA), with k = 5:
 
-    - its network AS64500: 3 other clients (installs) over 7 sessions, from
-      192.0.2.x: fewer than k clients, however many sessions: not shown;
-    - its country XA: those 3 and 6 more from AS64501 (198.51.100.x, one of
-      them anonymous, running 3 sessions from one address: one client): 9
-      other clients: shown;
-    - XB (AS64502, 203.0.113.x): 6 clients; all volunteers: 15 others: shown,
-      and it differs from the country group by 6 >= k clients.
+    - its network AS64500: 3 other address blocks (/24s) over 7 sessions,
+      from 192.0.x.7: fewer than k blocks, however many sessions: not shown;
+    - its country XA: those 3 and 6 more from AS64501 (198.51.x.y, one of
+      them anonymous, running 3 sessions from one address: one block): 9
+      other blocks: shown;
+    - XB (AS64502, 203.0.x.7): 6 blocks; all volunteers: 15 others: shown,
+      and it differs from the country group by 6 >= k blocks.
     """
     out = []
     for i in range(3):
@@ -141,7 +142,7 @@ def seed_neighbours(store: StudyStore) -> list[Neighbour]:
             out.append(
                 seed_session(
                     store,
-                    f"192.0.2.{10 + i}",
+                    f"192.0.{10 + i}.7",
                     install,
                     loss_every=7 + i,
                     split_loss_every=5,
@@ -151,19 +152,19 @@ def seed_neighbours(store: StudyStore) -> list[Neighbour]:
         out.append(
             seed_session(
                 store,
-                f"198.51.100.{20 + i}",
+                f"198.51.{20 + i}.7",
                 f"other-{i}-{secrets.token_hex(4)}",
                 loss_every=9,
                 split_loss_every=4 + i,
             )
         )
     for _ in range(3):  # anonymous: no install id; one address, one client
-        out.append(seed_session(store, "198.51.100.99", None, loss_every=11, split_loss_every=6))
+        out.append(seed_session(store, "198.51.99.99", None, loss_every=11, split_loss_every=6))
     for i in range(6):
         out.append(
             seed_session(
                 store,
-                f"203.0.113.{30 + i}",
+                f"203.0.{30 + i}.7",
                 f"abroad-{i}-{secrets.token_hex(4)}",
                 loss_every=13,
                 split_loss_every=3,
@@ -292,9 +293,11 @@ def test_the_clients_last_line_is_its_page(live: dict[str, Any], tmp_path: Path)
         "all-other-volunteers": n_split,
         "your-country-xa": n_split,
     }
-    assert re.search(r"your network \(AS64500\): not shown, fewer than 5 other volunteers", page)
-    # Client counts, rounded down to a multiple of k: 15 for all, 9 -> 5 for the country.
-    assert "15 or more other volunteers" in page and "5 or more other volunteers" in page
+    assert re.search(
+        r"your network \(AS64500\): not shown, fewer than 5 other address blocks", page
+    )
+    # Block counts, rounded down to a multiple of k: 15 for all, 9 -> 5 for the country.
+    assert "15 or more other address blocks" in page and "5 or more other address blocks" in page
     assert "9 or more" not in page
     # How to run it, with the server's public address and the file's digest.
     assert f"python3 {PYZ_NAME} --server {PUBLIC_URL}" in page
@@ -394,13 +397,15 @@ def test_groups_count_clients_per_size_and_never_differ_by_fewer_than_k(
     # both have k others, but they differ by one client, who could be told
     # apart; the narrower group gives way.
     for i in range(5):
-        neighbours.append(seed_session(store, f"192.0.2.{20 + i}", f"n-{i}", loss_every=3))
-    neighbours.append(seed_session(store, "198.51.100.7", "lonely", loss_every=2))
+        neighbours.append(seed_session(store, f"192.0.{20 + i}.1", f"n-{i}", loss_every=3))
+    neighbours.append(seed_session(store, "198.51.7.1", "lonely", loss_every=2))
     # One more client with a plan of other sizes: those sizes have one client.
     coarse = ProbePlan.build(repetitions=2, step=200, window=8)
-    neighbours.append(seed_session(store, "198.51.100.8", "coarse", plan=coarse))
-    # My own second session (same install id) is not another volunteer.
+    neighbours.append(seed_session(store, "198.51.8.1", "coarse", plan=coarse))
+    # My own second session is not another volunteer, nor is a session from
+    # my address block under another install id (a housemate behind my NAT).
     seed_session(store, "192.0.2.1", "me-install", loss_every=9)
+    neighbours.append(seed_session(store, "192.0.2.77", "housemate", loss_every=4))
     page = _page_of(client, store, me.session_id)
     assert_no_neighbour(page, neighbours)
     drawn = marks(page)["session-by-size"]
@@ -413,7 +418,7 @@ def test_groups_count_clients_per_size_and_never_differ_by_fewer_than_k(
     }
     assert re.search(
         r"your network \(AS64500\): not shown, it differs from all other volunteers "
-        r"by fewer than 5 volunteers",
+        r"by fewer than 5 address blocks",
         page,
     )
     # Pooled over the others only (my sessions out), rounded to 0.1 point:
@@ -434,10 +439,10 @@ def test_the_all_group_from_the_rollups_is_the_same_page(
     client, store, _ = app_client
     me = seed_session(store, "192.0.2.1", "me-install", loss_every=5)
     neighbours = [
-        seed_session(store, f"192.0.2.{20 + i}", f"n-{i}", loss_every=3) for i in range(6)
+        seed_session(store, f"192.0.{20 + i}.1", f"n-{i}", loss_every=3) for i in range(6)
     ]
     coarse = ProbePlan.build(repetitions=2, step=200, window=8)  # sizes with one client
-    neighbours.append(seed_session(store, "198.51.100.8", "coarse", plan=coarse))
+    neighbours.append(seed_session(store, "198.51.8.1", "coarse", plan=coarse))
     before = _page_of(client, store, me.session_id)
     assert marks(before)["session-by-size"]["all-other-volunteers"] == len(QUICK.whole)
     rollups.refresh(database_url)
@@ -447,10 +452,89 @@ def test_the_all_group_from_the_rollups_is_the_same_page(
     after = _page_of(client, store, me.session_id)
     assert after == before
     # Finished after the refresh, losing every other whole packet: counted live.
-    neighbours.append(seed_session(store, "192.0.2.40", "n-late", loss_every=2))
+    neighbours.append(seed_session(store, "192.0.40.1", "n-late", loss_every=2))
     later = _page_of(client, store, me.session_id)
     assert_no_neighbour(later, neighbours)
     assert marks(later) == marks(before) and later != before
+
+
+def _group_lines(page: str) -> list[str]:
+    """The page's list of groups, as text."""
+    items = re.findall(r"<li data-group=.*?</li>", page, flags=re.S)
+    return [re.sub(r"\s+", " ", re.sub(r"<[^>]+>", "", li)).strip() for li in items]
+
+
+def test_made_up_install_ids_make_no_group(app_client: App) -> None:
+    """Issue 27 item 3, the attack: five runs from one address, each with an
+    install id of its own, beside two real volunteers of the same network (one
+    of them a victim whose path drops every fragment). A group counts address
+    blocks, which a volunteer cannot mint: the attacker's page shows neither
+    its country nor its network, only "all other volunteers" (7 real blocks)."""
+    client, store, _ = app_client
+    victim = seed_session(store, "198.51.100.10", "victim", split_loss_every=1)
+    honest = seed_session(store, "198.51.101.10", "honest", loss_every=9)
+    abroad = [
+        seed_session(store, f"203.0.{30 + i}.7", f"abroad-{i}", loss_every=13) for i in range(5)
+    ]
+    sybils = [
+        seed_session(store, "198.51.200.66", f"sybil-{i}-{secrets.token_hex(4)}") for i in range(5)
+    ]
+    page = _page_of(client, store, sybils[0].session_id)
+    assert_no_neighbour(page, [victim, honest, *abroad, *sybils[1:]])
+    drawn = marks(page)
+    assert set(drawn["session-by-size"]) == {"this-session", "all-other-volunteers"}
+    assert set(drawn["session-by-split"]) == {"this-session", "all-other-volunteers"}
+    assert _group_lines(page) == [
+        "all other volunteers: volunteers from 5 or more other address blocks, drawn beside yours",
+        "your country (XA): not shown, fewer than 5 other address blocks measured from it yet",
+        "your network (AS64501): not shown, fewer than 5 other address blocks measured from it yet",
+    ]
+    # What k counts is on the page.
+    assert "/24" in page and "address block" in page
+
+
+def test_five_addresses_in_one_block_are_one_client(app_client: App, database_url: str) -> None:
+    """Five volunteers (or one with five addresses) in one /24 count as one
+    address block, in the groups and in the rollup of distinct clients
+    (mv_size_clients, through the one SQL function client_key)."""
+    from kickass_analysis import rollups
+
+    client, store, _ = app_client
+    me = seed_session(store, "192.0.2.1", "me-install", loss_every=5)
+    block = [
+        seed_session(store, f"198.51.100.{21 + i}", f"block-{i}", loss_every=3) for i in range(5)
+    ]
+    page = _page_of(client, store, me.session_id)
+    assert_no_neighbour(page, block)
+    assert marks(page)["session-by-size"] == {"this-session": len(QUICK.whole)}
+    assert _group_lines(page)[0] == (
+        "all other volunteers: not shown, fewer than 5 other address blocks measured from it yet"
+    )
+    rollups.refresh(database_url)
+    with store.engine.connect() as conn:
+        clients = conn.exec_driver_sql("SELECT DISTINCT clients FROM mv_size_clients").scalars()
+        assert set(clients) == {2}  # me and the block
+        keys = conn.exec_driver_sql(
+            "SELECT client_key('198.51.100.7'), client_key('198.51.100.255'), "
+            "client_key('2001:db8:1:2::1'), client_key('2001:db8:1:ffff::2'), client_key(NULL)"
+        ).one()
+    assert tuple(keys) == (
+        "198.51.100.0/24",
+        "198.51.100.0/24",
+        "2001:db8:1::/48",
+        "2001:db8:1::/48",
+        None,
+    )
+    assert _page_of(client, store, me.session_id) == page  # from the rollup: the same
+    # Four more blocks make five: now the group is shown.
+    more = [seed_session(store, f"198.51.{i}.9", f"more-{i}", loss_every=3) for i in range(1, 5)]
+    # (Refreshed: the rollup's blocks and those finished since are not merged
+    # exactly, only as a lower bound of their union.)
+    rollups.refresh(database_url)
+    page = _page_of(client, store, me.session_id)
+    assert_no_neighbour(page, block + more)
+    assert marks(page)["session-by-size"]["all-other-volunteers"] == len(QUICK.whole)
+    assert "5 or more other address blocks" in page
 
 
 def test_page_path_only_with_the_cookie(app_client: App) -> None:
