@@ -245,8 +245,16 @@ def _results(svc: _Services, sid: str) -> dict[str, Any]:
 health = Blueprint("health", __name__, url_prefix=f"{API_PREFIX}/health")
 
 
+# All that anyone may learn from /health about a database that is down: where
+# it is (user, socket directory, database name) and the driver's error go to
+# the server's log only.
+DATABASE_DOWN = "database unavailable"
+
+
 class _DatabaseCheck:
-    """A cheap ``SELECT 1``, at most once per ``ttl`` whatever the request rate."""
+    """A cheap ``SELECT 1``, at most once per ``ttl`` whatever the request rate.
+    The reason it failed is logged when it changes (once per outage), never
+    answered."""
 
     def __init__(self, store: Any, ttl: float) -> None:
         self.store = store
@@ -259,9 +267,15 @@ class _DatabaseCheck:
         with self._lock:
             now = time.monotonic()
             if now - self._at >= self.ttl:
-                self._problem = self._check()
+                problem = self._check()
+                if problem != self._problem:
+                    if problem is not None:
+                        log.warning("health: %s", problem)
+                    else:
+                        log.info("health: the database is back")
+                self._problem = problem
                 self._at = time.monotonic()
-            return self._problem
+            return None if self._problem is None else DATABASE_DOWN
 
     def _check(self) -> str | None:
         from kickass_db.engine import check_connection
