@@ -1,4 +1,5 @@
-"""Scheduled work: every run of an item of a schedule file (migration 0011).
+"""Scheduled work: every run of an item of a schedule file (migration 0011),
+and the claims the schedule refused (migration 0017).
 
 Written by ``kickass_operations`` (directly, or through the server's API for
 a trial runner host); read through ``v_item_runs``.
@@ -16,6 +17,7 @@ from sqlalchemy import (
     Identity,
     Index,
     Integer,
+    PrimaryKeyConstraint,
     Text,
     UniqueConstraint,
     func,
@@ -56,3 +58,26 @@ class ItemRunRow(Base):
     reason: Mapped[str | None] = mapped_column(Text)
     counts: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
     history: Mapped[list[Any]] = mapped_column(JSONB, server_default=text("'[]'::jsonb"))
+
+
+CLAIM_REFUSALS = ("not-in-schedule", "not-owner", "database-kind", "disabled", "not-due")
+
+
+class ClaimRefusalRow(Base):
+    """How often a host's claims were refused, and why: counted, not stored one
+    by one (a refused claim stores no run). ``item`` is empty for a name the
+    schedule does not have, so made-up names add no rows."""
+
+    __tablename__ = "claim_refusals"
+    __table_args__ = (
+        PrimaryKeyConstraint("host", "item", "reason"),
+        CheckConstraint(check_in("reason", CLAIM_REFUSALS), name="reason"),
+    )
+
+    host: Mapped[str] = mapped_column(Text)
+    item: Mapped[str] = mapped_column(Text)
+    reason: Mapped[str] = mapped_column(Text)
+    refusals: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
+    first_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    last_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    last_message: Mapped[str | None] = mapped_column(Text)
