@@ -38,16 +38,20 @@ number is a new attempt), what it sent and when. For one result:
    each entry is one packet slot, so those rows' times must line up with
    the packet interval; the rest are placed by their times;
 3. s0 is unknown (a real probe continues its sequence numbers from run to
-   run): every s0 under which the log fits the result is a candidate. One
-   fits: ``exact``. Several fit (only when the run's first requests never
-   reached us): the one whose timing best matches the end-of-run timestamp,
-   ``ambiguous`` — the counts are the same under every candidate (our
-   replies = the logged requests, acked = the rtt entries), only which
-   split an acked reply had may differ. None fits: ``inconsistent`` (the log
-   lacks rows: the responder was down); no row at all: ``no-log`` (then
-   nothing of the result enters a drop rate: without our log the replies may
-   have been the kernel's). Firmware that reported counts only:
-   ``aggregate``.
+   run): every s0 under which the log fits the result is a candidate (the
+   run sent one request per packet: our rows plus the x entries without
+   one are at most that many). One fits: ``exact``. Several fit (only when
+   some of the run's requests never reached us): the one whose timing best
+   matches the end-of-run timestamp; below ``MIN_TIMED_INTERVAL_S`` all tie
+   on timing and the late replies decide (a candidate that leaves one
+   without a reply of ours given up on before it is no rival). The rivals
+   left make it ``ambiguous``: our replies (the logged requests), acked
+   (the rtt entries) and unanswered are the same under every candidate;
+   which split an acked reply had may differ, and ``late`` by at most the
+   result's duplicate entries. None fits: ``inconsistent`` (the log lacks
+   rows: the responder was down); no row at all: ``no-log`` (then nothing of
+   the result enters a drop rate: without our log the replies may have been
+   the kernel's). Firmware that reported counts only: ``aggregate``.
 
 Per echo request that gives: ``acked``, ``lost``, ``late`` (lost, then a
 late reply came back, listed as a duplicate), ``unanswered`` (the request
@@ -56,8 +60,9 @@ first three are about our replies and enter drop rates, as the volunteers'
 server-sent probes do. Every result has ``packets`` outcomes.
 
 A result that cannot be read or joined is stored with ``join_status``
-``invalid`` and the reason, without outcomes: a fetch never stops on one, and
-its window's watermark commits.
+``invalid`` and a reason a person can read, without outcomes: a fetch never
+stops on one, and its window's watermark commits. A readable copy of it,
+later, takes its place (``AtlasStore.store_window``).
 """
 
 from __future__ import annotations
@@ -196,12 +201,65 @@ def parse_result(line: str | Mapping[str, Any]) -> ParsedResult:
         raise
     except Exception as exc:  # anything Sagan or a malformed line throws
         raise ResultInvalid(
-            f"unreadable result: {type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS],
+            f"unreadable result: {why_unreadable(raw, exc)}"[:MAX_ERROR_CHARS],
             msm_id,
             prb_id,
             timestamp,
             raw,
         ) from None
+
+
+class _Unreadable(ValueError):
+    """A result line this module cannot read; the message says why."""
+
+
+def _what(value: object) -> str:
+    """A JSON value as a person would name it: ``the text "abc"``."""
+    shown = json.dumps(value, default=str)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return shown
+    if isinstance(value, str):
+        return f"the text {shown}"
+    if isinstance(value, int | float):
+        return f"the number {shown}"
+    if isinstance(value, list):
+        return f"a list {shown}"
+    return f"an object {shown}" if isinstance(value, Mapping) else shown
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def why_unreadable(raw: Mapping[str, Any], exc: Exception) -> str:
+    """Why a result line cannot be read, for a person (stored as its
+    ``join_error``): the first field that is not what the probe firmware
+    writes, else what the parser said."""
+    if isinstance(exc, _Unreadable):
+        return str(exc)
+    entries = raw.get("result")
+    if entries is not None and not isinstance(entries, list):
+        return f'"result" is {_what(entries)}, not a list of per-packet entries'
+    for i, entry in enumerate(entries or [], start=1):
+        if not isinstance(entry, Mapping):
+            return f'entry {i} of "result" is {_what(entry)}, not an object'
+        if "rtt" in entry and not _is_number(entry["rtt"]):
+            return (
+                f'the rtt of entry {i} of "result" is {_what(entry["rtt"])}, '
+                "not a number of milliseconds"
+            )
+    for name in ("fw", "af", "size", "sent", "rcvd", "dup"):
+        value = raw.get(name)
+        if value is not None and not (_is_number(value) and float(value).is_integer()):
+            return f'"{name}" is {_what(value)}, not a whole number'
+    for name in ("from", "dst_addr", "src_addr"):
+        value = raw.get(name)
+        if value is not None and not isinstance(value, str):
+            return f'"{name}" is {_what(value)}, not an address'
+    return f"the result parser (Sagan) failed: {type(exc).__name__}: {exc}"
 
 
 def _parse(raw: dict[str, Any], msm_id: int, prb_id: int, timestamp: int) -> ParsedResult:
@@ -215,7 +273,7 @@ def _parse(raw: dict[str, Any], msm_id: int, prb_id: int, timestamp: int) -> Par
     dups: list[tuple[int, float | None]] = []
     if isinstance(entries, list):
         if len(r.packets) != len(entries):
-            raise ValueError(f"{len(entries)} entries, Sagan read {len(r.packets)}")
+            raise _Unreadable(f"{len(entries)} entries, Sagan read {len(r.packets)}")
         slots = []
         for packet, entry in zip(r.packets, entries, strict=True):
             entry = entry if isinstance(entry, Mapping) else {}
@@ -232,10 +290,10 @@ def _parse(raw: dict[str, Any], msm_id: int, prb_id: int, timestamp: int) -> Par
             else:
                 slots.append(Slot(ERROR, error=f"unrecognised entry {json.dumps(entry)[:200]}"))
     elif entries is not None:
-        raise ValueError(f"result is a {type(entries).__name__}, not a list")
+        raise _Unreadable(f'"result" is {_what(entries)}, not a list of per-packet entries')
     elif not (isinstance(raw.get("sent"), int) and isinstance(raw.get("rcvd"), int)):
         # The archives' "measurement attempted, nothing came of it" lines.
-        raise ValueError("neither entries nor counts")
+        raise _Unreadable('neither per-packet entries ("result") nor counts ("sent", "rcvd")')
     dst = raw.get("dst_addr") if isinstance(raw.get("dst_addr"), str) else None
     return ParsedResult(
         msm_id=msm_id,
@@ -362,9 +420,14 @@ class _Shape:
     exact_slot: list[bool]  # per sequence index: the position is the request's packet slot
     tail_allowed: bool  # requests on the sequence number after the last entry are possible
     first_reply_single: bool  # the first reply's sequence number had exactly one request
+    # Per late reply (a duplicate with an RTT of at least the packet
+    # interval): how many sequence indices came before it.
+    late_before: list[int] = field(default_factory=list)
 
     @staticmethod
-    def of(slots: Sequence[Slot]) -> _Shape:
+    def of(
+        slots: Sequence[Slot], dups: Sequence[tuple[int, float | None]], interval_ms: int
+    ) -> _Shape:
         kinds: list[str] = []
         rtts: list[float | None] = []
         positions: list[int] = []
@@ -393,6 +456,11 @@ class _Shape:
             exact.append(exact_here)
             if s.kind == REPLY:
                 got_reply = True
+        late_before = [
+            sum(1 for s in slots[:before] if s.kind != ERROR)
+            for before, rtt in dups
+            if rtt is not None and rtt >= interval_ms > 0
+        ]
         return _Shape(
             kinds,
             rtts,
@@ -402,6 +470,7 @@ class _Shape:
             exact,
             got_reply and not classic,
             first_reply_single,
+            late_before,
         )
 
     def exact(self, j: int) -> bool:
@@ -426,6 +495,13 @@ class _Fit:
     violations: int
     score: float  # seconds between the predicted and the reported end of the run
     anchor: float | None  # run start + one-way delay, from the slot-exact rows
+    # The sequence evidence, where times cannot tell alignments apart: late
+    # replies with no reply of ours before them that the probe gave up on
+    # (each needs the path to have delayed a copy of an accepted reply by a
+    # whole interval), and late replies that must share one (a late reply
+    # duplicated on the path).
+    unexplained: int = 0
+    repeated: int = 0
 
 
 def _seq_index(seq: int, s0: int, mod: int) -> int:
@@ -457,8 +533,29 @@ def _fit(res: ParsedResult, shape: _Shape, run: LoggedRun, s0: int, spec: Measur
     if shape.first_reply_single:
         first = shape.kinds.index(REPLY)
         violations += max(0, per_index.get(first, 0) - 1)
-    if len(run.replies) > spec.packets - len(shape.errors):
-        violations += len(run.replies) - (spec.packets - len(shape.errors))
+    # The run sent one request per packet but the errors': every row of ours
+    # is one, and so is every x without a row (it never reached us).
+    unanswered = sum(
+        1 for j, kind in enumerate(shape.kinds) if kind == TIMEOUT and per_index.get(j, 0) == 0
+    )
+    requests = len(run.replies) + unanswered
+    if requests > spec.packets - len(shape.errors):
+        violations += requests - (spec.packets - len(shape.errors))
+    # Replies of ours the probe gave up on, per sequence index: a late
+    # reply answers one of those before it (once, unless duplicated).
+    given_up = [
+        per_index.get(j, 0) - (0 if kind == TIMEOUT else min(1, per_index.get(j, 0)))
+        for j, kind in enumerate(shape.kinds)
+    ]
+    unexplained = repeated = used = 0
+    for before in sorted(shape.late_before):
+        candidates = sum(given_up[:before])
+        if candidates == 0:
+            unexplained += 1
+        elif used < candidates:
+            used += 1
+        else:
+            repeated += 1
     interval = spec.interval_s
     anchor: float | None = None
     score = math.inf
@@ -490,7 +587,7 @@ def _fit(res: ParsedResult, shape: _Shape, run: LoggedRun, s0: int, spec: Measur
             if span > spec.packets - 1 + 0.5:
                 violations += 1
             score = abs(run.replies[-1].sent_at - res.timestamp)
-    return _Fit(run, s0, index, violations, score, anchor)
+    return _Fit(run, s0, index, violations, score, anchor, unexplained, repeated)
 
 
 def _fits(res: ParsedResult, shape: _Shape, run: LoggedRun, spec: MeasurementSpec) -> list[_Fit]:
@@ -558,7 +655,7 @@ def join_one(
         return _result_row(res, spec, "aggregate", origin), _rows(
             res, spec, _aggregate(res, run, spec, nominal)
         )
-    shape = _Shape.of(res.slots)
+    shape = _Shape.of(res.slots, res.dups, spec.packet_interval_ms)
     if not runs:
         return _result_row(res, spec, "no-log", origin), _rows(res, spec, _no_log(res, spec))
     if not shape.kinds:  # only errors: nothing was sent, yet we logged replies
@@ -568,14 +665,31 @@ def join_one(
         candidates = [f for run in runs for f in _fits(res, shape, run, spec)]
     valid = [f for f in candidates if f.violations == 0]
     if valid:
-        best = min(valid, key=lambda f: (f.score, f.run.dst, f.run.icmp_id, f.s0))
+        # Below the timing resolution every alignment of a run has the same
+        # score: the late replies decide. An alignment that leaves one of
+        # them without a reply of ours to answer is no rival; one that makes
+        # two share a reply is the less likely, but a rival still.
+        timed = spec.interval_s >= MIN_TIMED_INTERVAL_S
+        best = min(
+            valid,
+            key=lambda f: (
+                (f.score, f.unexplained, f.repeated)
+                if timed
+                else (f.unexplained, f.repeated, f.score),
+                f.run.dst,
+                f.run.icmp_id,
+                f.s0,
+            ),
+        )
         # Another alignment of the same run leaves which reply was acked
         # open; another run competes only as close in time (two probes behind
         # one address), not the tail of a neighbouring run in the window.
         rivals = [
             f
             for f in valid
-            if f is not best and (f.run is best.run or f.score - best.score < RIVAL_RUN_S)
+            if f is not best
+            and f.unexplained <= best.unexplained
+            and (f.run is best.run or f.score - best.score < RIVAL_RUN_S)
         ]
         status = "ambiguous" if rivals else "exact"
     else:
@@ -684,45 +798,61 @@ def _attribute_duplicates(
     fit: _Fit,
     spec: MeasurementSpec,
 ) -> None:
-    """A duplicate entry with an RTT of at least the packet interval is a
-    late reply: the sequence number it answered had passed, so it belongs to
-    a lost reply of an earlier sequence number, which turns ``late``. Other
-    duplicates are copies of a reply that arrived (a duplicated packet),
-    counted in its ``ack_count``."""
+    """A duplicate entry is a late reply when the sequence number it
+    answered had passed: with an RTT of at least the packet interval it
+    belongs to a lost reply of an earlier sequence number; with a shorter
+    one, right after a reply the probe accepted from an earlier attempt (an
+    RTT above the interval), to a re-send of that sequence number (a copy
+    of the accepted reply would have the accepted one's RTT). That lost
+    reply turns ``late``. Other duplicates are copies of a reply that
+    arrived (a duplicated packet), counted in its ``ack_count``."""
     events = _event_times(res, shape, accepted, fit, spec)
     slots = res.slots or []
+    interval_ms = spec.packet_interval_ms
     for before, rtt in res.dups:
         current = sum(1 for s in slots[:before] if s.kind != ERROR)
         if rtt is None:
             continue
-        if rtt >= spec.packet_interval_ms:
+        near = accepted.get(current - 1)
+        if rtt >= interval_ms:
             lost = [o for o in outs if o.outcome in ("lost", "late") and 0 <= o.seq_index < current]
-            if lost:
-                # It came back between the entries around it: its request
-                # left about ``rtt`` before that.
-                prev = next((t for t in reversed(events[:before]) if t is not None), None)
-                nxt = next((t for t in events[before:] if t is not None), None)
-                known = [t for t in (prev, nxt) if t is not None]
-                if known:
-                    sent = sum(known) / len(known) - rtt / 1000.0
-                else:
-                    sent = max(o.reply.sent_at for o in lost if o.reply is not None)
-                # A reply is late once: a lost one not yet late first.
-                o = min(
-                    lost,
-                    key=lambda o: (
-                        o.outcome == "late",
-                        abs((o.reply.sent_at if o.reply else 0.0) - sent),
-                    ),
-                )
-                o.outcome = "late"
-                o.ack_count += 1
-                if o.rtt_ms is None:
-                    o.rtt_ms = rtt
-                continue
+        elif near is not None and near.reply is not None and (near.rtt_ms or 0.0) >= interval_ms:
+            first = near.reply.sent_at
+            lost = [
+                o
+                for o in outs
+                if o.outcome == "lost"
+                and o.seq_index == current - 1
+                and o.reply is not None
+                and o.reply.sent_at > first
+            ]
+        else:
+            lost = []
+        if lost:
+            # It came back between the entries around it: its request
+            # left about ``rtt`` before that.
+            prev = next((t for t in reversed(events[:before]) if t is not None), None)
+            nxt = next((t for t in events[before:] if t is not None), None)
+            known = [t for t in (prev, nxt) if t is not None]
+            if known:
+                sent = sum(known) / len(known) - rtt / 1000.0
+            else:
+                sent = max(o.reply.sent_at for o in lost if o.reply is not None)
+            # A reply is late once: a lost one not yet late first.
+            o = min(
+                lost,
+                key=lambda o: (
+                    o.outcome == "late",
+                    abs((o.reply.sent_at if o.reply else 0.0) - sent),
+                ),
+            )
+            o.outcome = "late"
+            o.ack_count += 1
+            if o.rtt_ms is None:
+                o.rtt_ms = rtt
+            continue
         acked = [o for o in outs if o.outcome in ("acked", "late")]
         if acked:
-            near = accepted.get(current - 1)
             (near if near is not None else acked[-1]).ack_count += 1
 
 
@@ -848,7 +978,11 @@ def join(
             row, outs = join_one(res, log_index, spec, probe_addresses, origin)
         except Exception as exc:  # a bug must cost one result, not the window
             log.exception("result of probe %s at %s cannot be joined", res.prb_id, res.timestamp)
-            rows.append(invalid_row(res, spec, origin, f"join failed: {type(exc).__name__}: {exc}"))
+            reason = (
+                "could not be joined to the reply log (a fault of this program, logged with "
+                f"its traceback): {type(exc).__name__}: {exc}"
+            )
+            rows.append(invalid_row(res, spec, origin, reason))
             continue
         rows.append(row)
         outcomes.extend(outs)
@@ -865,6 +999,7 @@ class FetchReport:
     results_new: int = 0
     results_seen: int = 0
     results_late: int = 0
+    results_replaced: int = 0  # of results_new: readable copies of results stored invalid
     ignored: Counter[str] = field(default_factory=Counter)
     join: Counter[str] = field(default_factory=Counter)
     outcomes: Counter[str] = field(default_factory=Counter)
@@ -878,6 +1013,7 @@ class FetchReport:
             "results_new": self.results_new,
             "results_seen": self.results_seen,
             "results_late": self.results_late,
+            "results_replaced": self.results_replaced,
             "ignored": dict(self.ignored),
             "join": dict(self.join),
             "outcomes": dict(self.outcomes),
@@ -1054,10 +1190,12 @@ def ingest_window(
         if res.msm_id != spec.msm_id:
             report.ignored["another measurement's result"] += 1
             continue
-        # One result per probe and time: the first line wins, as in the table.
+        # One result per probe and time: the first readable line wins, as in
+        # the table (where it replaces an unreadable copy stored before).
         key = (res.prb_id, res.timestamp)
-        if key not in parsed and key not in invalid:
+        if key not in parsed:
             parsed[key] = res
+            invalid.pop(key, None)
     results = list(parsed.values())
     prb_ids = {r.prb_id for r in results} | {k[0] for k in invalid}
     probe_addresses = addresses({r.prb_id for r in results}) if results else {}
@@ -1071,13 +1209,15 @@ def ingest_window(
     )
     rows, outcomes = join(results, replies, spec, probe_addresses, origin)
     rows += invalid.values()
-    fresh = store.store_window(spec.msm_id, rows, outcomes, watermark, recheck=recheck)
+    stored = store.store_window(spec.msm_id, rows, outcomes, watermark, recheck=recheck)
+    fresh = stored.fresh
     new = len(fresh)
     report.chunks += 1
     report.results_seen += len(rows)
     report.results_new += new
+    report.results_replaced += len(stored.replaced)
     if recheck:
-        report.results_late += new
+        report.results_late += len(stored.new)
     # What was stored this time (a result seen before keeps its first rows).
     report.join.update(r.join_status for r in rows if (r.msm_id, r.prb_id, r.result_at) in fresh)
     report.outcomes.update(

@@ -4,9 +4,12 @@ Bulk rows (the responder's reply log, fetched results and their per-packet
 outcomes) go in with COPY into a temporary table and one ``INSERT ... ON
 CONFLICT DO NOTHING``: COPY is what makes ingest fast, the conflict clause
 what makes a re-sent batch, a re-fetched window or a re-imported file
-harmless. A fetched chunk, its outcomes and the measurement's watermark
-(``fetched_until``, or ``rechecked_until`` for the late re-read) commit in
-one transaction, so an interrupted fetch resumes exactly after its last chunk.
+harmless. One exception: a result stored ``invalid`` (an unreadable copy)
+gives way to a readable one with the same key, which then gets its outcomes;
+a readable result is never replaced. A fetched chunk, its outcomes and the
+measurement's watermark (``fetched_until``, or ``rechecked_until`` for the
+late re-read) commit in one transaction, so an interrupted fetch resumes
+exactly after its last chunk.
 
 Like kickass_db.StudyStore, every call runs one short transaction on a pooled
 connection and raises DatabaseUnavailable while the database is away.
@@ -15,7 +18,8 @@ connection and raises DatabaseUnavailable while the database is away.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -99,6 +103,30 @@ REPLY_LOG_COLUMNS = (
     "icmp_seq", "request_len", "phase", "ip_len", "sent_at", "attempt", "duplicate",
 )  # fmt: skip
 _RAW = RESULT_COLUMNS.index("raw")
+_KEY = ("msm_id", "prb_id", "result_at")
+# An unreadable copy stored before (join_status invalid) gives way to a
+# readable result with the same key; nothing else is ever overwritten.
+_REPLACE_INVALID = (
+    f"ON CONFLICT ({', '.join(_KEY)}) DO UPDATE SET "
+    + ", ".join(f"{c} = excluded.{c}" for c in RESULT_COLUMNS if c not in _KEY)
+    + ", fetched_at = now() "
+    "WHERE atlas_results.join_status = 'invalid' AND excluded.join_status <> 'invalid'"
+)
+
+ResultKey = tuple[int, int, datetime]
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """What ``store_window`` stored: the keys of the results new to the
+    table, and of those that replaced an invalid copy (both got outcomes)."""
+
+    new: frozenset[ResultKey]
+    replaced: frozenset[ResultKey]
+
+    @property
+    def fresh(self) -> frozenset[ResultKey]:
+        return self.new | self.replaced
 
 
 def _utc(t: float) -> datetime:
@@ -246,8 +274,10 @@ class AtlasStore(StoreBase):
         *,
         recheck: bool = False,
     ) -> int:
-        """``store_window``, returning how many results were new."""
-        return len(self.store_window(msm_id, results, outcomes, fetched_until, recheck=recheck))
+        """``store_window``, returning how many results got their outcomes
+        (new ones, and those that replaced an invalid copy)."""
+        stored = self.store_window(msm_id, results, outcomes, fetched_until, recheck=recheck)
+        return len(stored.fresh)
 
     def store_window(
         self,
@@ -257,25 +287,23 @@ class AtlasStore(StoreBase):
         fetched_until: datetime | None,
         *,
         recheck: bool = False,
-    ) -> set[tuple[int, int, datetime]]:
+    ) -> Stored:
         """One window: results, the outcomes of the new ones and the new
-        watermark, atomically. Returns the keys (msm_id, prb_id, result_at)
-        of the new results (one stored before is skipped with its outcomes,
-        whatever the join says now).
+        watermark, atomically. A result stored before is skipped with its
+        outcomes, whatever the join says now, unless it was stored
+        ``invalid`` and this one is readable: then this one takes its place
+        (and its outcomes go in). Of two rows with one key in ``results``
+        a readable one wins.
 
         ``fetched_until``: the window's end (``None``: an import, no watermark
         moves); with ``recheck`` it is the late re-read's watermark
-        (``rechecked_until``) and the new results count as late too."""
+        (``rechecked_until``) and the new results count as late too. A
+        replaced result was counted when its invalid copy was stored: it
+        counts again in neither."""
 
-        def work(conn: Connection) -> set[tuple[int, int, datetime]]:
-            keys = _copy_insert(
-                conn,
-                "atlas_results",
-                RESULT_COLUMNS,
-                (_result_tuple(r) for r in results),
-                returning=("msm_id", "prb_id", "result_at"),
-            )
-            fresh = {(k[0], k[1], k[2]) for k in keys}
+        def work(conn: Connection) -> Stored:
+            stored = _store_results(conn, results)
+            fresh = stored.fresh
             _copy_insert(
                 conn,
                 "atlas_outcomes",
@@ -299,12 +327,12 @@ class AtlasStore(StoreBase):
                 """),
                 {
                     "u": fetched_until,
-                    "new": len(fresh),
-                    "late": len(fresh) if recheck else 0,
+                    "new": len(stored.new),
+                    "late": len(stored.new) if recheck else 0,
                     "m": msm_id,
                 },
             )
-            return fresh
+            return stored
 
         return self.run(work)
 
@@ -321,9 +349,7 @@ class AtlasStore(StoreBase):
             new = 0
             cols = ", ".join(RESULT_COLUMNS)
             marks = ", ".join(f":{c}" for c in RESULT_COLUMNS)
-            ins = text(
-                f"INSERT INTO atlas_results ({cols}) VALUES ({marks}) ON CONFLICT DO NOTHING"
-            )
+            ins = text(f"INSERT INTO atlas_results ({cols}) VALUES ({marks}) {_REPLACE_INVALID}")
             for r in results:
                 values = dict(zip(RESULT_COLUMNS, _result_tuple(r), strict=True))
                 new += conn.execute(ins, values).rowcount
@@ -389,7 +415,12 @@ class AtlasStore(StoreBase):
         self.run(lambda conn: conn.execute(stmt, rows))
 
     def refresh_verdicts(self, campaign_id: int, prb_ids: Iterable[int] | None = None) -> int:
-        """Apply the volunteers' verdict rule to each probe's pooled counts."""
+        """Apply the volunteers' verdict rule to each probe's pooled counts.
+
+        As for volunteers, a late reply (back after the probe's timeout)
+        counts as delivered for the verdict, whose reason says how many;
+        ``whole_acked`` and ``split_acked`` keep the paper's late-as-lost
+        rule of the drop rates the views compute from them."""
         ids = None if prb_ids is None else sorted(set(prb_ids))
 
         def work(conn: Connection) -> int:
@@ -398,8 +429,10 @@ class AtlasStore(StoreBase):
                     SELECT prb_id,
                         count(*) FILTER (WHERE phase = 'whole' AND outcome IN {COUNTED}) AS ws,
                         count(*) FILTER (WHERE phase = 'whole' AND outcome = 'acked') AS wa,
+                        count(*) FILTER (WHERE phase = 'whole' AND outcome = 'late') AS wl,
                         count(*) FILTER (WHERE phase = 'split' AND outcome IN {COUNTED}) AS ss,
-                        count(*) FILTER (WHERE phase = 'split' AND outcome = 'acked') AS sa
+                        count(*) FILTER (WHERE phase = 'split' AND outcome = 'acked') AS sa,
+                        count(*) FILTER (WHERE phase = 'split' AND outcome = 'late') AS sl
                     FROM atlas_outcomes
                     WHERE campaign_id = :c AND ip_len IS NOT NULL
                       AND (CAST(:ids AS integer[]) IS NULL OR prb_id = ANY(CAST(:ids AS integer[])))
@@ -409,7 +442,7 @@ class AtlasStore(StoreBase):
             ).all()
             rows = []
             for r in counts:
-                v = decide(r.ws, r.wa, r.ss, r.sa)
+                v = decide(r.ws, r.wa + r.wl, r.ss, r.sa + r.sl, late=r.wl + r.sl)
                 rows.append(
                     {
                         "c": campaign_id,
@@ -489,16 +522,12 @@ def _result_tuple(row: ResultRow) -> tuple[Any, ...]:
     return tuple(values)
 
 
-def _copy_insert(
-    conn: Connection,
-    table: str,
-    columns: Sequence[str],
-    rows: Iterable[Sequence[Any]],
-    returning: Sequence[str] = (),
-) -> list[tuple[Any, ...]]:
-    """COPY ``rows`` into a per-connection temporary twin of ``table``, then
-    insert them, skipping rows already there. Returns the ``returning``
-    columns of the rows that were new (one empty tuple each without them)."""
+@contextmanager
+def _staged(
+    conn: Connection, table: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]
+) -> Iterator[tuple[Any, str]]:
+    """COPY ``rows`` into a per-connection temporary twin of ``table``;
+    yields a cursor and the twin's name, empties the twin afterwards."""
     tmp = f"_in_{table}"
     raw = conn.connection.driver_connection
     assert raw is not None
@@ -513,10 +542,49 @@ def _copy_insert(
         with cur.copy(f"COPY {tmp} ({cols}) FROM STDIN") as copy:
             for row in rows:
                 copy.write_row(row)
-        back = f" RETURNING {', '.join(returning)}" if returning else ""
-        cur.execute(
-            f"INSERT INTO {table} ({cols}) SELECT {cols} FROM {tmp} ON CONFLICT DO NOTHING{back}"
-        )
-        new: list[tuple[Any, ...]] = list(cur.fetchall()) if returning else [()] * cur.rowcount
+        yield cur, tmp
         cur.execute(f"TRUNCATE {tmp}")
+
+
+def _copy_insert(
+    conn: Connection,
+    table: str,
+    columns: Sequence[str],
+    rows: Iterable[Sequence[Any]],
+) -> int:
+    """COPY ``rows`` in, then insert them, skipping rows already there.
+    Returns how many were new."""
+    cols = ", ".join(columns)
+    with _staged(conn, table, columns, rows) as (cur, tmp):
+        cur.execute(f"INSERT INTO {table} ({cols}) SELECT {cols} FROM {tmp} ON CONFLICT DO NOTHING")
+        new: int = cur.rowcount
     return new
+
+
+def _store_results(conn: Connection, results: Sequence[ResultRow]) -> Stored:
+    """Insert result rows; a readable one replaces a stored invalid copy."""
+    cols = ", ".join(RESULT_COLUMNS)
+    key = ", ".join(_KEY)
+    staged = _staged(conn, "atlas_results", RESULT_COLUMNS, map(_result_tuple, results))
+    with staged as (cur, tmp):
+        # The CTEs see the table as it was before the INSERT: which keys held
+        # an invalid copy. DISTINCT ON: one row per key, a readable one first
+        # (one INSERT may not touch a row twice).
+        cur.execute(f"""
+            WITH was_invalid AS (
+                SELECT {key} FROM atlas_results r
+                WHERE r.join_status = 'invalid' AND ({key}) IN (SELECT {key} FROM {tmp})
+            ), stored AS (
+                INSERT INTO atlas_results ({cols})
+                SELECT DISTINCT ON ({key}) {cols} FROM {tmp}
+                ORDER BY {key}, join_status = 'invalid'
+                {_REPLACE_INVALID}
+                RETURNING {key}
+            )
+            SELECT s.msm_id, s.prb_id, s.result_at, w.msm_id IS NOT NULL
+            FROM stored s LEFT JOIN was_invalid w USING ({key})
+        """)
+        rows = cur.fetchall()
+    new = frozenset((r[0], r[1], r[2]) for r in rows if not r[3])
+    replaced = frozenset((r[0], r[1], r[2]) for r in rows if r[3])
+    return Stored(new, replaced)

@@ -12,6 +12,7 @@ them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
 from datetime import UTC, datetime
@@ -258,6 +259,116 @@ def test_recorded_late_replies_turn_lost_ones_late() -> None:
                                evping_records.interval_ms(rec), 32)  # fmt: skip
         _, outs = join([parse_result(line)], evping_records.reply_log(rec), spec, {})
         assert Counter(o.outcome for o in outs)["late"] == late, run
+
+
+def _joined_at(rec: dict[str, Any], interval_ms: int) -> tuple[str, list[tuple[Any, ...]]]:
+    """A recorded run joined as if its packets had been ``interval_ms``
+    apart: the reply log's times and the RTTs scaled by the same factor."""
+    n = evping_records.packets(rec)
+    scale = interval_ms / evping_records.interval_ms(rec)
+    end = int(rec["wall_end"])
+    log = evping_records.reply_log(rec)
+    if log:
+        t0 = log[0].sent_at
+        log = [dataclasses.replace(r, sent_at=end - 1 + (r.sent_at - t0) * scale) for r in log]
+    probe_line = evping_records.probe_line(rec)
+    probe_line["result"] = [
+        {**e, "rtt": e["rtt"] * scale} if "rtt" in e else e for e in probe_line["result"]
+    ]
+    line = api_result(probe_line, msm_id=5001, prb_id=77, public=evping_records.PROBE_ADDRESS,
+                      packets=n, timestamp=end)  # fmt: skip
+    spec = MeasurementSpec(
+        5001, 1, "whole", evping_records.TARGET, evping_records.request_len(rec), n,
+        interval_ms, evping_records.request_len(rec) - 28,
+    )  # fmt: skip
+    rows, outs = join([parse_result(line)], log, spec, {})
+    return rows[0].join_status, [(o.outcome, o.icmp_seq, o.attempt, o.ip_len) for o in outs]
+
+
+def test_below_the_timing_resolution_the_join_stores_what_the_times_tell() -> None:
+    """At a packet interval below MIN_TIMED_INTERVAL_S the request times say
+    nothing about packet slots, so every alignment of a run ties on timing;
+    the sequence evidence (a run sends one request per packet; a late reply
+    answers a reply of ours the probe gave up on) must pick what the times
+    pick at the recorded interval. Every recorded run, compressed to 2 ms."""
+    differ = {}
+    for rec in evping_records.records():
+        timed, untimed = _joined_at(rec, evping_records.interval_ms(rec)), _joined_at(rec, 2)
+        if timed != untimed:
+            differ[f"{rec['run']}-{rec['scenario']}"] = (timed, untimed)
+    assert not differ, differ
+
+
+def _recorded(line: dict[str, Any], log: list[tuple[int, int, float]], first: float):
+    """A line the real firmware printed (evping against a user-space
+    responder that delayed chosen replies) and its responder's log: (ICMP
+    id, sequence number, ms after the first request)."""
+    rows, last, attempt = [], None, 0
+    for icmp_id, seq, ms in log:
+        attempt = attempt + 1 if seq == last else 0
+        last = seq
+        rows.append(LoggedReply("10.77.0.2", icmp_id, seq, "whole", 60, first + ms / 1000,
+                                attempt=attempt))  # fmt: skip
+    line = {**line, "type": "ping", "fw": 5120, "msm_id": 5001, "prb_id": 77,
+            "timestamp": line["time"], "from": "10.77.0.2"}  # fmt: skip
+    return parse_result(line), rows
+
+
+# evping -c 8 -i 2, the first reply held 4 ms: x, then that reply as a
+# duplicate, then every other reply in time. Every request reached us.
+FIRST_LATE_AT_2_MS = (
+    {"time": 1795866176, "dst_addr": "10.77.0.1", "af": 4, "src_addr": "10.77.0.2",
+     "proto": "ICMP", "ttl": 64, "size": 32,
+     "result": [{"x": "*"}, {"dup": 1, "rtt": 4.365642, "ttl": 64}, {"rtt": 0.204161},
+                {"rtt": 0.113245}, {"rtt": 0.102653}, {"rtt": 0.083345}, {"rtt": 0.079639},
+                {"rtt": 0.079887}, {"rtt": 0.076646}]},
+    [(37381, s, ms) for s, ms in ((1, 0.0), (2, 4.167), (3, 8.487), (4, 12.742), (5, 16.97),
+                                  (6, 19.118), (7, 23.328), (8, 27.537))],
+    1795866176.525097,
+)  # fmt: skip
+# evping -c 6 -i 200, the 3rd request's reply held 300 ms and the 4th's (a
+# re-send of sequence number 3) 150 ms: the probe accepted the first, the
+# second came back as a duplicate with an RTT under the interval.
+RESEND_LATE_AT_200_MS = (
+    {"time": 1795866171, "dst_addr": "10.77.0.1", "af": 4, "src_addr": "10.77.0.2",
+     "proto": "ICMP", "ttl": 64, "size": 32,
+     "result": [{"rtt": 0.245769}, {"rtt": 0.266624}, {"rtt": 300.969038},
+                {"dup": 1, "rtt": 151.09019}, {"rtt": 0.133547}, {"rtt": 0.106183}]},
+    [(40195, s, ms) for s, ms in ((1, 0.0), (2, 200.555), (3, 401.081), (3, 601.323),
+                                  (4, 800.569), (5, 1000.94))],
+    1795866170.76638,
+)  # fmt: skip
+
+
+def test_a_first_reply_late_at_the_2_ms_interval_is_late() -> None:
+    """The issue's run: both alignments tie on timing below the resolution;
+    the one that starts a sequence number earlier makes the first x an
+    unanswered request, nine requests in an eight-packet run, and leaves the
+    late reply nothing to answer. It is no rival: exact, the late reply
+    late, every other one acked."""
+    res, log = _recorded(*FIRST_LATE_AT_2_MS)
+    spec = MeasurementSpec(5001, 1, "whole", "10.77.0.1", 60, 8, 2, 32)
+    rows, outs = join([res], log, spec, {})
+    assert rows[0].join_status == "exact"
+    assert [(o.outcome, o.icmp_seq) for o in outs] == [("late", 1)] + [
+        ("acked", s) for s in range(2, 9)
+    ]
+    assert outs[0].rtt_ms == pytest.approx(4.366)  # Sagan keeps 3 decimals
+
+
+def test_a_duplicate_after_a_reply_accepted_late_is_the_resends_late_reply() -> None:
+    """The probe accepted sequence number 3's first reply 301 ms late, after
+    it had re-sent 3; the re-send's reply came back 151 ms after it, a
+    duplicate with an RTT under the interval: a late reply of ours, not a
+    copy of the accepted one (whose RTT was 301 ms)."""
+    res, log = _recorded(*RESEND_LATE_AT_200_MS)
+    spec = MeasurementSpec(5001, 1, "whole", "10.77.0.1", 60, 6, 200, 32)
+    rows, outs = join([res], log, spec, {})
+    assert rows[0].join_status == "exact"
+    assert [(o.outcome, o.icmp_seq, o.attempt, o.ack_count) for o in outs] == [
+        ("acked", 1, 0, 1), ("acked", 2, 0, 1), ("acked", 3, 0, 1), ("late", 3, 1, 1),
+        ("acked", 4, 0, 1), ("acked", 5, 0, 1),
+    ]  # fmt: skip
 
 
 def test_joined_rows_store_once(database_url: str) -> None:
