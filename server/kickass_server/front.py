@@ -7,7 +7,13 @@ Internet may talk to:
   applies, so the body limit is set here (``max_body``, 256 KiB: the largest
   legitimate body is a trial runner's batch) and a larger request gets 413
   while its headers are parsed; the app still holds the study's endpoints to
-  16 KiB;
+  16 KiB. Every limit is inclusive, as documented: a body of exactly 256 KiB
+  is served and one byte more is refused, whether it comes with a
+  Content-Length or chunked (its decoded size counts, not the framing);
+  waitress itself refuses a body *at* its limit and counts chunk framing, so
+  it gets looser limits and ``_Parser`` holds the exact ones;
+* a request head (request line, headers and the blank line that ends them)
+  may be ``max_header`` (16 KiB) long; one byte more gets 431;
 * one address may hold all of its 100 connections (slowloris), so connections
   are capped per address (``per_address``) and a request must be complete
   within ``request_timeout`` seconds of its first byte, however slowly it trickles;
@@ -19,7 +25,10 @@ Behind a reverse proxy, every client arrives from the proxy's address: the
 trusted proxy is exempt from the per-address cap (else eight requests in
 flight from all volunteers together would be the server's limit) and must
 bound connections per client itself (docker/README.md: nginx allows 8); the
-total cap still holds.
+total cap (``total``, 200 client connections; one more waits in the listen
+backlog until one of them closes) still holds.
+
+tests/server/test_limits.py tries every one of these at its edge.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ from waitress.channel import HTTPChannel
 from waitress.parser import HTTPRequestParser
 from waitress.server import TcpWSGIServer
 from waitress.task import ThreadedTaskDispatcher
+from waitress.utilities import RequestEntityTooLarge
 
 log = logging.getLogger("kickass.http")
 
@@ -53,16 +63,35 @@ class FrontLimits:
     sweep_interval: int = 1
 
 
-class _TimedParser(HTTPRequestParser):  # type: ignore[misc]  # waitress is untyped
-    """Remembers when a request's first byte arrived."""
+# waitress refuses a chunked body by its bytes on the wire, framing included;
+# the decoded body is held to max_body, the wire to this many times it.
+CHUNKED_WIRE_FACTOR = 2
+
+
+class _Parser(HTTPRequestParser):  # type: ignore[misc]  # waitress is untyped
+    """Remembers when a request's first byte arrived, and holds the body to
+    ``max_body`` bytes exactly (a subclass per server sets it)."""
+
+    max_body = FrontLimits.max_body
+    error: Any  # waitress's: set when the request is refused
 
     def __init__(self, adj: Adjustments) -> None:
         super().__init__(adj)
         self.started = time.monotonic()
 
+    def received(self, data: bytes) -> int:
+        consumed: int = super().received(data)
+        if self.error is None and self.headers_finished:
+            body = self.body_rcv
+            size = len(body) if self.chunked and body is not None else self.content_length
+            if size > self.max_body:
+                self.error = RequestEntityTooLarge(f"exceeds max_body of {self.max_body}")
+                self.completed = True
+        return consumed
+
 
 class _Channel(HTTPChannel):  # type: ignore[misc]  # waitress is untyped
-    parser_class = _TimedParser
+    parser_class = _Parser
 
 
 class FrontServer(TcpWSGIServer):  # type: ignore[misc]  # waitress is untyped
@@ -71,7 +100,19 @@ class FrontServer(TcpWSGIServer):  # type: ignore[misc]  # waitress is untyped
     def __init__(self, *args: Any, limits: FrontLimits, **kwargs: Any) -> None:
         self.limits = limits
         self.refused: Counter[str] = Counter()
+
+        class Parser(_Parser):
+            max_body = limits.max_body
+
+        class Channel(_Channel):
+            parser_class = Parser
+
+        self.channel_class = Channel
         super().__init__(*args, **kwargs)
+        # waitress counts its socket map against connection_limit, and the map
+        # holds its own listening socket and wake-up pipe too: 198 clients
+        # for a limit of 200. These are in it now, and no client yet.
+        self.adj.connection_limit = limits.total + len(self._map)
 
     def handle_accept(self) -> None:
         try:
@@ -126,13 +167,15 @@ def create_front(
         "port": port,
         "threads": threads,
         "ident": "kickass",
-        "max_request_body_size": limits.max_body,
-        "max_request_header_size": limits.max_header,
+        # waitress refuses at these sizes, not above them (and counts chunk
+        # framing): _Parser holds bodies to max_body exactly.
+        "max_request_body_size": limits.max_body * CHUNKED_WIRE_FACTOR + 1,
+        "max_request_header_size": limits.max_header + 1,
         "connection_limit": limits.total,
         "channel_timeout": limits.idle_timeout,
         "cleanup_interval": limits.sweep_interval,
         # Bodies are tiny: never spool them to a temporary file.
-        "inbuf_overflow": limits.max_body * 2,
+        "inbuf_overflow": limits.max_body * CHUNKED_WIRE_FACTOR + 1,
     }
     if trusted_proxy:
         kw.update(
