@@ -14,6 +14,12 @@ live inline in an HTML page:
 - text stays text (``svg.fonttype: none``), paths are not simplified (a
   drawn point is a data point), the output is deterministic (fixed hash
   salt, no date);
+- no text is ever parsed: labels, titles and tick labels come from data (a
+  trial's destination, a campaign's name), and matplotlib would read
+  ``$...$`` in them as mathtext (and die on ``$\\kaboom$``) or TeX; mathtext
+  and TeX are off for every text of these figures, and log axes number
+  their ticks in plain text (``_plain_log``), which matplotlib's default
+  formatter writes as mathtext;
 - the XML prologue, DOCTYPE and metadata block are dropped; every ``id`` and
   reference is prefixed with the figure's name, so several figures in one
   page never share an id;
@@ -39,6 +45,7 @@ from typing import Any
 import matplotlib
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure as MplFigure
+from matplotlib.ticker import LogFormatter
 
 from . import stats
 
@@ -47,6 +54,9 @@ from . import stats
 MAX_POINTS = 600
 
 RC: dict[str, Any] = {
+    # Text from data is drawn as written (module docstring).
+    "text.parse_math": False,
+    "text.usetex": False,
     "svg.fonttype": "none",
     "svg.hashsalt": "kickass",
     "path.simplify": False,
@@ -166,6 +176,24 @@ def _attr(text: str) -> str:
     return (
         text.replace("&", "&amp;").replace('"', "&quot;").replace("<", "&lt;").replace(">", "&gt;")
     )
+
+
+class _PlainLogFormatter(LogFormatter):
+    """matplotlib's choice of which log ticks to number, numbered as plain
+    text (``1,024``, ``0.5``)."""
+
+    def __call__(self, x: float, pos: int | None = None) -> str:
+        if not super().__call__(x, pos):
+            return ""
+        return f"{x:,.0f}" if x >= 1 and x == round(x) else f"{x:g}"
+
+
+def _plain_log(ax: Axes, which: str, base: float = 10) -> None:
+    """A log scale on ``ax``'s x or y axis, its tick numbers plain text."""
+    axis = ax.xaxis if which == "x" else ax.yaxis
+    (ax.set_xscale if which == "x" else ax.set_yscale)("log", base=base)
+    axis.set_major_formatter(_PlainLogFormatter(base))
+    axis.set_minor_formatter(_PlainLogFormatter(base, labelOnlyBase=False))
 
 
 def _points(
@@ -346,8 +374,8 @@ def fct_by_size(
                     line=True,
                 )
                 marks[slug(series)] = _points(ax, s, colour, label=arm)
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
+            _plain_log(ax, "x", base=2)
+            _plain_log(ax, "y")
             ax.set_title(panel)
             ax.legend(loc="upper left")
         axes[0][0].set_ylabel("FCT (ms): median, bar to p95")
@@ -405,7 +433,7 @@ def speedups(
         ax.set_xticks(
             range(len(buckets)), [f"{b} pkts" if b != "all" else "all sizes" for b in buckets]
         )
-        ax.set_yscale("log")
+        _plain_log(ax, "y")
         lo, hi = ax.get_ylim()
         ticks = [t for t in (0.5, 0.75, 1, 1.2, 1.5, 2, 3, 4, 6, 8, 12, 16) if lo <= t <= hi]
         ax.set_yticks(ticks, [f"{t:g}x" for t in ticks])
