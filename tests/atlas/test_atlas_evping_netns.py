@@ -33,12 +33,15 @@ counts.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import threading
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +52,17 @@ import yaml
 from atlas_standin import api_result, running
 from kickass_core import cli
 from kickass_core.verdict import decide
-from kickass_testbed.topology import End, Host, Link, NftRule, Process, Route, Topology, build
+from kickass_testbed.topology import (
+    Built,
+    End,
+    Host,
+    Link,
+    NftRule,
+    Process,
+    Route,
+    Topology,
+    build,
+)
 from sqlalchemy import text
 from support.pcap_truth import Capture, read_ipv4
 
@@ -214,17 +227,32 @@ def test_real_probe_firmware_against_the_responder(
     check_resends(database_url)
 
 
+Probes = dict[int, tuple[str, str, str, str]]
+
+
 def run_probes(
-    tmp_path: Path, path: Path, database_url: str, measurements: dict[int, dict[str, Any]]
+    tmp_path: Path,
+    path: Path,
+    database_url: str,
+    measurements: dict[int, dict[str, Any]],
+    *,
+    spec: Topology | None = None,
+    probes: Probes = PROBES,
+    packets: int = PACKETS,
+    interval_ms: int = PACKET_INTERVAL_MS,
+    runs: int = RUNS,
+    gap_s: float = GAP_S,
+    inside: Callable[[Built], AbstractContextManager[object]] | None = None,
 ) -> list[tuple[int, int, dict[str, Any]]]:
-    """Every probe runs every measurement RUNS times, all at once, with
-    tcpdump on both ends; returns what the probes printed."""
+    """Every probe runs every measurement ``runs`` times, all at once, with
+    tcpdump on both ends; returns what the probes printed. ``inside``: what
+    else runs in the network while they do (entered once it is built)."""
     printed: list[tuple[int, int, dict[str, Any]]] = []
     errors: list[str] = []
     lock = threading.Lock()
-    with build(topology()) as net:
+    with build(spec or topology()) as net, inside(net) if inside else contextlib.nullcontext():
         captures = {"srv": Capture(net["srv"], "e0", tmp_path / "srv.pcap", "icmp")}
-        for host, _, _, _ in PROBES.values():
+        for host, _, _, _ in probes.values():
             captures[host] = Capture(net[host], "e0", tmp_path / f"{host}.pcap", "icmp")
         net.start(
             Process(
@@ -238,19 +266,19 @@ def run_probes(
         )
 
         def probe(prb_id: int, msm: dict[str, Any], offset: float) -> None:
-            host = PROBES[prb_id][0]
+            host = probes[prb_id][0]
             time.sleep(offset)
             env = [f"{k}={v}" for k, v in probe_oracle.ENV.items()]
-            for run in range(RUNS):
+            for run in range(runs):
                 if run:
-                    time.sleep(GAP_S)
+                    time.sleep(gap_s)
                 argv = probe_oracle.argv(
-                    msm["target"], msm["size"], PACKETS, PACKET_INTERVAL_MS, msm["id"]
+                    msm["target"], msm["size"], packets, interval_ms, msm["id"]
                 )
                 p = net[host].run(
                     ["env", *env, *argv],
                     check=False,
-                    timeout=PACKETS * PACKET_INTERVAL_MS / 1000 + 30,
+                    timeout=packets * interval_ms / 1000 + 30,
                 )
                 try:
                     line = probe_oracle.result_line(p.stdout)
@@ -262,7 +290,7 @@ def run_probes(
                     printed.append((msm["id"], prb_id, line))
 
         jobs = [
-            (p, m) for p in PROBES for m in sorted(measurements.values(), key=lambda m: m["id"])
+            (p, m) for p in probes for m in sorted(measurements.values(), key=lambda m: m["id"])
         ]
         threads = [
             threading.Thread(target=probe, args=(prb_id, msm, 0.05 * i))
@@ -284,7 +312,7 @@ def run_probes(
 Key = tuple[int, str, int]  # (probe, phase, whole IP length | leading-fragment IP length)
 
 
-def _datagrams(pcap: Path, src: set[str]) -> dict[tuple[str, int], list[Any]]:
+def datagrams(pcap: Path, src: set[str]) -> dict[tuple[str, int], list[Any]]:
     """Pieces of the IPv4 datagrams from ``src``, per (destination, IP id)."""
     out: dict[tuple[str, int], list[Any]] = defaultdict(list)
     for p in read_ipv4(pcap):
@@ -293,7 +321,7 @@ def _datagrams(pcap: Path, src: set[str]) -> dict[tuple[str, int], list[Any]]:
     return out
 
 
-def _complete(pieces: list[Any]) -> bool:
+def complete(pieces: list[Any]) -> bool:
     at, end = 0, None
     for p in sorted(pieces, key=lambda p: p.offset):
         if p.offset > at:
@@ -311,14 +339,14 @@ def ground_truth(
     responder sent (srv), replies that arrived whole (the probe's end), and
     for whole sizes the requests that left the probe but never reached srv."""
     prb_of = {public: prb for prb, (_, _, public, _) in PROBES.items()}
-    sent = _datagrams(tmp_path / "srv.pcap", {WHOLE, SPLIT})
+    sent = datagrams(tmp_path / "srv.pcap", {WHOLE, SPLIT})
     truth: dict[Key, Counter[str]] = defaultdict(Counter)
     # Per probe, the IP ids of the replies that arrived whole (a NAT keeps
     # them: the responder numbers its replies, ids never repeat here).
     arrived: dict[int, set[int]] = {}
     for prb_id, (host, _, _, _) in PROBES.items():
-        at_probe = _datagrams(tmp_path / f"{host}.pcap", {WHOLE, SPLIT})
-        arrived[prb_id] = {ip_id for (_, ip_id), pieces in at_probe.items() if _complete(pieces)}
+        at_probe = datagrams(tmp_path / f"{host}.pcap", {WHOLE, SPLIT})
+        arrived[prb_id] = {ip_id for (_, ip_id), pieces in at_probe.items() if complete(pieces)}
     for (dst, ip_id), pieces in sent.items():
         lead = next(p for p in pieces if p.offset == 0)
         if lead.payload[0] != 0:  # echo replies only
