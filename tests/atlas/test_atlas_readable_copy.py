@@ -18,6 +18,7 @@ import json
 import uuid
 from collections import Counter
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ import pytest
 from atlas_standin import api_result
 from kickass_analysis.rollups import Rollups
 from kickass_atlas.campaign import Campaign, PlannedMeasurement
-from kickass_atlas.ingest import FetchReport
+from kickass_atlas.ingest import FetchReport, MeasurementSpec, ingest_window
 from kickass_atlas.responder_core import ReplyRecord
 from kickass_atlas.service import AtlasSettings, import_results
 from kickass_atlas.store import AtlasStore
@@ -268,3 +269,38 @@ def test_atlas_verdicts_count_late_replies_as_delivered(
     assert v["verdict"] == "fragments-ok", v["verdict_reason"]
     assert "15 probes acknowledged after their timeout, counted as delivered" in v["verdict_reason"]
     assert (v["whole_drop_rate"], v["split_drop_rate"]) == (1.0, 0.0)
+
+
+def test_a_late_reread_replaces_a_garbled_copy_fetched_before(
+    lines: dict[str, list[dict[str, Any]]], database_url: str
+) -> None:
+    """fetch: a window read with a garbled copy, read again at the late
+    horizon with the readable one. The readable one takes its place; it is
+    not a result uploaded late, nor fetched twice."""
+    c = campaign()
+    with AtlasStore(database_url) as store:
+        spec = MeasurementSpec.from_row(
+            next(
+                m
+                for m in store.measurements(store.campaign_id(c.name) or 0)
+                if m["phase"] == "whole"
+            )
+        )
+        line = lines["whole"][0]
+        start, stop = line["timestamp"] - 60, line["timestamp"] + 60
+        for recheck, served in ((False, garbled(line)), (True, line)):
+            report = FetchReport()
+            ingest_window(
+                store, spec, [served], start, stop, report, store.known_probes,
+                watermark=datetime.fromtimestamp(stop, UTC), recheck=recheck,
+            )  # fmt: skip
+            assert report.results_new == 1
+        assert (report.results_replaced, report.results_late) == (1, 0)
+    m = q(
+        database_url,
+        f"SELECT results_fetched, results_late, results_invalid, rechecked_until "
+        f"FROM v_atlas_measurements WHERE msm_id = {MSM_WHOLE}",
+    )[0]
+    assert (m["results_fetched"], m["results_late"], m["results_invalid"]) == (1, 0, 0)
+    assert m["rechecked_until"] == datetime.fromtimestamp(stop, UTC)
+    assert Counter(o[5] for o in outcomes(database_url)) == Counter(late=3, lost=1)
