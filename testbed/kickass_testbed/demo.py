@@ -4,6 +4,12 @@ Builds the study internet (internet.py, a topology spec), starts an
 embedded PostgreSQL (unless KICKASS_DATABASE_URL is set), the measurement
 server, and runs the probe client from every client namespace at once;
 prints one results row per client and cleans everything up, also on Ctrl-C.
+
+Every process it starts keeps its state in the demo's run directory (a
+temporary directory: the server's journal, the clients' output, the
+schedule and its log; act two's in the trial's own), never in the caller's
+working directory, so demos started side by side from one directory share
+nothing: the one thing written there is the report (``--report``).
 """
 
 from __future__ import annotations
@@ -280,13 +286,14 @@ def _third_act(url: str, work: Path, console: Any, out_console: Any) -> dict[str
     env = {**os.environ, "KICKASS_DATABASE_URL": url, "KICKASS_HOST_ID": "demo-host"}
     kickass = str(Path(sys.executable).with_name("kickass"))
     log = work / "schedule.log"
+    # In the demo's run directory, as every process it starts.
     run = subprocess.run(
         [kickass, "schedule", "run", str(schedule), "--log-file", str(log), "--json"],
-        env=env, capture_output=True, text=True, timeout=300,
+        env=env, cwd=work, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     status = subprocess.run(
         [kickass, "schedule", "status", str(schedule)],
-        env=env, capture_output=True, text=True, timeout=60,
+        env=env, cwd=work, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     out_console.print(status.stdout.rstrip() or status.stderr.rstrip(), highlight=False)
     summary: dict[str, Any] = {"exit_code": run.returncode}
@@ -295,7 +302,7 @@ def _third_act(url: str, work: Path, console: Any, out_console: Any) -> dict[str
     # What `schedule status` says after the run, for scripts and the demo's test.
     status_json = subprocess.run(
         [kickass, "schedule", "status", str(schedule), "--json"],
-        env=env, capture_output=True, text=True, timeout=60,
+        env=env, cwd=work, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     summary["status_exit_code"] = status_json.returncode
     with contextlib.suppress(json.JSONDecodeError):

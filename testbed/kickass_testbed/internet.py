@@ -35,7 +35,12 @@ More kinds for the study's known-answer tests (issue 11), by name:
 
 ``study_internet`` is the spec; ``probe_internet`` builds it (topology.build)
 with the measurement server running and yields a ``ProbeInternet`` to run
-clients in it. The middleboxes are single nftables rules in the router
+clients in it. Everything they start keeps its state in the build's run
+directory (its log directory), never in the caller's working directory: the
+server's write journal is ``<run dir>/journal`` (its default is
+``.kickass/journal`` under its working directory: two servers started from
+one directory would share one and race on its replay), and every process,
+clients included, runs in the run directory. The middleboxes are single nftables rules in the router
 namespace (no conntrack there: it would reassemble fragments); the NAT box
 masquerades, and so reassembles and re-fragments like a home router does.
 Addresses come from documentation/benchmarking ranges and exist only inside
@@ -265,7 +270,7 @@ def study_internet(
         routes=tuple(routes),
         nft=tuple(nft),
         neighbors=tuple(neighbors),
-        # The emulators first: the server's start-up is the topology's last step.
+        # The emulators first (probe_internet starts the server once the build is up).
         processes=(*emulators, *processes),
     )
 
@@ -277,10 +282,12 @@ def _middlebox(rule: str) -> NftRule:
 def server_process(
     bin_dir: Path,
     database_url: str,
+    journal_dir: Path,
     env: dict[str, str] | None = None,
     extra_args: Sequence[str] = (),
 ) -> Process:
-    """`kickass server` in "srv", ready once it logs "listening http"."""
+    """`kickass server` in "srv" with its journal in ``journal_dir``, ready
+    once it logs "listening http"."""
     return Process(
         name="server",
         host="srv",
@@ -291,6 +298,8 @@ def server_process(
             f"{SERVER_IP}:{HTTP_PORT}",
             "--probe-port",
             str(PROBE_PORT),
+            "--journal-dir",
+            str(journal_dir),
             *extra_args,
         ),
         env={"KICKASS_DATABASE_URL": database_url, **(env or {})},
@@ -339,9 +348,17 @@ class ProbeInternet:
     def server_log(self) -> Path:
         return self.built.log_dir / "server.log"
 
+    @property
+    def journal_dir(self) -> Path:
+        """The server's write journal: the same for every start of this build,
+        so a restarted server replays what the killed one left."""
+        return self.built.log_dir / "journal"
+
     # -- server -----------------------------------------------------------------
     def start_server(self, extra_args: Sequence[str] = (), timeout: float = 30.0) -> None:
-        proc = server_process(self.bin_dir, self.database_url, self.server_env, extra_args)
+        proc = server_process(
+            self.bin_dir, self.database_url, self.journal_dir, self.server_env, extra_args
+        )
         self.built.start(dataclasses.replace(proc, ready_timeout=timeout))
 
     def stop_server(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int | None:
@@ -358,6 +375,7 @@ class ProbeInternet:
         self, kind: str, args: Sequence[str], timeout: float = 300.0, **kwargs: Any
     ) -> subprocess.CompletedProcess[str]:
         ns = self.clients[kind].ns
+        kwargs.setdefault("cwd", self.built.log_dir)
         return subprocess.run(
             ns.cmd(self.client_cmd(args)),
             capture_output=True,
@@ -368,6 +386,7 @@ class ProbeInternet:
         )
 
     def popen_client(self, kind: str, args: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
+        kwargs.setdefault("cwd", self.built.log_dir)
         return self.clients[kind].ns.popen(self.client_cmd(args), **kwargs)
 
 
@@ -389,11 +408,9 @@ def probe_internet(
 ) -> Iterator[ProbeInternet]:
     bin_dir = bin_dir or Path(sys.executable).parent
     env = server_env or {}
-    server = (server_process(bin_dir, database_url, env),) if start_server else ()
     spec = study_internet(
         kinds,
         loss_percent,
-        processes=server,
         wan_rtt_ms=wan_rtt_ms,
         wan_loss=wan_loss,
         wan_downlink=wan_downlink,
@@ -404,7 +421,11 @@ def probe_internet(
         for i, place in enumerate(client_places(kinds), start=1):
             if place.kind == "swapped":
                 _vxlan_overlay(built, i, place.host)
-        yield ProbeInternet(built, kinds, bin_dir, database_url, env)
+        net = ProbeInternet(built, kinds, bin_dir, database_url, env)
+        if start_server:
+            # Once the build knows its run directory, where the journal goes.
+            net.start_server()
+        yield net
 
 
 def _vxlan_overlay(built: Built, i: int, client_host: str) -> None:

@@ -153,7 +153,9 @@ Output = Literal["log", "pipe", "null", "inherit"]
 @dataclass(frozen=True)
 class Process:
     """A process started in ``host`` once the network is up (in spec order),
-    or later with ``Built.start``; stopped before its namespace goes.
+    or later with ``Built.start``; stopped before its namespace goes. It runs
+    in the build's log directory (its run directory): whatever it writes to
+    a relative path stays there, never in the caller's working directory.
 
     ``log`` output goes to ``<log dir>/<log or name.log>``, appended (a
     restart keeps the earlier output). Start-up waits until ``ready_text``
@@ -377,6 +379,7 @@ class Built:
                 stderr=streams[spec.stderr],
                 env={**os.environ, **spec.env},
                 cpus=spec.cpus,
+                cwd=self.log_dir,
             )
         proc = Proc(spec, popen, ns, log_path)
         self.procs[spec.name] = proc

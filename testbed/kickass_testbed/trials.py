@@ -168,6 +168,7 @@ def run_trial(
                 procs.append(
                     built[host].popen(
                         argv,
+                        cwd=work,  # its run directory, as every process here has
                         env={**os.environ, "KICKASS_AGENT_SECRET": secret},
                         stdout=subprocess.PIPE,
                         stderr=subprocess.PIPE,

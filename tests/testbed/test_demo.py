@@ -105,3 +105,47 @@ def test_demo_json(database_url: str, tmp_path: Path) -> None:
     # The end: the report, written where it was asked to be.
     assert f"report: {tmp_path / 'report.html'}" in proc.stderr
     assert (tmp_path / "report.html").stat().st_size > 10_000
+
+
+def test_two_demos_at_once_from_one_directory_leave_only_their_reports(tmp_path: Path) -> None:
+    """Issue 27 item 14: every process a demo starts keeps its state in the
+    demo's own run directory. The study server wrote its journal to
+    .kickass/journal in the caller's directory, so two demos started there
+    shared one journal and raced on its replay. Two quick demos (each with
+    its own embedded PostgreSQL, as `make demo` runs), started at once from
+    one empty directory: both complete, and the directory then holds their
+    two reports and nothing else."""
+    before = _netns()
+    here = tmp_path / "here"
+    here.mkdir()
+    kickass = Path(sys.executable).parent / "kickass"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KICKASS_")}
+    procs = {
+        name: subprocess.Popen(
+            [str(kickass), "demo", "--quick", "--no-trials", "--json", "--report", name],
+            cwd=here,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name in ("a.html", "b.html")
+    }
+    outs = {}
+    try:
+        for name, p in procs.items():
+            outs[name] = p.communicate(timeout=400)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for name, p in procs.items():
+        out, err = outs[name]
+        assert p.returncode == 0, (name, out[-2000:], err[-3000:])
+        verdicts = {c["client"]: c["verdict"] for c in json.loads(out)["clients"]}
+        assert verdicts["fragdrop"] == "fragment-intolerant", (name, verdicts)
+        assert f"report: {here / name}" in err
+    left = sorted(str(p.relative_to(here)) for p in here.rglob("*"))
+    assert left == ["a.html", "b.html"], left
+    assert not _netns() - before
