@@ -43,15 +43,16 @@ number is a new attempt), what it sent and when. For one result:
    one are at most that many). One fits: ``exact``. Several fit (only when
    some of the run's requests never reached us): the one whose timing best
    matches the end-of-run timestamp; below ``MIN_TIMED_INTERVAL_S`` all tie
-   on timing and the late replies decide (a candidate that leaves one
-   without a reply of ours given up on before it is no rival). The rivals
-   left make it ``ambiguous``: our replies (the logged requests), acked
-   (the rtt entries) and unanswered are the same under every candidate;
-   which split an acked reply had may differ, and ``late`` by at most the
-   result's duplicate entries. None fits: ``inconsistent`` (the log lacks
-   rows: the responder was down); no row at all: ``no-log`` (then nothing of
-   the result enters a drop rate: without our log the replies may have been
-   the kernel's). Firmware that reported counts only: ``aggregate``.
+   on timing and the late replies decide. A candidate that leaves more late
+   replies than the chosen one without a reply of ours given up on before
+   them is no rival. The rivals left make it ``ambiguous``: our replies
+   (the logged requests), acked (the rtt entries) and unanswered are the
+   same under every candidate; which split an acked reply had may differ,
+   and ``late`` by at most the result's duplicate entries. None fits:
+   ``inconsistent`` (the log lacks rows: the responder was down); no row at
+   all: ``no-log`` (then nothing of the result enters a drop rate: without
+   our log the replies may have been the kernel's). Firmware that reported
+   counts only: ``aggregate``.
 
 Per echo request that gives: ``acked``, ``lost``, ``late`` (lost, then a
 late reply came back, listed as a duplicate), ``unanswered`` (the request
@@ -666,9 +667,10 @@ def join_one(
     valid = [f for f in candidates if f.violations == 0]
     if valid:
         # Below the timing resolution every alignment of a run has the same
-        # score: the late replies decide. An alignment that leaves one of
-        # them without a reply of ours to answer is no rival; one that makes
-        # two share a reply is the less likely, but a rival still.
+        # score: the late replies decide. An alignment that leaves more of
+        # them than the chosen one without a reply of ours to answer is no
+        # rival; one that makes two share a reply is the less likely, but a
+        # rival still.
         timed = spec.interval_s >= MIN_TIMED_INTERVAL_S
         best = min(
             valid,
