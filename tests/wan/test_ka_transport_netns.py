@@ -299,7 +299,9 @@ def test_flow_paced_at_the_routers_rate(tmp_path: Path) -> None:
     the router wrote (decoded by the receiver from the leading fragments
     its tap saw), and it finishes in about size/rate + 2 RTT. On the wire
     at the receiver: data datagrams DF clear (cut by the router), RTT
-    indicators whole with DF set and IP length 600..611."""
+    indicators whole with DF set and IP length 600..611, one per 100 ms
+    for the endpoint, each a data segment cut to that length where data
+    was due (paper II-B), so the indicators cost no datagrams of their own."""
     size_packets = 500
     pcap = tmp_path / "rcv.pcap"
     with _net(tmp_path, "frozen", recv_args=("--interface", "wan0")) as net:
@@ -317,7 +319,10 @@ def test_flow_paced_at_the_routers_rate(tmp_path: Path) -> None:
     assert rec["ka_mode_fraction"] >= 0.95, rec
     assert rec["mode_switch_count"] == 0
     rates = rec["advertised_rates"]
-    assert rates["count"] >= size_packets
+    # Every full-size datagram's ACK carried the rate; the indicators, sent
+    # whole, carried none.
+    carried = rec["rtt_indicators_sent"]
+    assert rates["count"] >= rec["datagrams_sent"] - carried - 1 - 1  # the handshake, the FIN
     assert rates["min_bytes_per_ms"] == pytest.approx(want_rate, rel=1e-9)
     assert rates["max_bytes_per_ms"] == pytest.approx(want_rate, rel=1e-9)
 
@@ -346,28 +351,36 @@ def test_flow_paced_at_the_routers_rate(tmp_path: Path) -> None:
     (flow,) = [x for x in net.recv_lines() if x["type"] == "flow"]
     assert flow["status"] == "completed" and flow["flow_id"] == rec["flow_id"]
     assert flow["bytes"] == size_packets * PACKET and flow["payload_errors"] == 0
-    assert flow["fragmented_datagrams"] == flow["data_datagrams"] == size_packets
+    # (d) the packets themselves: every indicator is whole, DF set, 600..611.
+    pkts = [p for p in _read_pcap(pcap) if p.src == SND and p.dst == RCV]
+    indicators = [p for p in pkts if p.whole and p.df and 600 <= p.total_len <= 611]
+    standalone = [p for p in indicators if p.kind == KIND_RTT_INDICATOR]
+    on_data = [p for p in indicators if p.kind == KIND_DATA]
+    assert len(indicators) == rec["rtt_indicators_sent"] >= 3
+    assert len(standalone) <= 1, "data was always due: indicators ride on it"
+    life_s = rec["fct_ns"] / 1e9
+    assert len(indicators) <= life_s / 0.1 + 2, "one per 100 ms for the endpoint"
+    # The rest in full segments (cut by the router) and one shorter tail.
+    rest = size_packets * PACKET - sum(p.total_len - 28 - 32 for p in on_data)
+    full, tail = divmod(rest, PACKET)
+    assert flow["fragmented_datagrams"] == full
+    assert flow["data_datagrams"] == len(on_data) + full + (tail > 0)
     assert flow["leading_fragment_len"]["min"] == flow["leading_fragment_len"]["max"] == 584
     assert not flow["no_rate"]
     assert flow["advertised_rate_bps"]["last"] == pytest.approx(
         ka_rate.bytes_per_ms_to_bps(want_rate)
     )
     frag = counters["fragments"]
-    assert frag["tap_drops"] == 0 and frag["matched"] >= size_packets + 1  # + the handshake
+    assert frag["tap_drops"] == 0 and frag["matched"] >= full + 1  # + the handshake
     assert counters["receiver"]["flows_completed"] == 1
 
-    # (d) the packets themselves.
-    pkts = [p for p in _read_pcap(pcap) if p.src == SND and p.dst == RCV]
     data_leads = [p for p in pkts if p.leading and p.kind == KIND_DATA]
-    assert len(data_leads) == size_packets
+    assert len(data_leads) == full
     assert all(not p.df and p.total_len - 20 == FROZEN_LFL for p in data_leads)
     tails = [p for p in pkts if p.offset > 0]
-    assert len(tails) >= size_packets and all(not p.df for p in tails)
+    assert len(tails) >= full and all(not p.df for p in tails)
     hs = [p for p in pkts if p.kind == KIND_HANDSHAKE]
     assert hs and all(p.leading and not p.df for p in hs), "the padded handshake is marked too"
-    indicators = [p for p in pkts if p.kind == KIND_RTT_INDICATOR]
-    assert len(indicators) == rec["rtt_indicators_sent"] >= 3
-    assert all(p.whole and p.df and 600 <= p.total_len <= 611 for p in indicators)
     want_ind = ka_rtt.rtt_indicator(rtt_s * 1e3)
     assert any(p.total_len == want_ind for p in indicators)
     print(f"rtt indicators: {sorted({p.total_len for p in indicators})} (srtt -> {want_ind})")
@@ -392,14 +405,19 @@ def test_shortest_leading_fragment_still_names_its_datagram(tmp_path: Path) -> N
     # what this test is about.)
     assert rec["completed"]
     rates = rec["advertised_rates"]
-    assert rates["count"] >= size_packets
+    # Every full-size datagram's ACK carried the rate; the indicators, sent
+    # whole, carried none.
+    carried = rec["rtt_indicators_sent"]
+    assert rates["count"] >= rec["datagrams_sent"] - carried - 1 - 1  # the handshake, the FIN
     assert rates["min_bytes_per_ms"] == pytest.approx(ka_rate.advertised_rate(want_lfl))
     assert rates["max_bytes_per_ms"] == rates["min_bytes_per_ms"]
     (flow,) = [x for x in net.recv_lines() if x["type"] == "flow"]
-    assert flow["fragmented_datagrams"] == size_packets
+    # Segments that carried the endpoint's RTT indicator left whole (DF set).
+    cut = flow["fragmented_datagrams"]
+    assert size_packets - rec["rtt_indicators_sent"] <= cut <= size_packets and cut >= 1
     assert flow["leading_fragment_len"]["min"] == flow["leading_fragment_len"]["max"] == want_lfl
     frag = counters["fragments"]
-    assert frag["assembled_keys"] >= size_packets + 1 and frag["matched"] >= size_packets + 1
+    assert frag["assembled_keys"] >= cut + 1 and frag["matched"] >= cut + 1
     print(f"\n{size_packets} packets at L=24: fct {rec['fct_ns'] / 1e6:.0f} ms")
 
 
@@ -429,10 +447,15 @@ def test_without_marking_no_rate_and_tcp_mode(tmp_path: Path) -> None:
     assert flow["status"] == "completed" and flow["no_rate"]
     assert flow["fragmented_datagrams"] == 0 and flow["leading_fragment_len"]["count"] == 0
     assert flow["advertised_rate_bps"]["last"] is None
-    # (d) whole 1500-byte data datagrams, DF clear, from the sender.
+    # (d) whole 1500-byte data datagrams, DF clear, from the sender; the
+    # ones carrying the RTT indicator DF set at its length.
     data = [p for p in _read_pcap(pcap) if p.src == SND and p.kind == KIND_DATA]
-    assert len(data) >= size_packets
-    assert all(p.whole and not p.df and p.total_len == 1500 for p in data)
+    indicators = [p for p in data if p.df and 600 <= p.total_len <= 611]
+    assert 1 <= len(indicators) <= rec["rtt_indicators_sent"]
+    full = [p for p in data if p not in indicators]
+    assert len(full) >= size_packets - len(indicators) - 1
+    assert all(p.whole and not p.df for p in full)
+    assert all(p.total_len == 1500 for p in full[:-1])
 
 
 def test_bad_and_replayed_tokens_get_at_most_one_small_reply(tmp_path: Path) -> None:

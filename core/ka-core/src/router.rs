@@ -55,6 +55,12 @@ pub struct RouterConfig {
     /// ...once the queue has stayed above `tcp_mode_on` for this many
     /// average RTTs d (0: at once, the paper's rule). See `mode.rs`.
     pub tcp_mode_hold_rtts: f64,
+    /// Hold R while in TCP mode (RCP's update skipped). The traffic then
+    /// is unresponsive by definition (that is why the mode is on), so y
+    /// and q say nothing about the fair share of Kick-Ass flows; updating R
+    /// from them drives it to its floor, where the flows come back when the
+    /// mode ends.
+    pub hold_rate_in_tcp_mode: bool,
     /// How much pacer lateness may be caught up in one burst.
     pub max_burst_ns: Nanos,
     /// Seeds the randomised first control timer.
@@ -81,6 +87,7 @@ impl RouterConfig {
             tcp_mode_on: 0.5,
             tcp_mode_off: 0.4,
             tcp_mode_hold_rtts: 0.0,
+            hold_rate_in_tcp_mode: false,
             max_burst_ns: 1_000_000,
             seed: 0x6b69_636b_6173_7321,
         }
@@ -113,7 +120,8 @@ pub struct Sample {
     pub advertised_rate_bps: f64,
     /// Leading fragment IP payload length in force; null when not fragmenting.
     pub leading_fragment_len: Option<usize>,
-    /// y over the interval that just ended.
+    /// y over the interval that just ended, in wire bytes (a packet the
+    /// router cuts counts its second header).
     pub input_rate_bps: f64,
     /// Bytes that left during the interval, as a rate.
     pub output_rate_bps: f64,
@@ -235,6 +243,24 @@ impl Router {
             encoding::leading_fragment_len(bps_to_bytes_per_ms(self.rcp.rate_bps()));
     }
 
+    /// The bytes `packet` of IP length `len` will take on the link: a
+    /// packet the router will cut carries a second IP header (as long as
+    /// its own: 1520 bytes for a full-size packet). RCP's input y, the queue and the
+    /// link's pacer all count these, so the rate is computed against the
+    /// capacity the link really has.
+    fn wire_len(&self, packet: &[u8], len: usize) -> usize {
+        let marking = match self.cfg.kind {
+            RouterKind::KickAss if !self.mode.tcp() => self.leading_fragment_len,
+            _ => None,
+        };
+        match fragment::classify(packet, marking) {
+            Verdict::Cut { .. } => {
+                len + Packet::new_checked(packet).map_or(0, |p| p.header_len() as usize)
+            }
+            Verdict::Pass(_) => len,
+        }
+    }
+
     /// A LAN -> WAN packet arrived. `Err` hands the buffer back: dropped
     /// (queue full), so the shell can reuse it.
     pub fn on_packet(&mut self, now: Nanos, packet: Vec<u8>) -> Result<(), Vec<u8>> {
@@ -252,11 +278,12 @@ impl Router {
             // Not IPv4 we can read: still forwarded, and still load.
             Err(_) => packet.len(),
         };
+        let wire = self.wire_len(&packet, len);
         self.counters.arrived_packets += 1;
         self.counters.arrived_bytes += len as u64;
-        self.interval_arrived += len as u64;
+        self.interval_arrived += wire as u64;
         let was_idle = self.queue.is_empty();
-        match self.queue.push(packet, len) {
+        match self.queue.push(packet, wire) {
             Ok(()) => {
                 if was_idle {
                     self.pacer.on_arrival_to_idle(now);
@@ -335,7 +362,9 @@ impl Router {
             queue_bytes: self.queue.bytes(),
             rtt_s: self.rtt.rtt_ms() / 1e3,
         };
-        self.rcp.on_interval(&m);
+        if !(self.cfg.hold_rate_in_tcp_mode && self.mode.tcp()) {
+            self.rcp.on_interval(&m);
+        }
         self.refresh_leading_fragment_len();
         let input = self.interval_arrived as f64 * 8.0 / interval_s;
         let output = self.interval_sent as f64 * 8.0 / interval_s;

@@ -8,6 +8,9 @@
 //!   which a router may cut) and `IP_PMTUDISC_DO` (DF set: RTT indicators,
 //!   FIN, the TCP baseline) only when the bit changes, i.e. around each RTT
 //!   indicator, one setsockopt per 100 ms;
+//! * the process is one endpoint with one destination (the agent): one RTT
+//!   indicator every 100 ms for all its flows (paper II-B), carried by
+//!   whichever flow can send it ([`RttIndicatorClock`]);
 //! * pacing: the core's pacer says when the next burst may leave
 //!   (`poll_timeout`); the loop sleeps in `ppoll` with a nanosecond
 //!   timeout and 1 ns timer slack (an hrtimer, not a millisecond tick), and
@@ -18,7 +21,7 @@ use std::io::Write;
 use std::net::{Ipv4Addr, SocketAddrV4};
 
 use ka_transport::wire::MAX_TOKEN_LEN;
-use ka_transport::{Config, Connection, Event, FlowRecord, Nanos, Payload};
+use ka_transport::{Config, Connection, Event, FlowRecord, Nanos, Payload, RttIndicatorClock};
 use serde::Serialize;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -154,6 +157,7 @@ pub struct Runner {
     running: Vec<Running>,
     results: Vec<FlowResult>,
     labels: HashSet<String>,
+    clock: RttIndicatorClock,
     buf: Vec<u8>,
     rbuf: Vec<u8>,
     pub send_errors: u64,
@@ -169,6 +173,7 @@ impl Runner {
             running: Vec::new(),
             results: Vec::new(),
             labels: HashSet::new(),
+            clock: RttIndicatorClock::default(),
             buf: Vec::with_capacity(2048),
             rbuf: vec![0u8; 65_536],
             send_errors: 0,
@@ -235,10 +240,36 @@ impl Runner {
             let spec = self.pending.pop().expect("checked");
             self.start(now, due, spec);
         }
+        self.send_rtt_indicator(now);
         for i in 0..self.running.len() {
             self.service_flow(i, now);
         }
         self.running.retain(|r| !r.finished);
+    }
+
+    /// The endpoint's RTT indicator, when due, from whichever running flow
+    /// can carry it now.
+    fn send_rtt_indicator(&mut self, now: Nanos) {
+        let live: Vec<usize> = (0..self.running.len())
+            .filter(|&i| {
+                !self.running[i].finished && self.running[i].conn.can_carry_rtt_indicator()
+            })
+            .collect();
+        if live.is_empty() {
+            return;
+        }
+        let conns = self
+            .running
+            .iter_mut()
+            .enumerate()
+            .filter(|(i, _)| live.contains(i))
+            .map(|(_, r)| &mut r.conn);
+        if let Some((k, t)) = self.clock.poll(now, conns, &mut self.buf) {
+            let r = &mut self.running[live[k]];
+            if !send_on(r, &self.buf[..t.len], t.dont_fragment) {
+                self.send_errors += 1;
+            }
+        }
     }
 
     fn start(&mut self, now: Nanos, due: Nanos, spec: FlowSpec) {
@@ -284,15 +315,7 @@ impl Runner {
             r.conn.handle_timeout(now);
         }
         while let Some(t) = r.conn.poll_transmit(now, &mut self.buf) {
-            if r.df != Some(t.dont_fragment) {
-                if sys::set_dont_fragment(r.sock.0, t.dont_fragment).is_err() {
-                    self.send_errors += 1;
-                }
-                r.df = Some(t.dont_fragment);
-            }
-            // A send that fails (full buffer, ICMP error pending) is a
-            // lost datagram: the core's loss recovery deals with it.
-            if sys::send(r.sock.0, &self.buf[..t.len]).is_err() {
+            if !send_on(r, &self.buf[..t.len], t.dont_fragment) {
                 self.send_errors += 1;
             }
         }
@@ -351,6 +374,10 @@ impl Runner {
     pub fn next_wake(&self) -> Option<Nanos> {
         let mut t: Option<Nanos> = None;
         let mut take = |x: Nanos| t = Some(t.map_or(x, |t| t.min(x)));
+        let live = self.running.iter().filter(|r| !r.finished).map(|r| &r.conn);
+        if let Some(x) = self.clock.poll_timeout(live) {
+            take(x);
+        }
         if let Some(p) = self.pending.last() {
             let due = self.epoch + p.start;
             // Waiting for a slot: only its deadline is a time of its own
@@ -426,6 +453,19 @@ impl Runner {
             });
         }
     }
+}
+
+/// Send one datagram on a flow's socket with the DF bit the core asked
+/// for (switched only when it changes). False when the send failed: a full
+/// buffer or a pending ICMP error is a lost datagram, which the core's loss
+/// recovery deals with.
+fn send_on(r: &mut Running, bytes: &[u8], dont_fragment: bool) -> bool {
+    let mut ok = true;
+    if r.df != Some(dont_fragment) {
+        ok &= sys::set_dont_fragment(r.sock.0, dont_fragment).is_ok();
+        r.df = Some(dont_fragment);
+    }
+    ok & sys::send(r.sock.0, bytes).is_ok()
 }
 
 /// Where flows come from.

@@ -5,10 +5,14 @@
 //!
 //! * [`Connection`]: the sender of one flow. It paces at the rate a
 //!   Kick-Ass router advertises through the leading fragment's length
-//!   (Kick-Ass mode, [`cc::ExplicitRate`]) and falls back to TCP NewReno
-//!   ([`cc::NewReno`]) exactly when the paper says: no rate for more than
-//!   one RTT, a loss, three duplicate ACKs or an ECN echo; it returns when
-//!   its TCP rate reaches the last advertised rate.
+//!   (Kick-Ass mode, [`cc::ExplicitRate`]) and falls back to TCP (CUBIC by
+//!   default, [`cc::Cubic`]; the paper's NewReno, [`cc::NewReno`], on
+//!   request; both with SACK, RACK-TLP and PRR loss recovery) exactly when
+//!   the paper says: no rate for more than one RTT, a loss, three duplicate
+//!   ACKs or an ECN echo; it returns when its TCP rate reaches the last
+//!   advertised rate.
+//! * [`RttIndicatorClock`]: the endpoint's RTT indicator, one every 100 ms
+//!   per endpoint (paper II-B), carried by one of its flows.
 //! * [`Receiver`]: the agent side. It reassembles the stream, ACKs every
 //!   datagram with cumulative ACK + SACK, and echoes the
 //!   `leading_fragment_len` the shell observed before reassembly together
@@ -24,6 +28,7 @@
 
 pub mod cc;
 pub mod connection;
+pub mod indicator;
 pub mod pacer;
 pub mod payload;
 pub mod receiver;
@@ -33,11 +38,12 @@ pub mod wire;
 
 pub use ka_core::Nanos;
 
-pub use cc::{Controller, ExplicitRate, NewReno};
+pub use cc::{CongestionControl, Controller, Cubic, ExplicitRate, NewReno};
 pub use connection::{
     Config, ConfigError, Connection, ConnectionError, ConnectionStats, DatagramError, Event,
-    Transmit, SMSS,
+    Transmit, DUP_THRESH, SMSS,
 };
+pub use indicator::{RttIndicatorClock, RTT_INDICATOR_INTERVAL};
 pub use pacer::Pacer;
 pub use payload::{pattern_byte, pattern_fill, Payload};
 pub use receiver::{

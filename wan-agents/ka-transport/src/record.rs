@@ -12,7 +12,7 @@ pub enum Mode {
     /// Pace at the router's advertised rate.
     #[serde(rename = "kickass")]
     KickAss,
-    /// Behave as TCP NewReno.
+    /// Behave as TCP (the flow's `cc`: CUBIC by default, NewReno as in the paper).
     #[serde(rename = "tcp")]
     Tcp,
 }
@@ -34,8 +34,11 @@ pub enum SwitchReason {
     NoRate,
     /// The retransmission timer expired: a dropped packet (II-C3).
     Rto,
-    /// Three duplicate ACKs (II-C3).
+    /// Three duplicate ACKs (II-C3): DupThresh segments SACKed above a hole.
     DupAcks,
+    /// A loss found by time (RACK, RFC 8985) before three duplicate ACKs
+    /// came, or repaired by a tail loss probe (II-C3: "a dropped packet").
+    Loss,
     /// An ECN-echo (II-C3).
     Ecn,
     /// TCP mode's rate cwnd/SRTT reached the last advertised rate (II-C3).
@@ -117,5 +120,9 @@ pub struct FlowRecord {
     pub min_rtt_ns: Option<Nanos>,
     pub advertised_rates: RateStats,
     pub datagrams_sent: u64,
+    /// RTT indicators this flow carried for its endpoint (paper II-B: one
+    /// per endpoint every 100 ms, not one per flow): data segments cut to
+    /// the indicator's length and standalone indicators alike. Both are
+    /// also in `datagrams_sent`.
     pub rtt_indicators_sent: u64,
 }

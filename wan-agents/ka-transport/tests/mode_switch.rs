@@ -36,7 +36,7 @@ fn send_for(m: &mut Manual, d: u64) -> Vec<common::manual::Sent> {
     let mut out = Vec::new();
     loop {
         out.extend(m.send_now());
-        match m.conn.poll_timeout() {
+        match m.next_timeout() {
             Some(t) if t > m.now && t <= end => m.advance_to(t),
             _ => break,
         }
@@ -46,26 +46,29 @@ fn send_for(m: &mut Manual, d: u64) -> Vec<common::manual::Sent> {
 
 #[test]
 fn kickass_mode_paces_at_the_advertised_rate_with_df_clear() {
-    let mut m = ka();
+    let mut m = ka().with_indicators();
     assert_eq!(m.conn.pacing_rate(), Some(rate_10mbit() * 1000.0));
     // rate x SRTT (rounded up) + 2 SMSS of headroom.
     let bdp = (payload_rate(rate_10mbit(), U, 1500) * 0.1).ceil() as u64;
     assert_eq!(m.conn.window(), bdp + 2 * U);
     let sent = send_for(&mut m, ms(50));
     assert!(
-        sent.iter().all(|s| !s.df),
-        "Kick-Ass data leaves with DF clear"
+        sent.iter().all(|s| s.df == s.indicator),
+        "Kick-Ass data leaves with DF clear, the indicator with DF set"
     );
-    // 50 ms at 1191.96 B/ms of 1500-byte datagrams, plus the 2-packet burst.
-    let expect = 50.0 * rate_10mbit() / 1500.0 + 2.0;
+    // 50 ms at 1191.96 B/ms of 1500-byte datagrams, plus the 2-packet
+    // burst (the indicator's 606 bytes count as 0.4 of one).
+    let expect = 50.0 * rate_10mbit() / 1500.0 + 2.0 + 0.6;
     assert!(
         (sent.len() as f64 - expect).abs() <= 1.0,
         "{} vs {expect}",
         sent.len()
     );
     // An RTT indicator went out at once (srtt known from the handshake),
-    // DF set, IP length 606 for 100 ms (paper II-B: [64, 128) ms).
+    // DF set, IP length 606 for 100 ms (paper II-B: [64, 128) ms), as the
+    // first data segment cut to that length.
     assert_eq!(m.indicators, vec![606]);
+    assert!(sent[0].indicator && sent[0].len == 606 - 28 - 32);
 }
 
 #[test]
@@ -95,7 +98,7 @@ fn no_rate_for_more_than_one_rtt() {
         (sw[0].from, sw[0].to, sw[0].reason),
         (Mode::KickAss, Mode::Tcp, SwitchReason::NoRate)
     );
-    // NewReno takes over rate x SRTT in congestion avoidance.
+    // TCP mode (CUBIC) takes over rate x SRTT in congestion avoidance.
     let bdp = (payload_rate(rate_10mbit(), U, 1500) * srtt as f64 / 1e9) as u64;
     assert!(
         m.conn.window().abs_diff(bdp) < U,
@@ -119,7 +122,18 @@ fn loss_by_retransmission_timeout() {
     assert_eq!(m.conn.ka_mode(), Mode::Tcp);
     assert_eq!(m.switches()[0].reason, SwitchReason::Rto);
     assert_eq!(m.conn.window(), U);
-    assert_eq!(m.conn.ssthresh(), (flight / 2).max(2 * U));
+    // CUBIC's beta from the window Kick-Ass mode was using (rate x SRTT).
+    assert!(
+        m.conn.ssthresh().abs_diff((0.7 * ka_bdp(&m) as f64) as u64) <= 1,
+        "{} (flight {flight})",
+        m.conn.ssthresh()
+    );
+}
+
+/// rate x SRTT: the window TCP mode takes over.
+fn ka_bdp(m: &Manual) -> u64 {
+    let srtt = m.conn.rtt().srtt().expect("sampled");
+    (payload_rate(rate_10mbit(), U, 1500) * srtt as f64 / 1e9).ceil() as u64
 }
 
 #[test]
@@ -136,10 +150,11 @@ fn three_duplicate_acks() {
     m.ack(0, &[(U, 4 * U)], sent[3].ts, Some(L_10MBIT));
     assert_eq!(m.conn.ka_mode(), Mode::Tcp);
     assert_eq!(m.switches()[0].reason, SwitchReason::DupAcks);
-    // Standard TCP back-off from the Kick-Ass flight (II-C3).
+    // Standard TCP back-off from the Kick-Ass window (II-C3): CUBIC's
+    // beta, the window coming down through PRR, the hole resent first.
     assert!(m.conn.in_recovery());
-    assert_eq!(m.conn.ssthresh(), (flight / 2).max(2 * U));
-    assert_eq!(m.conn.window(), m.conn.ssthresh() + 3 * U);
+    assert!(flight > 0);
+    assert!(m.conn.ssthresh().abs_diff((0.7 * ka_bdp(&m) as f64) as u64) <= 1);
     let r = m.send_now();
     assert_eq!((r[0].seq, r[0].retransmission), (0, true));
 }
@@ -161,8 +176,7 @@ fn ecn_echo() {
     .expect("valid");
     assert_eq!(m.conn.ka_mode(), Mode::Tcp);
     assert_eq!(m.switches()[0].reason, SwitchReason::Ecn);
-    let flight = m.conn.flight_size();
-    assert_eq!(m.conn.ssthresh(), (flight / 2).max(2 * U));
+    assert!(m.conn.ssthresh().abs_diff((0.7 * ka_bdp(&m) as f64) as u64) <= 1);
     assert_eq!(m.conn.window(), m.conn.ssthresh());
     assert!(!m.conn.in_recovery());
 }

@@ -10,7 +10,7 @@ use ka_agent::send_shell::{
     parse_token, print_json, run, FlowSpec, SendOptions, Source, MAX_FLOW_SIZE,
 };
 use ka_agent::sys;
-use ka_transport::{Config, HandshakeMode};
+use ka_transport::{Config, CongestionControl, HandshakeMode};
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum HandshakeArg {
@@ -51,8 +51,11 @@ struct Cli {
     schedule: Option<String>,
     #[arg(long, value_enum, default_value = "padded")]
     handshake: HandshakeArg,
-    /// The TCP baseline over the same transport: NewReno only, DF set,
-    /// rates ignored
+    /// TCP mode's congestion control: cubic (RFC 9438 with HyStart, as
+    /// Linux) or newreno (the paper's); both with SACK, RACK-TLP and PRR
+    #[arg(long, default_value = "cubic")]
+    cc: CongestionControl,
+    /// This transport as plain TCP (--cc only): DF set, rates ignored
     #[arg(long)]
     tcp_only: bool,
     /// Give up on a flow this many seconds after it was due (its wait for
@@ -94,9 +97,12 @@ fn main() -> ExitCode {
         return usage("--timeout must be between 0 and 86400 seconds");
     }
     let mut cfg = if cli.tcp_only {
-        Config::new_reno()
+        Config::tcp(cli.cc)
     } else {
-        Config::default()
+        Config {
+            cc: cli.cc,
+            ..Config::default()
+        }
     };
     cfg.handshake_mode = match cli.handshake {
         HandshakeArg::Padded => HandshakeMode::Padded,

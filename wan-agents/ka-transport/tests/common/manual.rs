@@ -4,7 +4,7 @@
 
 use ka_core::Nanos;
 use ka_transport::wire::{Ack, HandshakeAck, Kind, RateEcho, Repr, SackBlocks, Status};
-use ka_transport::{Config, Connection, DatagramError, Event, Payload, SMSS};
+use ka_transport::{Config, Connection, DatagramError, Event, Payload, RttIndicatorClock, SMSS};
 
 use super::{MS, TOKEN};
 
@@ -20,13 +20,20 @@ pub struct Sent {
     pub ts: u64,
     pub retransmission: bool,
     pub df: bool,
+    /// This segment carried the endpoint's RTT indicator (cut to its length, DF set).
+    pub indicator: bool,
 }
 
 pub struct Manual {
     pub conn: Connection,
     pub now: Nanos,
     pub events: Vec<Event>,
+    /// IP lengths of the RTT indicators sent (standalone or carried by data).
     pub indicators: Vec<usize>,
+    /// The endpoint's indicator clock (this flow is the endpoint's only
+    /// one); `None` (the default) sends no indicators, so that segments
+    /// keep whole SMSS boundaries in tests of other rules.
+    pub clock: Option<RttIndicatorClock>,
     buf: Vec<u8>,
 }
 
@@ -39,6 +46,7 @@ impl Manual {
             now: 0,
             events: Vec::new(),
             indicators: Vec::new(),
+            clock: None,
             buf: Vec::new(),
         }
     }
@@ -67,17 +75,37 @@ impl Manual {
         m
     }
 
+    /// Send the endpoint's RTT indicators too (paper II-B).
+    pub fn with_indicators(mut self) -> Self {
+        self.clock = Some(RttIndicatorClock::default());
+        self
+    }
+
     pub fn drain_events(&mut self) {
         while let Some(e) = self.conn.poll_event() {
             self.events.push(e);
         }
     }
 
-    /// Everything sendable at the current time (RTT indicators are
-    /// collected aside).
+    /// Everything sendable at the current time, the endpoint's RTT
+    /// indicator first when it is due (its IP length is collected aside).
     pub fn send_now(&mut self) -> Vec<Sent> {
         let mut out = Vec::new();
-        while let Some(t) = self.conn.poll_transmit(self.now, &mut self.buf) {
+        loop {
+            let indicator = match self.clock.as_mut() {
+                Some(c) => c.poll(self.now, [&mut self.conn], &mut self.buf),
+                None => None,
+            };
+            let t = match indicator {
+                Some((_, t)) => t,
+                None => match self.conn.poll_transmit(self.now, &mut self.buf) {
+                    Some(t) => t,
+                    None => break,
+                },
+            };
+            if t.rtt_indicator {
+                self.indicators.push(t.ip_len());
+            }
             match Repr::parse_bytes(&self.buf[..t.len]).expect("own datagram parses") {
                 Repr::Data(d) => out.push(Sent {
                     seq: d.seq,
@@ -85,8 +113,9 @@ impl Manual {
                     ts: d.timestamp,
                     retransmission: d.retransmission,
                     df: t.dont_fragment,
+                    indicator: t.rtt_indicator,
                 }),
-                Repr::RttIndicator(_) => self.indicators.push(t.ip_len()),
+                Repr::RttIndicator(_) => {}
                 Repr::Fin(_) => {}
                 other => panic!("unexpected {other:?}"),
             }
@@ -107,10 +136,24 @@ impl Manual {
             if !more || flight + SMSS > window {
                 return out;
             }
-            match self.conn.poll_timeout() {
+            match self.next_timeout() {
                 Some(t) if t > self.now => self.advance_to(t),
                 _ => return out,
             }
+        }
+    }
+
+    /// The connection's next deadline, or the indicator clock's when a flow
+    /// can carry it.
+    pub fn next_timeout(&self) -> Option<Nanos> {
+        let c = self.conn.poll_timeout();
+        let i = self
+            .clock
+            .as_ref()
+            .and_then(|c| c.poll_timeout([&self.conn]));
+        match (c, i) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
         }
     }
 

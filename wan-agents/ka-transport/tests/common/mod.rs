@@ -26,7 +26,7 @@ use ka_core::wire::ipv4::{Packet as Ipv4Packet, Repr as Ipv4Repr};
 use ka_core::Nanos;
 use ka_transport::{
     pattern_byte, Config, Connection, Event, FlowRecord, Payload, Receiver, ReceiverConfig,
-    ReceiverEvent, ReceiverStats, RxInfo, TokenRequest, TokenValidator,
+    ReceiverEvent, ReceiverStats, RttIndicatorClock, RxInfo, TokenRequest, TokenValidator,
 };
 
 pub const MS: Nanos = 1_000_000;
@@ -115,7 +115,17 @@ impl PathConfig {
 pub struct FlowSpec {
     pub cfg: Config,
     pub size: u64,
+    /// Open loop: when it starts.
     pub start: Nanos,
+    /// Closed loop (paper III-B's on-off senders): starts this long after
+    /// flow `.0` ended (completed, failed or cut), instead of at `start`.
+    pub after: Option<(usize, Nanos)>,
+    /// The sending endpoint: flows of one endpoint share its RTT indicator
+    /// clock (paper II-B), as the flows of one `ka-send` do.
+    pub endpoint: usize,
+    /// Cut (not completed) at this time, as a trial period's deadline cuts
+    /// a flow.
+    pub deadline: Option<Nanos>,
     pub token: Vec<u8>,
 }
 
@@ -125,6 +135,9 @@ impl FlowSpec {
             cfg,
             size,
             start: 0,
+            after: None,
+            endpoint: 0,
+            deadline: None,
             token: TOKEN.to_vec(),
         }
     }
@@ -142,6 +155,9 @@ pub struct PathStats {
     pub fragmented: u64,
     /// IP lengths of RTT indicators that crossed the path.
     pub rtt_indicator_lens: Vec<usize>,
+    /// IP bytes each sender put on the path, and how many of them were
+    /// DATA payload (the wire cost of a flow: ratio of the two).
+    pub forward_ip_bytes: u64,
     /// Leading fragment lengths seen at the receiver.
     pub leading_fragment_lens: Vec<u16>,
     pub max_queue: usize,
@@ -152,6 +168,10 @@ pub struct FlowOutcome {
     pub events: Vec<Event>,
     pub delivered: u64,
     pub closed_at: Option<Nanos>,
+    /// When the flow was created (its start, or its closed-loop start).
+    pub started_at: Option<Nanos>,
+    /// Stopped by its deadline before completing.
+    pub cut: bool,
 }
 
 pub struct Outcome {
@@ -159,8 +179,8 @@ pub struct Outcome {
     pub path: PathStats,
     pub receiver: ReceiverStats,
     pub end: Nanos,
-    /// Router telemetry of the KaRouter bottleneck (advertised rate, bps).
-    pub router_rates: Vec<(Nanos, f64, &'static str)>,
+    /// Router telemetry of the KaRouter bottleneck, one per control interval.
+    pub router_samples: Vec<ka_core::router::Sample>,
 }
 
 enum Ev {
@@ -210,11 +230,22 @@ pub struct Sim {
     specs: Vec<FlowSpec>,
     events: Vec<Vec<Event>>,
     closed_at: Vec<Option<Nanos>>,
+    started_at: Vec<Option<Nanos>>,
+    cut: Vec<bool>,
     delivered: Vec<u64>,
+    /// Flows started and not closed, in start order.
+    active: Vec<usize>,
+    /// Open-loop flows not started yet, latest start first.
+    pending: Vec<usize>,
+    /// Closed-loop flows waiting for their predecessor: (predecessor, flow).
+    waiting: Vec<(usize, usize)>,
+    /// Closed-loop flows whose start time is known, not started yet.
+    scheduled: Vec<(Nanos, usize)>,
+    clocks: Vec<RttIndicatorClock>,
     recv: Receiver<TokenIs>,
     ip_ident: u16,
     stats: PathStats,
-    router_rates: Vec<(Nanos, f64, &'static str)>,
+    router_samples: Vec<ka_core::router::Sample>,
 }
 
 fn sender_addr(flow: usize) -> SocketAddr {
@@ -228,6 +259,12 @@ impl Sim {
 
     pub fn with_receiver(path: PathConfig, flows: Vec<FlowSpec>, rcfg: ReceiverConfig) -> Self {
         let n = flows.len();
+        let mut pending: Vec<usize> = (0..n).filter(|&i| flows[i].after.is_none()).collect();
+        pending.sort_by_key(|&i| std::cmp::Reverse((flows[i].start, i)));
+        let waiting = (0..n)
+            .filter_map(|i| flows[i].after.map(|(p, _)| (p, i)))
+            .collect();
+        let endpoints = flows.iter().map(|f| f.endpoint + 1).max().unwrap_or(0);
         Sim {
             now: 0,
             rng: SplitMix64::new(path.seed),
@@ -240,11 +277,18 @@ impl Sim {
             specs: flows,
             events: vec![Vec::new(); n],
             closed_at: vec![None; n],
+            started_at: vec![None; n],
+            cut: vec![false; n],
             delivered: vec![0; n],
+            active: Vec::new(),
+            pending,
+            waiting,
+            scheduled: Vec::new(),
+            clocks: vec![RttIndicatorClock::default(); endpoints],
             recv: Receiver::new(rcfg, TokenIs(TOKEN.to_vec())),
             ip_ident: 1,
             stats: PathStats::default(),
-            router_rates: Vec::new(),
+            router_samples: Vec::new(),
         }
     }
 
@@ -290,6 +334,7 @@ impl Sim {
     fn forward(&mut self, flow: usize, payload: &[u8], df: bool) {
         self.stats.forward_datagrams += 1;
         let ip = self.ip_packet(flow, payload, df);
+        self.stats.forward_ip_bytes += ip.len() as u64;
         if encoding::is_rtt_indicator(ip.len(), df) {
             self.stats.rtt_indicator_lens.push(ip.len());
         }
@@ -362,8 +407,7 @@ impl Sim {
         let mut out = Vec::new();
         if let Bottleneck::KaRouter(r) = &mut self.path.bottleneck {
             if let Some(s) = r.handle_timeout(now) {
-                self.router_rates
-                    .push((now, s.advertised_rate_bps, s.marking_mode));
+                self.router_samples.push(s);
             }
             while let Some(t) = r.poll_transmit(now) {
                 let pieces = match &t.split {
@@ -416,11 +460,53 @@ impl Sim {
             .handle_datagram(self.now, sender_addr(flow), datagram, rx);
     }
 
+    fn end_flow(&mut self, i: usize) {
+        self.closed_at[i] = Some(self.now);
+        self.active.retain(|&a| a != i);
+        let waiting = std::mem::take(&mut self.waiting);
+        for (p, f) in waiting {
+            if p == i {
+                let off = self.specs[f].after.expect("closed loop").1;
+                self.scheduled.push((self.now + off, f));
+            } else {
+                self.waiting.push((p, f));
+            }
+        }
+    }
+
     fn drain_outputs(&mut self) {
         let mut buf = Vec::new();
         loop {
             let mut progressed = false;
-            for i in 0..self.conns.len() {
+            // Each endpoint's RTT indicator, carried by one of its flows.
+            for e in 0..self.clocks.len() {
+                if !self.clocks[e].is_due(self.now) {
+                    continue;
+                }
+                let mine: Vec<usize> = self
+                    .active
+                    .iter()
+                    .copied()
+                    .filter(|&i| self.specs[i].endpoint == e)
+                    .collect();
+                let mut conns: Vec<(usize, &mut Connection)> = self
+                    .conns
+                    .iter_mut()
+                    .enumerate()
+                    .filter(|(i, c)| c.is_some() && mine.contains(i))
+                    .map(|(i, c)| (i, c.as_mut().expect("some")))
+                    .collect();
+                let (idx, refs): (Vec<usize>, Vec<&mut Connection>) = conns.drain(..).unzip();
+                if let Some((k, t)) = self.clocks[e].poll(self.now, refs, &mut buf) {
+                    progressed = true;
+                    let bytes = buf[..t.len].to_vec();
+                    self.forward(idx[k], &bytes, t.dont_fragment);
+                }
+            }
+            for k in 0..self.active.len() {
+                let Some(&i) = self.active.get(k) else {
+                    break;
+                };
                 while let Some(t) = self.conns[i]
                     .as_mut()
                     .and_then(|c| c.poll_transmit(self.now, &mut buf))
@@ -429,14 +515,20 @@ impl Sim {
                     let bytes = buf[..t.len].to_vec();
                     self.forward(i, &bytes, t.dont_fragment);
                 }
+            }
+            let mut ended = Vec::new();
+            for &i in &self.active {
                 if let Some(c) = self.conns[i].as_mut() {
                     while let Some(e) = c.poll_event() {
                         if matches!(e, Event::Closed | Event::Failed(_)) {
-                            self.closed_at[i] = Some(self.now);
+                            ended.push(i);
                         }
                         self.events[i].push(e);
                     }
                 }
+            }
+            for i in ended {
+                self.end_flow(i);
             }
             while let Some(t) = self.recv.poll_transmit(&mut buf) {
                 progressed = true;
@@ -476,48 +568,96 @@ impl Sim {
         }
     }
 
+    fn start_flow(&mut self, i: usize) {
+        let s = &self.specs[i];
+        let c = Connection::new(
+            s.cfg.clone(),
+            Self::flow_id(i),
+            s.token.clone(),
+            Payload::Pattern { len: s.size },
+            self.now,
+        )
+        .expect("valid flow");
+        self.conns[i] = Some(c);
+        self.started_at[i] = Some(self.now);
+        self.active.push(i);
+    }
+
+    fn start_due(&mut self) {
+        while let Some(&i) = self.pending.last() {
+            if self.specs[i].start > self.now {
+                break;
+            }
+            self.pending.pop();
+            self.start_flow(i);
+        }
+        let due: Vec<usize> = self
+            .scheduled
+            .iter()
+            .filter(|(t, _)| *t <= self.now)
+            .map(|&(_, i)| i)
+            .collect();
+        self.scheduled.retain(|(t, _)| *t > self.now);
+        for i in due {
+            self.start_flow(i);
+        }
+    }
+
+    /// Cut what passed its deadline (the record says what it had done).
+    fn cut_due(&mut self) {
+        let due: Vec<usize> = self
+            .active
+            .iter()
+            .copied()
+            .filter(|&i| self.specs[i].deadline.is_some_and(|d| d <= self.now))
+            .collect();
+        for i in due {
+            let completed = self.conns[i].as_ref().is_some_and(|c| c.is_completed());
+            self.cut[i] = !completed;
+            self.end_flow(i);
+        }
+    }
+
+    fn next_time(&self) -> Option<Nanos> {
+        let mut next: Option<Nanos> = self.heap.peek().map(|Reverse(q)| q.at);
+        let mut take = |t: Option<Nanos>| {
+            if let Some(t) = t {
+                next = Some(next.map_or(t, |n: Nanos| n.min(t)));
+            }
+        };
+        for &i in &self.active {
+            let c = self.conns[i].as_ref().expect("active flows exist");
+            take(c.poll_timeout());
+            take(self.specs[i].deadline);
+        }
+        for (e, clock) in self.clocks.iter().enumerate() {
+            let mine = self
+                .active
+                .iter()
+                .filter(|&&i| self.specs[i].endpoint == e)
+                .filter_map(|&i| self.conns[i].as_ref());
+            take(clock.poll_timeout(mine));
+        }
+        take(self.pending.last().map(|&i| self.specs[i].start));
+        take(self.scheduled.iter().map(|&(t, _)| t).min());
+        take(self.recv.poll_timeout());
+        take(self.router_timeout());
+        next
+    }
+
     /// Run until every flow is closed or `limit` of simulated time.
     pub fn run(mut self, limit: Nanos) -> Outcome {
         let mut same_time_steps = 0u64;
         let mut last_now = 0;
         loop {
-            for i in 0..self.specs.len() {
-                if self.conns[i].is_none() && self.closed_at[i].is_none() {
-                    let s = &self.specs[i];
-                    if s.start <= self.now {
-                        let c = Connection::new(
-                            s.cfg.clone(),
-                            Self::flow_id(i),
-                            s.token.clone(),
-                            Payload::Pattern { len: s.size },
-                            self.now,
-                        )
-                        .expect("valid flow");
-                        self.conns[i] = Some(c);
-                    }
-                }
-            }
+            self.start_due();
             self.drain_outputs();
+            self.cut_due();
             let all_closed = self.closed_at.iter().all(|c| c.is_some());
             if all_closed {
                 break;
             }
-            let mut next: Option<Nanos> = self.heap.peek().map(|Reverse(q)| q.at);
-            let mut take = |t: Option<Nanos>| {
-                if let Some(t) = t {
-                    next = Some(next.map_or(t, |n: Nanos| n.min(t)));
-                }
-            };
-            for (i, c) in self.conns.iter().enumerate() {
-                match c {
-                    Some(c) => take(c.poll_timeout()),
-                    None if self.closed_at[i].is_none() => take(Some(self.specs[i].start)),
-                    None => {}
-                }
-            }
-            take(self.recv.poll_timeout());
-            take(self.router_timeout());
-            let Some(next) = next else { break };
+            let Some(next) = self.next_time() else { break };
             if next > limit {
                 break;
             }
@@ -538,16 +678,20 @@ impl Sim {
                 match q.ev {
                     Ev::Forward { flow, pieces } => self.deliver_forward(flow, pieces),
                     Ev::Reverse { flow, bytes } => {
-                        if let Some(c) = self.conns[flow].as_mut() {
-                            let _ = c.handle_datagram(self.now, &bytes);
+                        if self.closed_at[flow].is_none() {
+                            if let Some(c) = self.conns[flow].as_mut() {
+                                let _ = c.handle_datagram(self.now, &bytes);
+                            }
                         }
                     }
                 }
             }
             let now = self.now;
-            for c in self.conns.iter_mut().flatten() {
-                if c.poll_timeout().is_some_and(|t| t <= now) {
-                    c.handle_timeout(now);
+            for &i in &self.active {
+                if let Some(c) = self.conns[i].as_mut() {
+                    if c.poll_timeout().is_some_and(|t| t <= now) {
+                        c.handle_timeout(now);
+                    }
                 }
             }
             if self.recv.poll_timeout().is_some_and(|t| t <= now) {
@@ -562,12 +706,30 @@ impl Sim {
             .iter()
             .enumerate()
             .map(|(i, c)| {
-                let c = c.as_ref().expect("flow started");
+                // A flow that never started (the limit came first) reports
+                // the record of a flow that sent nothing.
+                let record = match c {
+                    Some(c) => c.record(),
+                    None => {
+                        let s = &self.specs[i];
+                        Connection::new(
+                            s.cfg.clone(),
+                            Self::flow_id(i),
+                            s.token.clone(),
+                            Payload::Pattern { len: s.size },
+                            self.now,
+                        )
+                        .expect("valid flow")
+                        .record()
+                    }
+                };
                 FlowOutcome {
-                    record: c.record(),
+                    record,
                     events: self.events[i].clone(),
                     delivered: self.delivered[i],
                     closed_at: self.closed_at[i],
+                    started_at: self.started_at[i],
+                    cut: self.cut[i],
                 }
             })
             .collect();
@@ -576,7 +738,7 @@ impl Sim {
             path: self.stats,
             receiver: self.recv.stats().clone(),
             end: self.now,
-            router_rates: self.router_rates,
+            router_samples: self.router_samples,
         }
     }
 }
