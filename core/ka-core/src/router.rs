@@ -254,9 +254,7 @@ impl Router {
             _ => None,
         };
         match fragment::classify(packet, marking) {
-            Verdict::Cut { .. } => {
-                len + Packet::new_checked(packet).map_or(0, |p| p.header_len() as usize)
-            }
+            Verdict::Cut { .. } => len + Packet::new_checked(packet).map_or(0, |p| p.header_len()),
             Verdict::Pass(_) => len,
         }
     }

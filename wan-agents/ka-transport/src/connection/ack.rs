@@ -211,25 +211,22 @@ impl Connection {
         let ssthresh = self.ssthresh();
         if let Some(rec) = &mut self.recovery {
             rec.on_ack(delivered.bytes, pipe, ssthresh, super::SMSS);
-        } else if !in_order {
-        } else if delivered.bytes > 0 && ack.cum_ack >= self.loss_recover {
-            let sample = AckSample {
-                delivered: delivered.bytes,
-                rtt: rtt_sample,
-                cum_ack: ack.cum_ack,
-                snd_nxt: self.snd_nxt,
-            };
-            let rtt = self.rtt.clone();
+            return;
+        }
+        if !in_order || delivered.bytes == 0 {
+            return;
+        }
+        let sample = AckSample {
+            delivered: delivered.bytes,
+            rtt: rtt_sample,
+            cum_ack: ack.cum_ack,
+            snd_nxt: self.snd_nxt,
+        };
+        let rtt = self.rtt.clone();
+        if ack.cum_ack >= self.loss_recover {
             self.controller_mut().on_ack(now, &sample, &rtt);
-        } else if delivered.bytes > 0 {
-            // Repairing after a timeout: slow start towards ssthresh.
-            let sample = AckSample {
-                delivered: delivered.bytes,
-                rtt: rtt_sample,
-                cum_ack: ack.cum_ack,
-                snd_nxt: self.snd_nxt,
-            };
-            let rtt = self.rtt.clone();
+        } else {
+            // Repairing after a timeout: TCP mode slow-starts towards ssthresh.
             self.tcp.on_ack(now, &sample, &rtt);
         }
     }
