@@ -21,7 +21,9 @@ bound is in ``FIELDS``; what a bound cannot say (a time, printable text, a
 ``real``'s smallest value, free-form JSON) is one function here or in
 ``strictjson`` that ``check`` and the server's model both call, and
 ``tests/server/test_flow_validators.py`` shows that the two accept and refuse
-the same records. Standard library only: the volunteer client ships this package.
+the same records. The other tables' bounds (router telemetry, trials, the
+study, Atlas) are ``kickass_core.bounds``, on this ``Field`` and
+``check_value``. Standard library only: the volunteer client ships this package.
 """
 
 from __future__ import annotations
@@ -52,6 +54,13 @@ EXTRA_MAX_KEYS = 32
 EXTRA_MAX_BYTES = 4096  # as compact JSON
 # An ISO 8601 time with its offset is 32 characters at most; room for more digits.
 TIME_MAX_CHARS = 64
+# When anything measured here can have happened (UTC): from the Unix epoch to
+# 2100. Every reader holds these, and a period's or a router run's offset
+# from one (kickass_core.bounds: at most ~3 years) too; a year-9999 trial's
+# periods began in year 10000, which PostgreSQL stores and no Python or
+# Parquet reader reads back.
+TIME_MIN = datetime(1970, 1, 1, tzinfo=timezone.utc)
+TIME_MAX = datetime(2100, 1, 1, tzinfo=timezone.utc)
 
 # Anchored with ^...$ and used with fullmatch: the same text is a valid
 # pattern for Python's re and for the Rust regex engine under pydantic.
@@ -89,6 +98,8 @@ class Field:
     # Stored in a 4-byte ``real`` column: a nonzero value must be a normal
     # float32 (PostgreSQL refuses what would underflow to a subnormal).
     real: bool = False
+    # The minimum itself is refused (a period lasts more than 0 s).
+    exclusive_minimum: bool = False
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name, "kind": self.kind}
@@ -96,6 +107,8 @@ class Field:
             out[key] = getattr(self, key)
         if self.real:
             out["real"] = True
+        if self.exclusive_minimum:
+            out["exclusive_minimum"] = True
         for key in ("minimum", "maximum", "choices", "pattern", "max_len", "max_bytes"):
             value = getattr(self, key)
             if value is not None:
@@ -228,7 +241,8 @@ def from_transport(record: Mapping[str, Any], error: str | None = None) -> dict[
 
 
 class FlowRecordError(ValueError):
-    """A record that does not fit the definition; ``field`` names the culprit."""
+    """A record (or one value, ``check_value``) that does not fit its definition;
+    ``field`` names the culprit."""
 
     def __init__(self, field: str, problem: str) -> None:
         super().__init__(f"{field}: {problem}")
@@ -250,7 +264,7 @@ def check(record: Mapping[str, Any]) -> None:
             if f.required:
                 raise FlowRecordError(f.name, "missing")
             continue
-        _check_value(f, record[f.name])
+        check_value(f, record[f.name])
 
 
 def real_ok(value: float) -> bool:
@@ -260,9 +274,7 @@ def real_ok(value: float) -> bool:
 
 def parse_time(value: Any, max_len: int = TIME_MAX_CHARS) -> datetime:
     """An ISO 8601 time with a UTC offset, as a flow record (and every upload)
-    carries it; ValueError otherwise. The time must have a UTC equivalent
-    that a reader can hold: 9999-12-31T23:00-05:00 is in year 10000 in UTC,
-    which PostgreSQL stores and no Python reader reads back."""
+    carries it, from ``TIME_MIN`` to ``TIME_MAX``; ValueError otherwise."""
     if not isinstance(value, str) or len(value) > max_len:
         raise ValueError("not an ISO 8601 time")
     try:
@@ -272,13 +284,17 @@ def parse_time(value: Any, max_len: int = TIME_MAX_CHARS) -> datetime:
     if t.utcoffset() is None:
         raise ValueError("needs a UTC offset (a time without one is hours off)")
     try:
-        t.astimezone(timezone.utc)
+        utc = t.astimezone(timezone.utc)
     except OverflowError:
-        raise ValueError("outside the years 1 to 9999 in UTC") from None
+        utc = None
+    if utc is None or not TIME_MIN <= utc <= TIME_MAX:
+        raise ValueError(f"must lie within {TIME_MIN.isoformat()} and {TIME_MAX.isoformat()}")
     return t
 
 
-def _check_value(f: Field, value: Any) -> None:
+def check_value(f: Field, value: Any) -> None:
+    """Raise FlowRecordError unless ``value`` fits the field ``f`` (of this table or
+    of any in ``kickass_core.bounds``, which holds every other writer's columns)."""
     if value is None:
         if not f.nullable:
             raise FlowRecordError(f.name, "may not be null")
@@ -299,10 +315,12 @@ def _check_value(f: Field, value: Any) -> None:
                 raise FlowRecordError(f.name, "must be a finite number") from None
             if not math.isfinite(value):
                 raise FlowRecordError(f.name, "must be finite")
-        if (f.minimum is not None and value < f.minimum) or (
-            f.maximum is not None and value > f.maximum
-        ):
-            raise FlowRecordError(f.name, f"must lie within [{f.minimum}, {f.maximum}]")
+        low = f.minimum is not None and (
+            value <= f.minimum if f.exclusive_minimum else value < f.minimum
+        )
+        if low or (f.maximum is not None and value > f.maximum):
+            opening = "(" if f.exclusive_minimum else "["
+            raise FlowRecordError(f.name, f"must lie within {opening}{f.minimum}, {f.maximum}]")
         if f.real and not real_ok(value):
             raise FlowRecordError(f.name, f"too small for its column (0, or at least {REAL_MIN})")
     elif f.kind == "time":

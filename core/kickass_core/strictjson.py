@@ -10,6 +10,9 @@ Used by the server's HTTP API, the trial-upload API and the volunteer client.
 bound for a ``jsonb`` column, is small and plain enough to store and to read
 back (the server's request models and the trial runner's own check of a
 flow record both call it, so they accept the same objects).
+
+``read_lines`` reads newline-delimited JSON from a file or a pipe with a
+bound on each line (``kickass telemetry ingest``, ``kickass atlas import``).
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ import json
 import math
 import re
 import sys
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import IO, Any
 
 MAX_DEPTH = 32
 # CPython 3.11 (and 3.9.14+, 3.10.7+) refuse to convert integer literals of
@@ -136,3 +139,26 @@ def check_bounded(value: Any, max_bytes: int, max_values: int = MAX_VALUES) -> N
             raise ValueError(f"not plain JSON ({type(v).__name__})")
     if len(json.dumps(value, separators=(",", ":"))) > max_bytes:
         raise ValueError(f"more than {max_bytes} bytes of JSON")
+
+
+def read_lines(
+    stream: IO[bytes], max_bytes: int, copy: Callable[[bytes], None] | None = None
+) -> Iterator[bytes]:
+    """The lines of ``stream``, newline included, each cut after ``max_bytes``
+    + 1 bytes: a longer line's rest is read and dropped (one endless line
+    cannot fill the memory), and its reader tells it by its length. ``copy``
+    gets every byte read, cut or not (``--tee``)."""
+    while True:
+        line = stream.readline(max_bytes + 1)
+        if not line:
+            return
+        if copy is not None:
+            copy(line)
+        if len(line) > max_bytes and not line.endswith(b"\n"):
+            while True:
+                rest = stream.readline(1 << 16)
+                if copy is not None and rest:
+                    copy(rest)
+                if not rest or rest.endswith(b"\n"):
+                    break
+        yield line

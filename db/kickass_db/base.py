@@ -6,7 +6,8 @@ Every model module imports this, and nothing here imports a model module back
 
 from __future__ import annotations
 
-from sqlalchemy import MetaData
+from kickass_core import bounds
+from sqlalchemy import CheckConstraint, MetaData
 from sqlalchemy.orm import DeclarativeBase
 
 # Deterministic constraint names: migrations can drop or alter a constraint by
@@ -27,3 +28,24 @@ class Base(DeclarativeBase):
 def check_in(column: str, values: tuple[str, ...]) -> str:
     """SQL of a CHECK that ``column`` holds one of ``values``."""
     return f"{column} IN ({', '.join(repr(v) for v in values)})"
+
+
+def check_bounds(f: bounds.Field) -> str:
+    """SQL of a CHECK that column ``f.name`` lies within ``f``'s bounds
+    (``kickass_core.bounds``). Both ends always: NaN sorts above every number
+    in PostgreSQL, so the upper bound is what refuses it (and infinity); a
+    time lies within the years every reader holds (``bounds.TIME_MIN`` and
+    ``TIME_MAX``, which also refuse 'infinity')."""
+    if f.kind == "time":
+        low, high = (f"'{t:%Y-%m-%dT%H:%MZ}'" for t in (bounds.TIME_MIN, bounds.TIME_MAX))
+        return f"{f.name} >= {low} AND {f.name} <= {high}"
+    above = ">" if f.exclusive_minimum else ">="
+    return f"{f.name} {above} {f.minimum!r} AND {f.name} <= {f.maximum!r}"
+
+
+def bounds_checks(table: str) -> tuple[CheckConstraint, ...]:
+    """The CHECK constraints of ``table``'s entry in ``kickass_core.bounds.TABLES``
+    (named ``ck_<table>_<column>_bounds``; migration 0018 made them)."""
+    return tuple(
+        CheckConstraint(check_bounds(f), name=f"{f.name}_bounds") for f in bounds.checked(table)
+    )

@@ -10,7 +10,9 @@ for NaN, infinities and nesting) and only then meet these models; a
 validation error becomes a 400 that names the field.
 
 The flow model is not written here: it is derived from the one definition
-of the flow record, ``kickass_core.flow_record.FIELDS``.
+of the flow record, ``kickass_core.flow_record.FIELDS``; a trial's and its
+periods' numbers take their bounds from ``kickass_core.bounds`` (``Bounded``),
+the table every other writer and the database's CHECKs share.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from kickass_core import flow_record, strictjson
+from kickass_core import bounds, flow_record, strictjson
 from kickass_core.plan import MAX_REPETITIONS, MAX_WINDOW, PHASES
 from kickass_core.rate import FRAGMENT_UNIT, FULL_PACKET_LEN
 from pydantic import (
@@ -67,6 +69,26 @@ def Truncated(max_len: int) -> Any:  # noqa: N802
         AfterValidator(_printable),
         AfterValidator(lambda v: v[:max_len]),
     ]
+
+
+def _real(value: float) -> float:
+    if not flow_record.real_ok(value):
+        raise ValueError(f"too small for its column (0, or at least {flow_record.REAL_MIN})")
+    return value
+
+
+def Bounded(f: flow_record.Field) -> Any:  # noqa: N802
+    """A number within the bounds of ``f`` (``kickass_core.bounds``), or None
+    too where its column may be NULL."""
+    gt, ge = (f.minimum, None) if f.exclusive_minimum else (None, f.minimum)
+    base: Any
+    if f.kind == "int":
+        base = Annotated[int, Field(gt=gt, ge=ge, le=f.maximum)]
+    else:
+        base = Annotated[float, Field(gt=gt, ge=ge, le=f.maximum, allow_inf_nan=False)]
+        if f.real:
+            base = Annotated[base, AfterValidator(_real)]
+    return base | None if f.nullable else base
 
 
 def JsonObject(max_bytes: int) -> Any:  # noqa: N802
@@ -226,12 +248,15 @@ CongestionControl = Annotated[
 ]
 
 
+_PERIOD = {f.name: f for f in bounds.TRIAL_PERIODS}
+
+
 class TrialPeriod(Strict):
-    index: Annotated[int, Field(ge=0, le=INT32_MAX)]
-    pair: Annotated[int, Field(ge=0, le=INT32_MAX)]
+    index: Bounded(_PERIOD["period_index"])  # type: ignore[valid-type]
+    pair: Bounded(_PERIOD["pair"])  # type: ignore[valid-type]
     protocol: Literal[flow_record.PROTOCOLS]  # type: ignore[valid-type]
-    start_s: Annotated[float, Field(ge=0, le=1e8, allow_inf_nan=False)]
-    duration_s: Annotated[float, Field(gt=0, le=1e8, allow_inf_nan=False)]
+    start_s: Bounded(_PERIOD["start_offset_s"])  # type: ignore[valid-type]
+    duration_s: Bounded(_PERIOD["duration_s"])  # type: ignore[valid-type]
     congestion_control: CongestionControl | None = None
     # Written by older runners beside the schedule: the destination's name.
     destination: Text(255) | None = None  # type: ignore[valid-type]
@@ -239,8 +264,8 @@ class TrialPeriod(Strict):
     # trial's start; known once the period began, re-sent with the trial's end).
     arm: Annotated[str, StringConstraints(pattern=flow_record.ARM_RE.pattern)] | None = None
     handshake: Literal["padded", "paper"] | None = None
-    handicap_ms: Annotated[float, Field(ge=0, le=1e6, allow_inf_nan=False)] | None = None
-    actual_start_s: Annotated[float, Field(ge=0, le=1e8, allow_inf_nan=False)] | None = None
+    handicap_ms: Bounded(_PERIOD["handicap_ms"]) = None  # type: ignore[valid-type]
+    actual_start_s: Bounded(_PERIOD["actual_start_offset_s"]) = None  # type: ignore[valid-type]
 
 
 class TrialBody(Strict):
@@ -252,7 +277,7 @@ class TrialBody(Strict):
     destination: Annotated[
         str, StringConstraints(min_length=1, max_length=255), AfterValidator(_printable)
     ]
-    access_capacity_bps: Annotated[float, Field(gt=0, le=1e13, allow_inf_nan=False)] | None = None
+    access_capacity_bps: Bounded(bounds.TRIALS[0]) = None  # type: ignore[valid-type]
     router_run_name: Text(128) | None = None  # type: ignore[valid-type]
     parameters: JsonObject(64 * 1024) = Field(default_factory=dict)  # type: ignore[valid-type]
     versions: JsonObject(16 * 1024) = Field(default_factory=dict)  # type: ignore[valid-type]
@@ -272,20 +297,11 @@ class FlowsBody(Strict):
     flows: Annotated[list[Any], Field(max_length=MAX_FLOWS_PER_CALL)]
 
 
-def _real(value: float) -> float:
-    if not flow_record.real_ok(value):
-        raise ValueError(f"too small for its column (0, or at least {flow_record.REAL_MIN})")
-    return value
-
-
 def _flow_annotation(f: flow_record.Field) -> Any:
-    if f.kind == "int":
-        base: Any = Annotated[int, Field(ge=f.minimum, le=f.maximum)]
-    elif f.kind == "float":
-        base = Annotated[float, Field(ge=f.minimum, le=f.maximum, allow_inf_nan=False)]
-        if f.real:
-            base = Annotated[base, AfterValidator(_real)]
-    elif f.kind == "bool":
+    if f.kind in ("int", "float"):
+        return Bounded(f)
+    base: Any
+    if f.kind == "bool":
         base = bool
     elif f.kind == "time":
         limit = f.max_len or flow_record.TIME_MAX_CHARS

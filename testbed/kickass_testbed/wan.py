@@ -153,7 +153,7 @@ class Testbed:
             out.flush()
         if ingest is not None:
             ingest.flush()
-            self.ingest_summary = {"run_id": ingest.run_id, **ingest.counts}
+            self.ingest_summary = ingest.summary().to_json()
 
     def telemetry(self) -> list[dict[str, Any]]:
         path = self.log_dir / "router-telemetry.ndjson"

@@ -37,6 +37,7 @@ SIGNING_TABLES = {"request_nonces"}  # 0008
 PAIRED_TABLES = {"trial_speedups"}  # 0010
 SCHEDULE_TABLES = {"item_runs"}  # 0011
 REFUSAL_TABLES = {"claim_refusals"}  # 0017
+QUARANTINE_TABLES = {"quarantine"}  # 0018
 ROLLUP_TABLES = {"router_telemetry_1s", "router_telemetry_1m", "rollup_refreshes"}  # 0012
 TABLES = (
     STUDY_TABLES
@@ -48,6 +49,7 @@ TABLES = (
     | SCHEDULE_TABLES
     | ROLLUP_TABLES
     | REFUSAL_TABLES
+    | QUARANTINE_TABLES
 )
 # 0012: refreshed by kickass_analysis.rollups, read through the v_* views below.
 MATVIEWS = {
@@ -287,14 +289,15 @@ def test_upgrade_downgrade_upgrade(empty_database_url: str) -> None:
     assert matviews(url) == MATVIEWS
     assert kickass("db", "downgrade", "0011", "--database-url", url) == 0
     views = set(VIEW_COLUMNS) - ROLLUP_VIEWS
-    assert schema(url) == (TABLES - ROLLUP_TABLES - REFUSAL_TABLES, views)
+    assert schema(url) == (TABLES - ROLLUP_TABLES - REFUSAL_TABLES - QUARANTINE_TABLES, views)
     assert matviews(url) == set()
     assert kickass("db", "downgrade", "0010", "--database-url", url) == 0
     assert schema(url) == (
-        TABLES - ROLLUP_TABLES - REFUSAL_TABLES - SCHEDULE_TABLES, views - SCHEDULE_VIEWS
+        TABLES - ROLLUP_TABLES - REFUSAL_TABLES - QUARANTINE_TABLES - SCHEDULE_TABLES,
+        views - SCHEDULE_VIEWS,
     )
     before_0010 = views - SCHEDULE_VIEWS - PAIRED_VIEWS | OLD_TRIAL_ALIASES
-    newer = PAIRED_TABLES | SCHEDULE_TABLES | ROLLUP_TABLES | REFUSAL_TABLES
+    newer = PAIRED_TABLES | SCHEDULE_TABLES | ROLLUP_TABLES | REFUSAL_TABLES | QUARANTINE_TABLES
     assert kickass("db", "downgrade", "0009", "--database-url", url) == 0
     assert schema(url) == (TABLES - newer, before_0010)
     assert kickass("db", "downgrade", "0007", "--database-url", url) == 0

@@ -42,7 +42,7 @@ def test_router_telemetry_rows_appear_in_postgres(database_url: str) -> None:
         out, err = ingest.communicate(timeout=30)
         assert ingest.returncode == 0, err.decode()
     summary = json.loads(out)
-    assert summary["written"] >= 10 and summary["malformed"] == 0
+    assert summary["written"] >= 10 and summary["skipped"] == 0
     engine = db.make_engine(database_url)
     with engine.connect() as conn:
         rows = conn.execute(text("SELECT * FROM v_router_telemetry ORDER BY t")).mappings().all()
@@ -83,7 +83,8 @@ def test_ingest_skips_malformed_lines(database_url: str, tmp_path: Path) -> None
     ]
     ing = TelemetryIngest(database_url, "file")
     summary = ing.feed(line + "\n" for line in lines)
-    assert summary["written"] == 1 and summary["malformed"] == 3
+    assert summary["written"] == 1 and summary["skipped"] == 3
+    assert [s["line"] for s in summary["skipped_lines"]] == [2, 3, 5]
     with db.make_engine(database_url).connect() as conn:
         mode = conn.execute(text("SELECT router_mode FROM v_router_telemetry")).scalar()
     assert mode == "droptail"

@@ -8,8 +8,18 @@ model modules import only ``kickass_db.base``, never this package.
 from __future__ import annotations
 
 from ..base import Base
-from . import atlas, operations, rollups, router, study, trials
+from . import atlas, operations, quarantine, rollups, router, study, trials
 
 metadata = Base.metadata
 
-__all__ = ["Base", "atlas", "metadata", "operations", "rollups", "router", "study", "trials"]
+__all__ = [
+    "Base",
+    "atlas",
+    "metadata",
+    "operations",
+    "quarantine",
+    "rollups",
+    "router",
+    "study",
+    "trials",
+]

@@ -34,7 +34,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import INET, JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
-from ..base import Base, check_in
+from ..base import Base, bounds_checks, check_in
 
 # Per echo request of an Atlas ping: the volunteers' acked/lost/late, plus two
 # outcomes no drop rate counts (the request never reached the responder, or
@@ -156,6 +156,7 @@ class AtlasResultRow(Base):
     __table_args__ = (
         CheckConstraint(check_in("join_status", JOIN_STATUSES), name="join_status"),
         CheckConstraint(check_in("origin", RESULT_ORIGINS), name="origin"),
+        *bounds_checks("atlas_results"),
     )
 
     msm_id: Mapped[int] = mapped_column(
@@ -188,6 +189,7 @@ class AtlasOutcomeRow(Base):
     __table_args__ = (
         CheckConstraint(check_in("phase", PHASES), name="phase"),
         CheckConstraint(check_in("outcome", ATLAS_OUTCOMES), name="outcome"),
+        *bounds_checks("atlas_outcomes"),
         ForeignKeyConstraint(
             ["msm_id", "prb_id", "result_at"],
             ["atlas_results.msm_id", "atlas_results.prb_id", "atlas_results.result_at"],

@@ -19,7 +19,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
-from ..base import Base, check_in
+from ..base import Base, bounds_checks, check_in
 
 ROUTER_KINDS = ("kickass", "droptail")
 MARKING_MODES = ("kickass", "tcp", "droptail")
@@ -29,7 +29,10 @@ class RouterRunRow(Base):
     """One ka-router process: its metadata line (options, capacity, mode)."""
 
     __tablename__ = "router_runs"
-    __table_args__ = (CheckConstraint(check_in("router_kind", ROUTER_KINDS), name="router_kind"),)
+    __table_args__ = (
+        CheckConstraint(check_in("router_kind", ROUTER_KINDS), name="router_kind"),
+        *bounds_checks("router_runs"),
+    )
 
     id: Mapped[int] = mapped_column(BigInteger, Identity(always=False), primary_key=True)
     run_name: Mapped[str | None] = mapped_column(Text)
@@ -50,6 +53,8 @@ class RouterTelemetryRow(Base):
     __tablename__ = "router_telemetry"
     __table_args__ = (
         CheckConstraint(check_in("marking_mode", MARKING_MODES), name="marking_mode"),
+        # t within the run's clock, rates, queue, counters (migration 0018).
+        *bounds_checks("router_telemetry"),
     )
 
     run_id: Mapped[int] = mapped_column(

@@ -33,7 +33,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import INET, JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
-from ..base import Base, check_in
+from ..base import Base, bounds_checks, check_in
 
 SESSION_ID_PATTERN = "^[0-9a-f]{16}$"
 
@@ -61,6 +61,7 @@ class SessionRow(Base):
         CheckConstraint(check_in("verdict", VERDICTS), name="verdict"),
         CheckConstraint(f"session_id ~ '{SESSION_ID_PATTERN}'", name="session_id_format"),
         CheckConstraint("sent >= 0 AND acked >= 0", name="counters"),
+        *bounds_checks("sessions"),
         Index(None, "client_id"),
         Index(None, "created_at"),
         Index(None, "server_instance", "state"),
@@ -114,6 +115,7 @@ class ProbeOutcomeRow(Base):
         CheckConstraint(check_in("phase", PHASES), name="phase"),
         CheckConstraint(check_in("outcome", OUTCOMES), name="outcome"),
         CheckConstraint("seq >= 0", name="seq"),
+        *bounds_checks("probe_outcomes"),
         # Every per-size view groups by exactly these.
         Index(None, "session_pk", "phase", "ip_len"),
     )

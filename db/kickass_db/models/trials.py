@@ -30,7 +30,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
-from ..base import Base, check_in
+from ..base import Base, bounds_checks, check_in
 
 PROTOCOLS = ("kickass", "tcp")
 TRIAL_ID_PATTERN = "^[0-9a-f]{32}$"
@@ -66,6 +66,7 @@ class TrialRow(Base):
     __table_args__ = (
         CheckConstraint(f"trial_id ~ '{TRIAL_ID_PATTERN}'", name="trial_id_format"),
         Index(None, "destination", "started_at"),
+        *bounds_checks("trials"),
     )
 
     id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
@@ -91,7 +92,10 @@ class TrialRow(Base):
 
 class TrialPeriodRow(Base):
     __tablename__ = "trial_periods"
-    __table_args__ = (CheckConstraint(check_in("protocol", PROTOCOLS), name="protocol"),)
+    __table_args__ = (
+        CheckConstraint(check_in("protocol", PROTOCOLS), name="protocol"),
+        *bounds_checks("trial_periods"),
+    )
 
     trial_pk: Mapped[int] = mapped_column(
         BigInteger, ForeignKey("trials.id", ondelete="CASCADE"), primary_key=True
@@ -116,11 +120,9 @@ class FlowRow(Base):
     __table_args__ = (
         CheckConstraint(check_in("protocol", PROTOCOLS), name="protocol"),
         CheckConstraint(check_in("negotiated_protocol", PROTOCOLS), name="negotiated_protocol"),
-        CheckConstraint("size_packets >= 1 AND size_bytes >= 1", name="size"),
-        CheckConstraint(
-            "ka_mode_fraction IS NULL OR (ka_mode_fraction >= 0 AND ka_mode_fraction <= 1)",
-            name="ka_mode_fraction",
-        ),
+        # Sizes, times, rates and counters within the flow record's bounds
+        # (kickass_core.flow_record.FIELDS; migration 0018).
+        *bounds_checks("flows"),
         Index(None, "trial_pk", "period_index"),
         Index(None, "trial_pk", "pair"),
     )
