@@ -39,6 +39,11 @@ from .client import DEFAULT_SERVER
 from .ingest import DEFAULT_CHUNK_S, DEFAULT_LATE_HORIZON_S, DEFAULT_SETTLE_S, FetchReport
 from .service import DEFAULT_START_IN_S, AtlasSettings
 
+# `kickass atlas import`: the exit status when a line was skipped, and how
+# many of them the text summary names.
+EXIT_SKIPPED = 1
+SHOWN_SKIPPED = 20
+
 if TYPE_CHECKING:
     from kickass_db.writer import OrderedWriter
 
@@ -162,8 +167,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "the results API's JSON list, one JSON result per line (the API's format=txt), or "
         "RIPE Atlas's hourly archive dumps (every public measurement's results, one per "
         "line, bzip2); plain or bzip2/gzip/xz-compressed. Lines of other measurements are "
-        "skipped. Parsed, joined to the reply log and stored exactly as fetch does; "
-        "importing the same lines again adds nothing.",
+        "ignored. Parsed, joined to the reply log and stored exactly as fetch does; "
+        "importing the same lines again adds nothing. A line that is not JSON, or whose "
+        "values its columns cannot hold (kickass_core.bounds), is skipped and named with its "
+        f"line number; the rest is stored. Exit status {EXIT_SKIPPED} when a line was skipped.",
     )
     campaign_arg(p)
     p.add_argument("files", nargs="+", metavar="FILE", help="result file, or - for stdin")
@@ -334,7 +341,20 @@ def cmd_import(args: argparse.Namespace) -> int:
     report = service.import_results(
         _settings(args), campaign, [str(f) for f in args.files], progress=_progress()
     )
-    return _print_report(args, campaign, report, "results imported")
+    _print_report(args, campaign, report, "results imported")
+    if not args.json:
+        for where, reason in report.skipped[:SHOWN_SKIPPED]:
+            print(f"  skipped {where.where()}: {reason}")
+        if len(report.skipped) > SHOWN_SKIPPED:
+            more = len(report.skipped) - SHOWN_SKIPPED
+            print(f"  ... and {more} more skipped (--json lists every one)")
+    if report.skipped:
+        print(
+            f"{len(report.skipped)} lines skipped: nothing of them was stored",
+            file=sys.stderr,
+        )
+        return EXIT_SKIPPED
+    return 0
 
 
 def _print_report(

@@ -69,23 +69,16 @@ later, takes its place (``AtlasStore.store_window``).
 from __future__ import annotations
 
 import bisect
-import bz2
-import gzip
-import io
 import json
 import logging
-import lzma
 import math
-import re
 import statistics
-import sys
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from kickass_core.errors import KickassError
 from kickass_core.plan import WHOLE
@@ -1256,142 +1249,3 @@ def _probe_metadata(
                     )
                 )
     return store.known_probes(prb_ids)
-
-
-# -- import ------------------------------------------------------------------------------
-
-_MSM_ID = re.compile(rb'"msm_id"\s*:\s*"?(\d+)')
-
-
-def read_result_lines(source: str | Path) -> Iterator[bytes | dict[str, Any]]:
-    """Result lines from a file (``-``: standard input): the results API's
-    JSON list, newline-delimited JSON (the API's ``format=txt``, RIPE Atlas's
-    hourly archive dumps), each as is or bzip2/gzip/xz-compressed (told by
-    their first bytes, not the name). Yields raw lines (bytes) or, from a
-    JSON list, the objects."""
-    if str(source) == "-":
-        raw: IO[bytes] = sys.stdin.buffer
-    else:
-        try:
-            raw = open(source, "rb")  # noqa: SIM115 - closed below, also on errors
-        except OSError as exc:
-            raise KickassError(
-                f"cannot read {source}: {exc.strerror or exc}",
-                hint="give a file of Atlas result lines, or - for standard input",
-            ) from None
-    try:
-        reader: Any = raw if isinstance(raw, io.BufferedReader) else io.BufferedReader(raw)
-        head = reader.peek(8)[:8]
-        # Every decompressor here can peek, as the plain reader can.
-        stream: Any
-        if head.startswith(b"BZh"):
-            stream = bz2.BZ2File(reader)
-        elif head.startswith(b"\x1f\x8b"):
-            stream = gzip.GzipFile(fileobj=reader)
-        elif head.startswith(b"\xfd7zXZ\x00"):
-            stream = lzma.LZMAFile(reader)  # noqa: SIM115 - closed with the file
-        else:
-            stream = reader
-        first = stream.peek(4096).lstrip()[:1]
-        if first == b"[":
-            try:
-                data = json.load(io.TextIOWrapper(stream, encoding="utf-8"))
-            except (ValueError, UnicodeDecodeError) as exc:
-                raise KickassError(
-                    f"{source}: not a JSON list of results: {exc}",
-                    hint="the results API's JSON, or one JSON result per line",
-                ) from None
-            yield from data if isinstance(data, list) else [data]
-            return
-        for line in stream:
-            if line.strip():
-                yield line
-    except (OSError, EOFError, lzma.LZMAError) as exc:
-        raise KickassError(
-            f"{source}: cannot decompress or read: {exc}",
-            hint="bzip2, gzip or xz archives, or plain JSON",
-        ) from None
-    finally:
-        if raw is not sys.stdin.buffer:
-            raw.close()
-
-
-def import_campaign(
-    store: AtlasStore,
-    campaign: Campaign,
-    lines: Iterable[bytes | str | Mapping[str, Any]],
-    *,
-    chunk_s: int = DEFAULT_CHUNK_S,
-    progress: Callable[[str], None] = lambda _msg: None,
-) -> FetchReport:
-    """Store result lines from files exactly as ``fetch`` stores the API's:
-    same parsing, join and rows (origin ``import``), idempotent; no
-    watermark moves and no API is asked (probe addresses: those stored)."""
-    campaign_id, measurements = _measurement_specs(store, campaign)
-    specs = {int(m["msm_id"]): MeasurementSpec.from_row(m) for m in measurements}
-    report = FetchReport()
-    by_msm: dict[int, list[tuple[int, str | Mapping[str, Any]]]] = defaultdict(list)
-    for line in lines:
-        msm_id = _peek_msm_id(line)
-        if msm_id is None:
-            report.ignored["no msm_id (not an Atlas result line)"] += 1
-            continue
-        if msm_id not in specs:
-            # The archive dumps hold every public measurement: not an error.
-            report.ignored["another measurement's result"] += 1
-            continue
-        item = _as_object(line)
-        timestamp = _int(item.get("timestamp")) if isinstance(item, Mapping) else None
-        if timestamp is None:
-            # Unreadable or no time: the window of time 0, stored as invalid
-            # if it names a probe and a time, else counted as ignored.
-            timestamp = 0
-        by_msm[msm_id].append((timestamp, item))
-    for msm_id, items in sorted(by_msm.items()):
-        spec = specs[msm_id]
-        items.sort(key=lambda x: x[0])
-        i = 0
-        while i < len(items):
-            start = items[i][0] - items[i][0] % chunk_s
-            stop = start + chunk_s
-            j = i
-            while j < len(items) and items[j][0] < stop:
-                j += 1
-            new = ingest_window(
-                store,
-                spec,
-                [x[1] for x in items[i:j]],
-                start,
-                stop,
-                report,
-                store.known_probes,
-                watermark=None,
-                origin="import",
-            )
-            progress(f"measurement {msm_id}: {new} new results of {j - i}")
-            i = j
-        report.measurements += 1
-    if report.probes:
-        store.refresh_verdicts(campaign_id, report.probes)
-    return report
-
-
-def _as_object(line: bytes | str | Mapping[str, Any]) -> str | Mapping[str, Any]:
-    """A line as its JSON object (parsed once), or as text if it is not JSON."""
-    if isinstance(line, Mapping):
-        return line
-    text_line = line.decode("utf-8", errors="replace") if isinstance(line, bytes) else line
-    try:
-        obj = json.loads(text_line)
-    except ValueError:
-        return text_line
-    return obj if isinstance(obj, dict) else text_line
-
-
-def _peek_msm_id(line: bytes | str | Mapping[str, Any]) -> int | None:
-    """The line's msm_id, found without parsing the line (the archive dumps
-    are mostly other measurements' results)."""
-    if isinstance(line, Mapping):
-        return _int(line.get("msm_id"))
-    m = _MSM_ID.search(line.encode() if isinstance(line, str) else line)
-    return int(m.group(1)) if m else None

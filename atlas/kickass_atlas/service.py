@@ -36,9 +36,8 @@ from .ingest import (
     DEFAULT_SETTLE_S,
     FetchReport,
     fetch_campaign,
-    import_campaign,
-    read_result_lines,
 )
+from .result_files import ImportReport, SourceLine, import_campaign, numbered_result_lines
 
 if TYPE_CHECKING:
     from .store import AtlasStore
@@ -463,14 +462,15 @@ def import_results(
     sources: list[str],
     *,
     progress: Callable[[str], None] | None = None,
-) -> FetchReport:
+) -> ImportReport:
     """Store result lines from files (``-``: standard input) as ``fetch``
     would: the API's JSON list, NDJSON, RIPE Atlas's archive dumps, plain or
-    compressed. Idempotent; needs no API access."""
+    compressed. Idempotent; needs no API access. A line that cannot be
+    stored is skipped and named in the report (``result_files``)."""
 
-    def lines() -> Iterator[bytes | dict[str, Any]]:
+    def lines() -> Iterator[SourceLine]:
         for source in sources:
-            yield from read_result_lines(source)
+            yield from numbered_result_lines(source)
 
     with settings.store() as store:
         return import_campaign(

@@ -37,8 +37,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kickass_atlas.campaign import Campaign, PlannedMeasurement
 from kickass_atlas.client import AtlasClient
-from kickass_atlas.ingest import fetch_campaign, import_campaign, read_result_lines
+from kickass_atlas.ingest import fetch_campaign
 from kickass_atlas.responder_core import ReplyRecord
+from kickass_atlas.result_files import import_campaign, read_result_lines
 from kickass_atlas.store import AtlasStore
 from sqlalchemy import text
 
