@@ -53,15 +53,23 @@ Files: ``<view>[-<source>][-campaign-<c>][-since<T>][-until<T>]-<exported>.<ext>
 with times as ``20261125T031205Z``; the export time is the database's
 transaction time. ``since`` is inclusive and ``until`` exclusive, so
 consecutive windows (the scheduled ``export`` item) neither overlap nor
-leave gaps. Beside it, ``<data file>.schema.json``: columns with their
-PostgreSQL and Arrow types, the query and its filters, the row count, the
-sha256 and size of the data file, the export time and the database's alembic
-revision. Both are written under hidden ``.<name>.partial-<pid>`` names and
-hard-linked to their final names only when complete (the schema first, so a
-data file under its final name always has its schema beside it); an error,
+leave gaps. A caller that exports windows names the file by its window
+alone (``window_name``: no export time): an export of a window already
+published is then not done again, its publication is returned
+(``already_published``), so a window is published once however many
+attempts it takes. Beside the data file, ``<data file>.schema.json``:
+columns with their PostgreSQL and Arrow types, the query and its filters,
+the row count, the sha256 and size of the data file, the export time and
+the database's alembic revision. Both are published the one way
+``kickass_analysis.publish`` does it (a hidden ``.<name>.partial-<tag>``
+file, forced to disk, hard-linked to its final name when complete; the tag
+is the process id, or the scheduled run's attempt), the schema first, so a
+data file under its final name always has its schema beside it; an error,
 Ctrl-C (or SIGTERM, which `kickass export` turns into one) removes the
-partial files, SIGKILL can leave only a hidden partial file, and nothing is
-ever written under a final name that already exists.
+partial files, SIGKILL can leave only hidden partial files (the scheduled
+export sweeps those of dead attempts), and nothing is ever written under a
+final name that already exists (but a schema a dead attempt published
+without its data file, which the next attempt's replaces).
 """
 
 from __future__ import annotations
@@ -90,7 +98,7 @@ from sqlalchemy import Connection, text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import NullPool
 
-from . import __version__
+from . import __version__, publish
 
 FORMATS = ("csv", "parquet")
 SOURCES = ("volunteer", "atlas")
@@ -238,6 +246,8 @@ class ExportResult:
     exported_at: datetime
     alembic_revision: str | None
     filters: dict[str, str | None] = field(default_factory=dict)
+    # Published before this call (by an earlier attempt at the same window).
+    already_published: bool = False
 
     @property
     def paths(self) -> tuple[Path, Path]:
@@ -279,13 +289,20 @@ def export_view(
     campaign: str | None = None,
     *,
     progress: Progress | None = None,
+    name: str | None = None,
+    tag: str | None = None,
 ) -> ExportResult:
     """Export ``view`` as ``fmt`` ('csv' or 'parquet') into ``directory`` (see the module doc).
 
     ``database_url`` None: $KICKASS_DATABASE_URL, else the config file.
     Naive ``since``/``until`` are taken as UTC. ``progress(rows, seconds)``
-    is called at most every ``PROGRESS_EVERY_S`` seconds. Raises
-    KickassError for anything the caller can act on.
+    is called at most every ``PROGRESS_EVERY_S`` seconds. ``name``: the
+    data file's name, saying what it holds (``window_name``); a file
+    already published under it is this export, done before (returned, not
+    exported again). Without it the name carries the export time, and an
+    existing file is an error. ``tag``: names this attempt's partial files
+    (default: the process id). Raises KickassError for anything the caller
+    can act on.
     """
     if fmt not in FORMATS:
         raise KickassError(f"unknown export format {fmt!r}", hint=f"one of: {', '.join(FORMATS)}")
@@ -309,7 +326,7 @@ def export_view(
                 isolation_level="REPEATABLE READ", postgresql_readonly=True
             )
             with conn.begin():
-                return _export(conn, view, fmt, out_dir, filters, progress, t0)
+                return _export(conn, view, fmt, out_dir, filters, progress, t0, name, tag)
     except DBAPIError as exc:
         reason = str(exc.orig or exc).strip().splitlines()[0]
         raise KickassError(
@@ -353,6 +370,8 @@ def _export(
     filters: Filters,
     progress: Progress | None,
     t0: float,
+    name: str | None,
+    tag: str | None,
 ) -> ExportResult:
     conn.exec_driver_sql("SET LOCAL client_encoding TO 'UTF8'")
     # The text both formats carry: ISO dates (Arrow parses them), floats shortest-exact.
@@ -379,26 +398,35 @@ def _export(
     )
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    name = _file_name(view, fmt, filters, exported_at)
+    by_window = name is not None
+    if name is None:
+        name = _file_name(view, fmt, filters, exported_at)
+    elif "/" in name or name.startswith(".") or not name.endswith("." + fmt):
+        raise ValueError(f"not an export file name: {name!r}")
     data_path = out_dir / name
     schema_path = out_dir / (name + ".schema.json")
+    if by_window and data_path.exists():
+        return _published(view, fmt, data_path, schema_path)
+    # A schema alone under a window's name is a dead attempt's (it died
+    # between the two links): this attempt's replaces it.
+    orphan = by_window and schema_path.exists()
     for final in (data_path, schema_path):
-        if final.exists():
+        if final.exists() and not orphan:
             raise KickassError(
                 f"{final} already exists",
                 hint="an export of the same view and filters in the same second: run it again",
             )
     meter = _Meter(progress)
-    data_tmp, schema_tmp = _partial(data_path), _partial(schema_path)
+    tag = tag or str(os.getpid())
+    data_tmp = publish.partial_path(data_path, tag)
+    schema_tmp = publish.partial_path(schema_path, tag)
     try:
         if fmt == "csv":
             with open(data_tmp, "xb") as out:
                 rows, digest = _write_csv(raw, select, out, meter)
-                out.flush()
-                os.fsync(out.fileno())
         else:
             rows = _write_parquet(raw, select, view, columns, data_tmp, meter)
-            digest = _sha256_fsync(data_tmp)
+            digest = _sha256(data_tmp)
         size = data_tmp.stat().st_size
         seconds = time.monotonic() - t0
         meter.done(rows)
@@ -421,19 +449,26 @@ def _export(
         with open(schema_tmp, "x", encoding="utf-8") as f:
             json.dump(schema, f, indent=2, ensure_ascii=False)
             f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
         # The schema first: a data file under its final name has its schema beside it.
-        _publish(schema_tmp, schema_path)
+        if not publish.publish(schema_tmp, schema_path, replace=orphan):
+            if by_window and data_path.exists():
+                return _published(view, fmt, data_path, schema_path)
+            _exists(schema_path)
         try:
-            _publish(data_tmp, data_path)
+            published = publish.publish(data_tmp, data_path)
         except BaseException:
             schema_path.unlink(missing_ok=True)
             raise
+        if not published:
+            # Another attempt at the same window published its data meanwhile
+            # (only a run taken for dead while it lived can): its file stands.
+            if by_window:
+                return _published(view, fmt, data_path, schema_path)
+            schema_path.unlink(missing_ok=True)
+            _exists(data_path)
     finally:
         data_tmp.unlink(missing_ok=True)
         schema_tmp.unlink(missing_ok=True)
-    _fsync_dir(out_dir)
     return ExportResult(
         view=view,
         format=fmt,
@@ -568,7 +603,28 @@ def _where(
     return sql.SQL(" WHERE ") + sql.SQL(" AND ").join(clauses), applied
 
 
-def _file_name(view: str, fmt: str, filters: Filters, exported_at: datetime) -> str:
+def window_name(
+    view: str,
+    fmt: str,
+    since: datetime | None = None,
+    until: datetime | None = None,
+    *,
+    source: str | None = None,
+    campaign: str | None = None,
+    at: datetime | None = None,
+) -> str:
+    """The data file's name of an export of one window: the view, its
+    filters and its bounds, and no export time, so every attempt at the
+    window names the same file. ``at`` labels an export of a view that pools
+    all time (it has no window) with the time it stands for (the scheduled
+    run's due time)."""
+    name = _file_name(view, fmt, Filters(_utc(since), _utc(until), source, campaign), None)
+    if at is None:
+        return name
+    return name.removesuffix("." + fmt) + "-at" + _stamp(at) + "." + fmt
+
+
+def _file_name(view: str, fmt: str, filters: Filters, exported_at: datetime | None) -> str:
     parts = [view]
     if filters.source:
         parts.append(filters.source)
@@ -578,7 +634,8 @@ def _file_name(view: str, fmt: str, filters: Filters, exported_at: datetime) -> 
         parts.append("since" + _stamp(filters.since))
     if filters.until:
         parts.append("until" + _stamp(filters.until))
-    parts.append(_stamp(exported_at))
+    if exported_at is not None:
+        parts.append(_stamp(exported_at))
     return "-".join(parts) + "." + fmt
 
 
@@ -949,39 +1006,51 @@ def _arrow(pa: Any, name: str) -> Any:
 # -- files ---------------------------------------------------------------------------------
 
 
-def _partial(final: Path) -> Path:
-    """The hidden name ``final`` is written under until it is complete."""
-    return final.with_name(f".{final.name}.partial-{os.getpid()}")
+def _exists(final: Path) -> NoReturn:
+    raise KickassError(
+        f"{final} already exists",
+        hint="an export of the same view and filters in the same second: run it again",
+    )
 
 
-def _publish(partial: Path, final: Path) -> None:
-    """``partial`` under its final name, by a hard link: atomic, and never
-    replacing a file already there."""
+def _published(view: str, fmt: str, data_path: Path, schema_path: Path) -> ExportResult:
+    """The export already published under ``data_path``, as its schema describes it."""
     try:
-        os.link(partial, final)
-    except FileExistsError as exc:
+        schema = json.loads(schema_path.read_text(encoding="utf-8"))
+        size = data_path.stat().st_size
+        ok = (
+            schema.get("view") == view and schema.get("format") == fmt
+            and schema.get("data_file") == data_path.name and schema.get("bytes") == size
+        )  # fmt: skip
+    except (OSError, ValueError, AttributeError):
+        ok = False
+    if not ok:
         raise KickassError(
-            f"{final} already exists",
-            hint="an export of the same view and filters in the same second: run it again",
-        ) from exc
+            f"{data_path} is published, but {schema_path.name} does not describe it",
+            hint="move both aside (or restore the schema) and run the export again",
+        )
+    return ExportResult(
+        view=view,
+        format=fmt,
+        data_path=data_path,
+        schema_path=schema_path,
+        rows=int(schema["rows"]),
+        bytes=size,
+        seconds=0.0,
+        sha256=str(schema["sha256"]),
+        exported_at=datetime.fromisoformat(schema["exported_at"]),
+        alembic_revision=schema.get("alembic_revision"),
+        filters={k: schema["filters"].get(k) for k in ("since", "until", "source", "campaign")},
+        already_published=True,
+    )
 
 
-def _sha256_fsync(path: Path) -> str:
-    """The file's sha256, after forcing it to disk."""
+def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
-        os.fsync(f.fileno())
         while chunk := f.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class _Meter:

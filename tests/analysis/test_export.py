@@ -35,7 +35,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
-from kickass_analysis import export, export_cli
+from kickass_analysis import export, export_cli, publish
 from kickass_analysis.export import export_view
 from kickass_core.errors import KickassError
 from kickass_db.study_store import StudyStore
@@ -654,6 +654,73 @@ def test_an_existing_file_is_never_replaced(seeded: str, tmp_path: Path, monkeyp
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [first.data_path.name, first.schema_path.name]
     )
+
+
+def test_a_window_is_published_once_whatever_the_attempts(seeded: str, tmp_path: Path) -> None:
+    """Named by its window (not the clock), an export of a window already
+    published is not done again: the publication is returned, and the folder
+    holds one data file and its schema, whatever the number of attempts."""
+    a, b = _window(seeded, TIME_SPANS["v_router_telemetry"])
+    name = export.window_name("v_router_telemetry", "csv", a, b)
+    assert name == (
+        f"v_router_telemetry-since{a.astimezone(UTC):%Y%m%dT%H%M%SZ}"
+        f"-until{b.astimezone(UTC):%Y%m%dT%H%M%SZ}.csv"
+    )
+    first = export_view(seeded, "v_router_telemetry", "csv", tmp_path, since=a, until=b,
+                        name=name, tag="r1a1")  # fmt: skip
+    before = first.data_path.read_bytes()
+    again = export_view(seeded, "v_router_telemetry", "csv", tmp_path, since=a, until=b,
+                        name=name, tag="r1a2")  # fmt: skip
+    assert (first.already_published, again.already_published) == (False, True)
+    assert (again.data_path, again.rows, again.sha256) == (
+        first.data_path, first.rows, first.sha256
+    )  # fmt: skip
+    assert first.data_path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name, name + ".schema.json"]
+    whole = export.window_name("v_flow_summary", "parquet", at=b)
+    assert whole == f"v_flow_summary-at{b.astimezone(UTC):%Y%m%dT%H%M%SZ}.parquet"
+
+
+def test_a_schema_left_alone_by_a_dead_attempt_is_replaced(seeded: str, tmp_path: Path) -> None:
+    """An attempt killed between its two links left the schema without its
+    data file: the next attempt's schema replaces it and its data follows."""
+    name = export.window_name("v_flow_summary", "csv", at=datetime(2026, 11, 25, tzinfo=UTC))
+    orphan = tmp_path / (name + ".schema.json")
+    orphan.write_text('{"view": "v_flow_summary", "rows": -1}\n')
+    result = export_view(seeded, "v_flow_summary", "csv", tmp_path, name=name)
+    assert not result.already_published and result.data_path.exists()
+    schema = json.loads(orphan.read_text())
+    assert schema["rows"] == result.rows and schema["sha256"] == result.sha256
+    # A data file its schema does not describe is not taken for an export.
+    orphan.write_text('{"view": "v_flow_summary", "rows": -1}\n')
+    with pytest.raises(KickassError, match="does not describe it"):
+        export_view(seeded, "v_flow_summary", "csv", tmp_path, name=name)
+
+
+def test_sweep_removes_the_partial_files_of_dead_writers_only(tmp_path: Path) -> None:
+    final = tmp_path / "v_x-until20261125T000000Z.csv"
+    dead = publish.partial_path(final, "r7a1")
+    live = publish.partial_path(final, "r7a2")
+    manual = publish.partial_path(final, "31337")
+    for p, size in ((dead, 10), (live, 20), (manual, 30)):
+        p.write_bytes(b"x" * size)
+    (tmp_path / "v_x.csv").write_bytes(b"published")
+    (tmp_path / ".hidden-but-not-partial").write_bytes(b"keep")
+    swept = publish.sweep(tmp_path, lambda tag: tag == "r7a1")
+    assert swept.files == [dead.name] and swept.bytes == 10
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [live.name, manual.name, "v_x.csv", ".hidden-but-not-partial"]
+    )
+    assert publish.partial_of(dead) == (final.name, "r7a1")
+    assert publish.partial_of(final) is None
+    with pytest.raises(ValueError):
+        publish.partial_path(final, "../x")
+    # Publishing never replaces: a second publisher is told, its file stays its own.
+    first, second = publish.partial_path(final, "a"), publish.partial_path(final, "b")
+    first.write_bytes(b"one")
+    second.write_bytes(b"two")
+    assert publish.publish(first, final) and not publish.publish(second, final)
+    assert final.read_bytes() == b"one"
 
 
 def test_progress_is_reported_for_long_exports(
