@@ -10,6 +10,13 @@ process died (SIGKILL, a crash) is seen dead at once by the next claimer
 older than the stale limit. A dead run is taken over in place: its attempt
 is incremented and the dead attempt kept in ``history``, with why.
 
+The stale limit is the schedule's (its heartbeat policy), passed by whoever
+holds the schedule: a database host's own file, or the server's for the
+runner hosts that claim through it, never a claimer's word about someone
+else's run. A claim names who may run the item (``owners``): a host not
+among them is refused, as is a due time in the future; a refused claim
+stores no run, only a count in ``claim_refusals`` (``ClaimRefused``).
+
 Used by ``kickass_operations`` (hosts with database access) and by the
 server's schedule API (trial runner hosts, which hold only a runner token).
 """
@@ -24,22 +31,41 @@ import socket
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, NoReturn
 
+from kickass_core.errors import KickassError
 from sqlalchemy import Connection, text
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.pool import NullPool
 
 from .engine import describe_url
+from .models.operations import CLAIM_REFUSALS
 from .retry import DatabaseUnavailable, unavailable
 from .tx import StoreBase
 
 # A run not heard of for this long is dead (the heartbeat comes every
-# HEARTBEAT_S): kept well above it, so a busy host is not robbed of its run.
+# HEARTBEAT_S): four heartbeats, the schedule file's default
+# (kickass_operations.schedule_file.STALE_FACTOR), so a busy host is not
+# robbed of its run.
 HEARTBEAT_S = 10.0
-STALE_S = 45.0
+STALE_S = 40.0
+# A due time further ahead than this of the database's clock is not due
+# (hosts' clocks are NTP-synchronised: the signed API allows as much skew).
+FUTURE_S = 120.0
 # Advisory lock namespace of scheduled runs (the first key of the pair).
 LOCK_NAMESPACE = 0x4B41
+# A refusal's message is kept this long at most.
+MESSAGE_CHARS = 500
+
+
+class ClaimRefused(KickassError):
+    """A claim the schedule does not allow: nothing is stored but its count.
+    ``reason`` is one of ``CLAIM_REFUSALS``."""
+
+    def __init__(self, reason: str, message: str, hint: str | None = None) -> None:
+        assert reason in CLAIM_REFUSALS, reason
+        super().__init__(message, hint)
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -52,6 +78,10 @@ class Claim:
     attempt: int
     # Set when a dead run was taken over: what its previous attempt was.
     took_over: dict[str, Any] | None = None
+
+
+class _NotDue(Exception):
+    """Raised inside a claim's transaction (rolled back) for a due time ahead."""
 
 
 def host_id() -> str:
@@ -91,11 +121,27 @@ class ScheduleStore(StoreBase):
         *,
         stale_s: float = STALE_S,
         lock: bool = True,
+        owners: Sequence[str] | None = None,
     ) -> Claim | None:
         """The run of ``item`` at ``due_at`` for this host, or None (another
-        host has it, alive, or it is over). A dead run is taken over."""
+        host has it, alive, or it is over). A dead run (one not heard of for
+        ``stale_s``, the schedule's limit, or whose lock is free) is taken
+        over. ``owners``: the hosts the schedule lets run the item (None:
+        any); ClaimRefused, counted, for another host or a due time in the
+        future."""
+        if owners is not None and host not in owners:
+            self.refuse(
+                host, item, "not-owner",
+                f"{item} is run by {', '.join(sorted(owners))}, not by {host}",
+            )  # fmt: skip
 
         def work(conn: Connection) -> tuple[Claim | None, bool]:
+            ahead = conn.execute(
+                text("SELECT CAST(:due AS timestamptz) - now() > make_interval(secs => :s)"),
+                {"due": due_at, "s": FUTURE_S},
+            ).scalar()
+            if ahead:
+                raise _NotDue
             row = conn.execute(
                 text(
                     "INSERT INTO item_runs (item, kind, due_at, host, definition_hash) "
@@ -153,10 +199,52 @@ class ScheduleStore(StoreBase):
                 return None, False
             return Claim(int(existing.id), item, due_at, int(taken[0]), previous), True
 
-        claim, won = self.run(work)
+        try:
+            claim, won = self.run(work)
+        except _NotDue:
+            self.refuse(host, item, "not-due", f"{item} due {due_at.isoformat()} is not due yet")
         if claim is not None and won and lock:
             self._lock(claim.run_id)
         return claim
+
+    def refuse(self, host: str, item: str, reason: str, message: str) -> NoReturn:
+        """Count a refused claim (``item``: '' for a name the schedule does not
+        have) and raise ClaimRefused with ``message``."""
+        self.count_refusal(host, item, reason, message)
+        raise ClaimRefused(reason, message)
+
+    def count_refusal(self, host: str, item: str, reason: str, message: str) -> None:
+        if reason not in CLAIM_REFUSALS:
+            raise ValueError(f"not a refusal reason: {reason!r}")
+        self.run(
+            lambda c: c.execute(
+                text(
+                    "INSERT INTO claim_refusals (host, item, reason, refusals, last_message) "
+                    "VALUES (:host, :item, :reason, 1, :message) "
+                    "ON CONFLICT (host, item, reason) DO UPDATE SET "
+                    "refusals = claim_refusals.refusals + 1, last_at = now(), "
+                    "last_message = EXCLUDED.last_message"
+                ),
+                {"host": host, "item": item, "reason": reason, "message": message[:MESSAGE_CHARS]},
+            )
+        )
+
+    def refusals(self, items: Sequence[str] | None = None) -> list[dict[str, Any]]:
+        """Refused claims per host, item and reason (``items``: only these and
+        the names no schedule has, '')."""
+        return self.run(
+            lambda c: [
+                dict(r)
+                for r in c.execute(
+                    text(
+                        "SELECT host, item, reason, refusals, first_at, last_at, last_message "
+                        "FROM claim_refusals WHERE CAST(:all AS boolean) OR item = ANY(:items) "
+                        "ORDER BY last_at DESC"
+                    ),
+                    {"all": items is None, "items": [*(items or []), ""]},
+                ).mappings()
+            ]
+        )
 
     def reap(
         self, current: Mapping[str, datetime], *, stale_s: float = STALE_S
@@ -208,16 +296,74 @@ class ScheduleStore(StoreBase):
 
         return self.run(work)
 
-    def last_ok(self, item: str) -> dict[str, Any] | None:
-        """The counts of the item's newest ``ok`` run (an export's watermark)."""
-        return self.run(
-            lambda c: c.execute(
+    # -- exports: what is published, and by which attempt ----------------------------------
+
+    def export_since(
+        self, item: str, due_at: datetime
+    ) -> tuple[datetime | None, dict[str, datetime]]:
+        """Where the export of ``item`` due at ``due_at`` starts: the upper
+        bound of its newest ``ok`` run before then, and per view the newest
+        window any run before then published (a run that died half-way, then
+        reaped, published some of its views: those go on from there, so no
+        window overlaps another)."""
+
+        def work(conn: Connection) -> tuple[datetime | None, dict[str, datetime]]:
+            until = conn.execute(
                 text(
-                    "SELECT counts FROM item_runs WHERE item = :item AND outcome = 'ok' "
+                    "SELECT CAST(counts->>'until' AS timestamptz) FROM item_runs "
+                    "WHERE item = :item AND outcome = 'ok' AND due_at < :due "
                     "ORDER BY due_at DESC LIMIT 1"
                 ),
-                {"item": item},
+                {"item": item, "due": due_at},
             ).scalar()
+            published = conn.execute(
+                text(
+                    "SELECT p.key, max(CAST(p.value AS timestamptz)) FROM item_runs r "
+                    "CROSS JOIN LATERAL jsonb_each_text(CASE WHEN jsonb_typeof("
+                    "r.counts->'published') = 'object' THEN r.counts->'published' "
+                    "ELSE '{}'::jsonb END) AS p "
+                    "WHERE r.item = :item AND r.due_at < :due GROUP BY p.key"
+                ),
+                {"item": item, "due": due_at},
+            ).all()
+            return until, {str(k): v for k, v in published}
+
+        return self.run(work)
+
+    def mark_published(self, run_id: int, attempt: int, view: str, until: datetime) -> bool:
+        """Note in the run's counts, at once, that ``view`` is published up to
+        ``until`` (the run may yet die: its windows are not exported again)."""
+        return self.run(
+            lambda c: (
+                c.execute(
+                    text(
+                        "UPDATE item_runs SET counts = jsonb_set(counts, '{published}', "
+                        "CASE WHEN jsonb_typeof(counts->'published') = 'object' "
+                        "THEN counts->'published' ELSE '{}'::jsonb END "
+                        "|| jsonb_build_object(CAST(:view AS text), CAST(:until AS text))) "
+                        "WHERE id = :id AND attempt = :attempt AND outcome = 'running'"
+                    ),
+                    {"id": run_id, "attempt": attempt, "view": view, "until": until.isoformat()},
+                ).rowcount
+                > 0
+            )
+        )
+
+    def running_attempts(self, run_ids: Sequence[int]) -> dict[int, int]:
+        """Run id -> its live attempt, for the runs among ``run_ids`` still running."""
+        if not run_ids:
+            return {}
+        return self.run(
+            lambda c: {
+                int(r.id): int(r.attempt)
+                for r in c.execute(
+                    text(
+                        "SELECT id, attempt FROM item_runs "
+                        "WHERE id = ANY(:ids) AND outcome = 'running'"
+                    ),
+                    {"ids": list(run_ids)},
+                )
+            }
         )
 
     def _lock_free(self, conn: Connection, run_id: int) -> bool:

@@ -2,6 +2,13 @@
 schedule API (a trial runner host holds a runner token, not database
 credentials). Both give the same guarantee, since the server claims in the
 same table: one run per item and due time, whatever the number of hosts.
+
+Both apply the schedule's rules, not the claimer's: the item's owners and
+the stale limit come from this host's schedule file for a database host
+(the store refuses a host the item does not name, and a due time ahead of
+the database's clock) and from the server's own copy of the file for a
+runner host. A refused claim is ``ClaimRefused``: counted where operators
+look (``claim_refusals``), and no run.
 """
 
 from __future__ import annotations
@@ -13,6 +20,8 @@ from typing import Any, Protocol
 from kickass_core import signing
 from kickass_core.errors import KickassError
 
+from .schedule_file import Item, Settings
+
 
 @dataclass(frozen=True)
 class Claim:
@@ -23,6 +32,15 @@ class Claim:
     took_over: dict[str, Any] | None = None
 
 
+class ClaimRefused(KickassError):
+    """The schedule does not let this host claim this run (``reason``: why,
+    one of ``kickass_db.models.operations.CLAIM_REFUSALS``)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message, hint="compare this host's schedule file with the server's")
+        self.reason = reason
+
+
 class Claims(Protocol):
     """What the runner needs of a claim backend."""
 
@@ -30,9 +48,7 @@ class Claims(Protocol):
     # True where claims go through the server (no database on this host).
     api: bool
 
-    def claim(
-        self, item: str, kind: str, due_at: datetime, definition_hash: str
-    ) -> Claim | None: ...
+    def claim(self, item: Item, due_at: datetime) -> Claim | None: ...
 
     def heartbeat(self, claim: Claim) -> bool: ...
 
@@ -44,8 +60,6 @@ class Claims(Protocol):
 
     def reap(self, current: dict[str, datetime]) -> list[dict[str, Any]]: ...
 
-    def last_ok(self, item: str) -> dict[str, Any] | None: ...
-
     def close(self) -> None: ...
 
 
@@ -54,7 +68,7 @@ class DatabaseClaims:
 
     api = False
 
-    def __init__(self, database_url: str | None, host: str, stale_s: float) -> None:
+    def __init__(self, database_url: str | None, host: str, settings: Settings) -> None:
         try:
             from kickass_db.schedule_store import ScheduleStore
         except ImportError:
@@ -64,10 +78,18 @@ class DatabaseClaims:
             ) from None
         self.store = ScheduleStore(database_url)
         self.host = host
-        self.stale_s = stale_s
+        self.stale_s = settings.stale_after_s
 
-    def claim(self, item: str, kind: str, due_at: datetime, definition_hash: str) -> Claim | None:
-        c = self.store.claim(item, kind, due_at, self.host, definition_hash, stale_s=self.stale_s)
+    def claim(self, item: Item, due_at: datetime) -> Claim | None:
+        from kickass_db.schedule_store import ClaimRefused as Refused
+
+        try:
+            c = self.store.claim(
+                item.name, item.kind, due_at, self.host, item.definition_hash(),
+                stale_s=self.stale_s, owners=item.owners,
+            )  # fmt: skip
+        except Refused as exc:
+            raise ClaimRefused(exc.reason, exc.message) from None
         return None if c is None else Claim(c.run_id, c.item, c.due_at, c.attempt, c.took_over)
 
     def heartbeat(self, claim: Claim) -> bool:
@@ -84,23 +106,19 @@ class DatabaseClaims:
     def reap(self, current: dict[str, datetime]) -> list[dict[str, Any]]:
         return self.store.reap(current, stale_s=self.stale_s)
 
-    def last_ok(self, item: str) -> dict[str, Any] | None:
-        return self.store.last_ok(item)
-
     def close(self) -> None:
         self.store.close()
 
 
 class ApiClaims:
     """Claims through the measurement server, signed with the runner token
-    (``/api/v1/schedule``): for trial runner hosts, which have no database."""
+    (``/api/v1/schedule``): for trial runner hosts, which have no database.
+    The server judges the claim by its own schedule (owners, due times, the
+    stale limit)."""
 
     api = True
 
-    def __init__(
-        self, server_url: str, runner_token: str, stale_s: float, timeout_s: float = 15.0
-    ) -> None:
-        self.stale_s = stale_s
+    def __init__(self, server_url: str, runner_token: str, timeout_s: float = 15.0) -> None:
         self.base = server_url.rstrip("/") + "/api/v1/schedule"
         self.name = signing.runner_name(runner_token)
         self.key = signing.key_from_secret(runner_token)
@@ -117,6 +135,15 @@ class ApiClaims:
                 f"the measurement server is unreachable at {self.base}: {exc}",
                 hint="the item is left for the next run",
             ) from None
+        if status == 403 and payload.get("error") == "no-schedule":
+            raise KickassError(
+                f"the server refused a schedule call: {payload.get('message', '')}",
+                hint="the server's operator sets its schedule file (kickass server "
+                "--schedule-file, or KICKASS_SCHEDULE_FILE): the file this host runs",
+            )
+        if status == 403 and path == "/claims":
+            # The server's schedule does not allow this claim: this item only.
+            raise ClaimRefused(str(payload.get("error", "")), str(payload.get("message", "")))
         if status in (400, 401, 403):
             raise KickassError(
                 f"the server refused a schedule call ({status}): {payload.get('message', '')}",
@@ -124,23 +151,26 @@ class ApiClaims:
             )
         return status, payload
 
-    def claim(self, item: str, kind: str, due_at: datetime, definition_hash: str) -> Claim | None:
+    def claim(self, item: Item, due_at: datetime) -> Claim | None:
         status, body = self._call(
             "POST",
             "/claims",
             {
-                "item": item,
-                "kind": kind,
+                "item": item.name,
+                "kind": item.kind,
                 "due_at": due_at.isoformat(),
-                "definition_hash": definition_hash,
-                "stale_s": self.stale_s,
+                "definition_hash": item.definition_hash(),
             },  # fmt: skip
         )
         if status == 409:
             return None
         if status != 201:
-            raise KickassError(f"claim of {item} failed: HTTP {status} {body.get('message', '')}")
-        return Claim(int(body["run_id"]), item, due_at, int(body["attempt"]), body.get("took_over"))
+            raise KickassError(
+                f"claim of {item.name} failed: HTTP {status} {body.get('message', '')}"
+            )
+        return Claim(
+            int(body["run_id"]), item.name, due_at, int(body["attempt"]), body.get("took_over")
+        )
 
     def heartbeat(self, claim: Claim) -> bool:
         status, _ = self._call("POST", f"/runs/{claim.run_id}/heartbeat", {})
@@ -163,9 +193,6 @@ class ApiClaims:
     def reap(self, current: dict[str, datetime]) -> list[dict[str, Any]]:
         # The server reaps the items it is asked to claim.
         return []
-
-    def last_ok(self, item: str) -> dict[str, Any] | None:
-        return None
 
     def close(self) -> None:
         pass

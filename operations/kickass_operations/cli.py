@@ -169,7 +169,7 @@ def _claims(args: argparse.Namespace, schedule: Schedule) -> tuple[Claims, str |
     if url:
         from kickass_db.schedule_store import host_id
 
-        return DatabaseClaims(url, args.host or host_id(), s.stale_s), url
+        return DatabaseClaims(url, args.host or host_id(), s), url
     if not server:
         raise KickassError(
             "no database URL and no server: nowhere to claim runs",
@@ -189,7 +189,7 @@ def _claims(args: argparse.Namespace, schedule: Schedule) -> tuple[Claims, str |
             "(make one on the server: kickass trials runners add NAME)",
         )
     signing.runner_name(token)  # a malformed token is an error now, not at the first call
-    return ApiClaims(server, token, s.stale_s), None
+    return ApiClaims(server, token), None
 
 
 def _out(json_mode: bool, obj: dict[str, Any], text: str) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -59,8 +60,6 @@ class Context:
     took_over: dict[str, Any] | None
     stop: threading.Event
     progress: Callable[[str, dict[str, Any]], None]
-    # The counts of this item's last ``ok`` run (the export's watermark).
-    last_ok: dict[str, Any] | None = None
     # Kept across the retries of one run (``execute``): what it found first.
     memo: dict[str, Any] = field(default_factory=dict)
 
@@ -248,42 +247,110 @@ def run_refresh(item: Item, ctx: Context) -> Result:
 
 
 def run_export(item: Item, ctx: Context) -> Result:
-    from kickass_analysis.export import VIEWS, export_view
+    """Each view's rows from where its last published window ended to this due
+    time, in a file named by that window (``export.window_name``), published
+    once (``kickass_analysis.publish``): an attempt that takes over a dead one
+    finds the windows the dead one published and does not export them again,
+    and first removes the dead attempts' partial files (counted:
+    ``swept_partials``). Each window is noted in the run's row as soon as it is
+    published, so a run that dies half-way and is never taken over (reaped)
+    still tells the next run where each of its views goes on from."""
+    from kickass_analysis import publish
+    from kickass_analysis.export import VIEWS, export_view, window_name
+    from kickass_db.schedule_store import ScheduleStore
 
-    assert item.directory is not None
+    assert item.directory is not None and item.views is not None
     directory = ctx.path(item.directory)
     directory.mkdir(parents=True, exist_ok=True)
-    assert item.views is not None
-    views = item.views
-    # What arrived since the last export: from its upper bound to this due time.
-    since_text = (ctx.last_ok or {}).get("until")
-    since = datetime.fromisoformat(since_text) if since_text else None
     until = ctx.due_at
-    counts: dict[str, Any] = {
-        "since": since.isoformat() if since else None,
-        "until": until.isoformat(),
-        "rows": {},
-        "files": [],
-    }
-    whole = []
-    for view in views:
-        if ctx.stop.is_set():
-            return Result(FAILED, "stopped", counts)
-        spec = VIEWS.get(view)
-        dated = spec is not None and (spec.time is not None or spec.session_time)
-        # A view that pools all time (no time column) is exported whole each time.
-        res = export_view(
-            ctx.database_url, view, item.format, directory,
-            since=since if dated else None, until=until if dated else None,
-        )  # fmt: skip
-        if not dated:
-            whole.append(view)
-        counts["rows"][view] = res.rows
-        counts["files"] += [str(res.data_path), str(res.schema_path)]
-        ctx.progress("exported", {"view": view, "rows": res.rows})
+    tag = partial_tag(ctx.run_id, ctx.attempt)
+    with ScheduleStore(ctx.database_url) as store:
+        swept = publish.sweep(directory, _dead_attempts(directory, ctx, store))
+        if swept.files:
+            ctx.progress("swept", swept.to_json())
+        # What arrived since the last export: from its upper bound to this due time.
+        since, published = store.export_since(item.name, ctx.due_at)
+        counts: dict[str, Any] = {
+            "since": since.isoformat() if since else None,
+            "until": until.isoformat(),
+            "rows": {},
+            "files": [],
+            "windows": {},
+            "published": {},
+            "swept_partials": swept.to_json(),
+        }
+        whole, already = [], []
+        for view in item.views:
+            if ctx.stop.is_set():
+                return Result(FAILED, "stopped", counts)
+            spec = VIEWS.get(view)
+            dated = spec is not None and (spec.time is not None or spec.session_time)
+            if dated:
+                lo = max((t for t in (since, published.get(view)) if t is not None), default=None)
+                name = window_name(view, item.format, lo, until)
+                window = {"since": lo, "until": until}
+            else:
+                # A view that pools all time is exported whole each time, named
+                # by the due time it stands for.
+                lo = None
+                name = window_name(view, item.format, at=until)
+                window = {}
+                whole.append(view)
+            res = export_view(
+                ctx.database_url, view, item.format, directory,
+                since=lo, until=until if dated else None, name=name, tag=tag,
+            )  # fmt: skip
+            if dated:
+                store.mark_published(ctx.run_id, ctx.attempt, view, until)
+                counts["windows"][view] = {k: v.isoformat() if v else None
+                                           for k, v in window.items()}  # fmt: skip
+                counts["published"][view] = until.isoformat()
+            if res.already_published:
+                already.append(view)
+            counts["rows"][view] = res.rows
+            counts["files"] += [str(res.data_path), str(res.schema_path)]
+            ctx.progress("exported", {"view": view, "rows": res.rows,
+                                      "already_published": res.already_published})  # fmt: skip
     if whole:
         counts["whole_views"] = whole
+    if already:
+        counts["already_published"] = already
     return Result(OK, None, counts)
+
+
+def partial_tag(run_id: int, attempt: int) -> str:
+    """The tag of a scheduled export's partial files: its run and attempt."""
+    return f"r{run_id}a{attempt}"
+
+
+_PARTIAL_TAG = re.compile(r"r(\d{1,19})a(\d{1,9})")
+
+
+def _dead_attempts(directory: Path, ctx: Context, store: Any) -> Callable[[str], bool]:
+    """Which partial files' tags belong to attempts that will never finish
+    them: this run's earlier attempts (this one took over), and any other
+    run's attempt that is no longer the one running (over, or taken over).
+    Tags of other writers (``kickass export`` by hand: a process id) and of
+    files that appear after this look are left alone."""
+    from kickass_analysis import publish
+
+    seen: dict[str, tuple[int, int]] = {}
+    for path in directory.iterdir():
+        found = publish.partial_of(path)
+        m = _PARTIAL_TAG.fullmatch(found[1]) if found else None
+        if found and m:
+            seen[found[1]] = (int(m[1]), int(m[2]))
+    others = sorted({run for run, _ in seen.values()} - {ctx.run_id})
+    running: dict[int, int] = store.running_attempts(others)
+    running[ctx.run_id] = ctx.attempt
+
+    def dead(tag: str) -> bool:
+        if tag not in seen:
+            return False
+        run, attempt = seen[tag]
+        return running.get(run) != attempt
+
+    return dead
 
 
 # -- housekeeping -----------------------------------------------------------------------

@@ -2,20 +2,22 @@
 
 Read when scraped (``schedule run --loop --metrics-port``) or written once
 per run for node_exporter's textfile collector (``--metrics-file``). Where
-the database is at hand the figures are the database's (every host's runs);
-a trial runner host reports its own runs and its upload backlog (records
-still spooled for the server).
+the database is at hand the figures are the database's (every host's runs,
+and every host's refused claims); a trial runner host reports its own runs
+and its upload backlog (records still spooled for the server). Item labels
+come from the schedule's items only (``run_families``, which the server's
+``/metrics`` shares): a name nobody scheduled adds no series.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, start_http_server, write_to_textfile
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from .schedule_file import Schedule
@@ -28,7 +30,7 @@ class ScheduleCollector(Collector):
         self.store = store
         self._lock = threading.Lock()
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         with self._lock:
             yield from self._backlog()
             if self.store is not None:
@@ -49,25 +51,11 @@ class ScheduleCollector(Collector):
             fam.add_metric([item.name], float(_spooled(path)))
         yield fam
 
-    def _from_database(self) -> Iterator[GaugeMetricFamily]:
+    def _from_database(self) -> Iterator[Metric]:
         from .status import collect
 
         assert self.store is not None
-        names = [i.name for i in self.schedule.item]
-        runs = GaugeMetricFamily(
-            "kickass_schedule_item_runs",
-            "Runs recorded in item_runs, by item, kind and outcome (every host's)",
-            labels=["item", "kind", "outcome"],
-        )
-        last = GaugeMetricFamily(
-            "kickass_schedule_item_last_finished_timestamp_seconds",
-            "When the newest run of each outcome finished",
-            labels=["item", "outcome"],
-        )
-        for r in self.store.outcome_counts(names):
-            runs.add_metric([r["item"], r["kind"], r["outcome"]], float(r["runs"]))
-            if r["last_finished"] is not None:
-                last.add_metric([r["item"], r["outcome"]], r["last_finished"].timestamp())
+        yield from run_families(self.store, [i.name for i in self.schedule.item])
         st = collect(self.schedule, self.store)
         overdue = GaugeMetricFamily(
             "kickass_schedule_item_overdue",
@@ -81,7 +69,38 @@ class ScheduleCollector(Collector):
             "RIPE Atlas credits spent today (UTC) by the schedule's atlas items",
         )
         credits.add_metric([], float(st.atlas_credits_today))
-        yield from (runs, last, overdue, credits)
+        yield from (overdue, credits)
+
+
+def run_families(store: Any, names: Sequence[str]) -> list[Metric]:
+    """Runs by item, kind and outcome, the newest finish of each, and the
+    claims refused by host, item and reason, from ``store`` (a
+    ``kickass_db.schedule_store.ScheduleStore``), for the items ``names``
+    only: item labels come from a schedule, never from what a claimer sent
+    (a refusal of a name the schedule does not have is labelled item="")."""
+    runs = GaugeMetricFamily(
+        "kickass_schedule_item_runs",
+        "Runs recorded in item_runs, by item, kind and outcome (every host's)",
+        labels=["item", "kind", "outcome"],
+    )
+    last = GaugeMetricFamily(
+        "kickass_schedule_item_last_finished_timestamp_seconds",
+        "When the newest run of each outcome finished",
+        labels=["item", "outcome"],
+    )
+    for r in store.outcome_counts(list(names)):
+        runs.add_metric([r["item"], r["kind"], r["outcome"]], float(r["runs"]))
+        if r["last_finished"] is not None:
+            last.add_metric([r["item"], r["outcome"]], r["last_finished"].timestamp())
+    refused = CounterMetricFamily(
+        "kickass_schedule_claims_refused",
+        "Claims of scheduled runs the schedule did not allow (nothing stored), by claiming "
+        "host, item (empty: not in the schedule) and reason",
+        labels=["host", "item", "reason"],
+    )
+    for r in store.refusals(list(names)):
+        refused.add_metric([r["host"], r["item"], r["reason"]], float(r["refusals"]))
+    return [runs, last, refused]
 
 
 def _spooled(path: Path) -> int:

@@ -13,10 +13,15 @@ inherited connections or threads) dies with its parent (PR_SET_PDEATHSIG),
 so a run killed with SIGKILL leaves no orphan working on: the next
 ``schedule run`` finds the run dead and takes it over.
 
+A claim the schedule does not allow (an item this host may not run, a due
+time not due: the server's schedule and this host's disagree, or the clocks
+do) is logged ``refused`` and counted (``kickass schedule status``); the
+other items go on.
+
 Exit codes (for cron mail and monitors): 0 every due item ok or skipped (or
-nothing due), 1 an item failed or timed out, 2 a bad schedule file or
-usage, 3 the claim backend (database or server) unreachable: nothing could
-be claimed, the items wait for the next run.
+nothing due), 1 an item failed or timed out, or a claim was refused, 2 a bad
+schedule file or usage, 3 the claim backend (database or server)
+unreachable: nothing could be claimed, the items wait for the next run.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from typing import IO, Any
 from kickass_core.errors import KickassError
 
 from . import items as kinds
-from .claims import Claim, Claims
+from .claims import Claim, ClaimRefused, Claims
 from .schedule_file import DATABASE_KINDS, Item, Schedule
 
 EXIT_OK = 0
@@ -84,10 +89,12 @@ class EventLog:
         with self._lock:
             self.stream.write(text + "\n")
             self.stream.flush()
-        if self.errors_to_stderr and fields.get("outcome") in (kinds.FAILED, kinds.TIMEOUT):
+        if self.errors_to_stderr and (
+            fields.get("outcome") in (kinds.FAILED, kinds.TIMEOUT) or event == "refused"
+        ):
             print(
                 f"ERROR: {fields.get('item')} (due {fields.get('due_at')}) "
-                f"{fields.get('outcome')}: {fields.get('reason')}",
+                f"{fields.get('outcome', event)}: {fields.get('reason')}",
                 file=sys.stderr,
             )
 
@@ -104,13 +111,14 @@ def _jsonable(value: Any) -> Any:
 class RunSummary:
     due: int = 0
     ran: list[dict[str, Any]] = field(default_factory=list)
+    refused: list[dict[str, Any]] = field(default_factory=list)
     unreachable: str | None = None
 
     @property
     def exit_code(self) -> int:
         if self.unreachable is not None:
             return EXIT_UNREACHABLE
-        if any(r["outcome"] in (kinds.FAILED, kinds.TIMEOUT) for r in self.ran):
+        if self.refused or any(r["outcome"] in (kinds.FAILED, kinds.TIMEOUT) for r in self.ran):
             return EXIT_FAILED
         return EXIT_OK
 
@@ -118,6 +126,7 @@ class RunSummary:
         return {
             "due": self.due,
             "ran": self.ran,
+            "refused": self.refused,
             "unreachable": self.unreachable,
             "exit_code": self.exit_code,
         }
@@ -180,7 +189,14 @@ class Runner:
             for item, due in todo:
                 if self.stop.is_set():
                     break
-                claim = self.claims.claim(item.name, item.kind, due, item.definition_hash())
+                try:
+                    claim = self.claims.claim(item, due)
+                except ClaimRefused as exc:
+                    refused = {"item": item.name, "due_at": due, "refusal": exc.reason,
+                               "reason": exc.message}  # fmt: skip
+                    self.log("refused", **refused)
+                    summary.refused.append(refused)
+                    continue
                 if claim is None:
                     continue
                 late = (self.now() - (due + item.slip(due))).total_seconds()
@@ -214,7 +230,6 @@ class Runner:
             "run_id": claim.run_id,
             "attempt": claim.attempt,
             "took_over": claim.took_over,
-            "last_ok": self.claims.last_ok(item.name) if item.kind == "export" else None,
             "parent_pid": os.getpid(),
         }
         t0 = time.monotonic()
@@ -387,7 +402,6 @@ def child_main(payload: dict[str, Any], send: Connection) -> None:
         took_over=payload["took_over"],
         stop=stop,
         progress=progress,
-        last_ok=payload["last_ok"],
     )
     try:
         result = kinds.execute(item, ctx)

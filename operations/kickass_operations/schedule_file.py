@@ -6,7 +6,7 @@ campaign keeps its own YAML file, named by the item)::
 
     [schedule]
     name = "wide-area"          # for logs and metrics
-    stale_s = 45                # a run not heard of this long is dead
+    heartbeat_s = 10            # a running item's host says it is alive this often
 
     [[item]]
     name = "atlas-nightly"
@@ -22,16 +22,23 @@ Kinds and their settings:
   settle, each fetch bounded by ``timeout_s``.
 * ``trials``: ``trials`` (a ``kickass_wan.service.RoundSettings`` table): one
   round of interleaved trials; the order of the agents and the seed of the
-  periods are drawn per round and stored with the trial. ``host``: the
-  runner host that runs it (others leave it alone).
+  periods are drawn per round and stored with the trial.
 * ``refresh``: the analysis rollups (``kickass_analysis.rollups``).
 * ``export``: ``directory``, ``views``, ``format`` (csv or parquet): what
   arrived since the last export, in dated files.
 * ``housekeeping``: what the study servers left behind (sessions still live
   past their time, per server instance); never deletes anything.
 
-Every item has ``timeout_s`` (a run still going then ends ``timeout``).
+Every item has ``timeout_s`` (a run still going then ends ``timeout``) and
+may name its owners in ``host``: one host (a database host's id, or a runner
+host's runner name) or a list of them; only those run it, and the server
+refuses a runner's claim for an item that does not name it (without
+``host``: any host that can). Whether a run's host is dead is the
+schedule's to say, never the claimer's: a run not heard of for
+``stale_s`` (at least ``STALE_FACTOR`` heartbeats; that many by default).
 Paths are read relative to the schedule file.
+
+A schedule file is at most ``MAX_FILE_BYTES`` of UTF-8.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import re
 import tomllib
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -48,7 +56,14 @@ from croniter import croniter
 from kickass_core.errors import KickassError
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-SLIP_CHECK_FROM = datetime(2026, 1, 5, tzinfo=UTC)  # a Monday: weekday fields start there
+SLIP_CHECK_FROM = datetime(2026, 1, 5, tzinfo=UTC)
+# A thousand items take about 100 KB: ten times that is a mistake, not a schedule.
+MAX_FILE_BYTES = 1024 * 1024
+# A run is dead when not heard of for this many heartbeats (or the longer
+# stale_s of the schedule): a host that is merely busy misses one or two.
+STALE_FACTOR = 4
+# Most owners an item names (runner hosts of one round, database hosts).
+MAX_OWNERS = 64  # a Monday: weekday fields start there
 KINDS = ("atlas", "trials", "refresh", "export", "housekeeping")
 # Kinds that need the database (and run only where it is reachable).
 DATABASE_KINDS = ("atlas", "refresh", "export", "housekeeping")
@@ -93,7 +108,23 @@ def _cron(value: str) -> str:
 
 
 Cron = Annotated[str, AfterValidator(_cron)]
-Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+Name = Annotated[str, Field(pattern=NAME_PATTERN)]
+
+
+def _owners(value: str | list[str]) -> str | list[str]:
+    names = [value] if isinstance(value, str) else value
+    if not 1 <= len(names) <= MAX_OWNERS:
+        raise ValueError(f"a host name, or a list of 1 to {MAX_OWNERS} host names")
+    for name in names:
+        if not re.match(NAME_PATTERN, name):
+            raise ValueError(f"not a host name: {name!r} (letters, digits, '_', '.', '-')")
+    if len(set(names)) != len(names):
+        raise ValueError("a list of distinct host names")
+    return value
+
+
+Owners = Annotated[str | list[str], AfterValidator(_owners)]
 
 
 class _Model(BaseModel):
@@ -111,8 +142,9 @@ class Item(_Model):
     # A due time not started within this long of its (slipped) time is not
     # run late: it is recorded ``skipped`` (no host ran the schedule then).
     late_s: Annotated[float, Field(ge=60, le=30 * 86_400)] = 3600.0
-    # Only this host runs the item (None: any host that can).
-    host: Name | None = None
+    # Only this host, or these hosts, run the item (None: any host that can):
+    # database hosts by their host id, runner hosts by their runner name.
+    host: Owners | None = None
     enabled: bool = True
     # atlas
     campaign: str | None = None
@@ -142,6 +174,25 @@ class Item(_Model):
             if getattr(self, need) is None:
                 raise ValueError(f"a {self.kind} item needs {need!r}")
         return self
+
+    @property
+    def owners(self) -> tuple[str, ...] | None:
+        """The hosts that may run the item (None: any host that can)."""
+        if self.host is None:
+            return None
+        return (self.host,) if isinstance(self.host, str) else tuple(self.host)
+
+    def may_run(self, host: str) -> bool:
+        return self.owners is None or host in self.owners
+
+    def on_cron(self, due: datetime) -> bool:
+        """Whether ``due`` is one of the item's due times (cron times are whole minutes)."""
+        due = due.astimezone(UTC)
+        if due.second or due.microsecond:
+            return False
+        it = _walk(self.cron, due - timedelta(seconds=1))
+        nxt: datetime = it.get_next(datetime)
+        return nxt.astimezone(UTC) == due
 
     def definition_hash(self) -> str:
         """What the item is (its settings), so a run says what it ran."""
@@ -182,9 +233,11 @@ class Item(_Model):
 
 class Settings(_Model):
     name: Name = "kickass"
-    # A run not heard of this long is dead (kept well above heartbeat_s).
-    stale_s: Annotated[float, Field(ge=2, le=86_400)] = 45.0
+    # A running item's host says it is alive this often...
     heartbeat_s: Annotated[float, Field(gt=0, le=3600)] = 10.0
+    # ...and is dead when not heard of for this long: at least STALE_FACTOR
+    # heartbeats (the default), so a live run is never taken for dead.
+    stale_s: Annotated[float, Field(ge=2, le=86_400)] | None = None
     # Where claims are made when no database URL is given: the measurement
     # server's schedule API, with this host's runner token.
     server: Annotated[str, Field(pattern=r"^https?://", max_length=200)] | None = None
@@ -192,9 +245,17 @@ class Settings(_Model):
 
     @model_validator(mode="after")
     def _heartbeat_below_stale(self) -> Settings:
-        if self.heartbeat_s * 2 > self.stale_s:
-            raise ValueError("heartbeat_s must be at most half of stale_s")
+        if self.stale_s is not None and self.stale_s < self.heartbeat_s * STALE_FACTOR:
+            raise ValueError(
+                f"stale_s ({self.stale_s:g}) must be at least {STALE_FACTOR} heartbeats "
+                f"({STALE_FACTOR} x heartbeat_s = {self.heartbeat_s * STALE_FACTOR:g})"
+            )
         return self
+
+    @property
+    def stale_after_s(self) -> float:
+        """How long a run may go unheard of before it is dead."""
+        return self.stale_s if self.stale_s is not None else self.heartbeat_s * STALE_FACTOR
 
 
 class Schedule(_Model):
@@ -209,16 +270,35 @@ class Schedule(_Model):
             raise ValueError(f"item names must be unique: {sorted(dup)}")
         return self
 
+    def find(self, name: str) -> Item | None:
+        return next((i for i in self.item if i.name == name), None)
+
 
 def load(path: str | Path) -> tuple[Schedule, Path]:
     """The schedule and its file's folder (relative paths are read from it)."""
     p = Path(path)
     try:
         with p.open("rb") as f:
-            data = tomllib.load(f)
+            raw = f.read(MAX_FILE_BYTES + 1)
     except FileNotFoundError:
         raise KickassError(
             f"no schedule file {p}", hint="see operations/example-schedule.toml"
+        ) from None
+    except OSError as exc:
+        raise KickassError(f"cannot read the schedule file {p}: {exc.strerror or exc}") from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise KickassError(
+            f"{p} is larger than {MAX_FILE_BYTES:,} bytes, the most a schedule file may be",
+            hint="a schedule of a thousand items takes about 100 KB: is this the right file?",
+        )
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise KickassError(
+            f"{p} is not UTF-8: byte 0x{raw[exc.start]:02x} at line {line}, column {column}",
+            hint="save the file as UTF-8 (a schedule file is TOML, which is UTF-8 only)",
         ) from None
     except tomllib.TOMLDecodeError as exc:
         raise KickassError(f"{p} is not TOML: {exc}") from None

@@ -5,6 +5,10 @@ Overdue: an item whose latest due time started more than ``OVERDUE_AFTER_S``
 ago with no run recorded for it, or with a run whose host stopped
 heartbeating: the host that should run it (a trial runner host, say) went
 silent, or nobody runs the schedule at all.
+
+Refused claims: how often each host's claims were refused and why (an item
+it may not run, a due time not due), the schedule's items by name and any
+other name as ``(not in the schedule)``.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ class ItemStatus:
     name: str
     kind: str
     cron: str
-    host: str | None
+    host: str | list[str] | None
     enabled: bool
     due_at: datetime | None
     next_start: datetime
@@ -55,6 +59,7 @@ class Status:
     flows_per_agent_today: dict[str, int] = field(default_factory=dict)
     upload_backlog: dict[str, int] = field(default_factory=dict)
     runs_today: dict[str, int] = field(default_factory=dict)
+    refused_claims: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def overdue(self) -> list[ItemStatus]:
@@ -71,6 +76,7 @@ class Status:
             "flows_per_agent_today": self.flows_per_agent_today,
             "upload_backlog": self.upload_backlog,
             "runs_today": self.runs_today,
+            "refused_claims": [{k: _iso(v) for k, v in r.items()} for r in self.refused_claims],
         }
 
 
@@ -83,7 +89,7 @@ def collect(schedule: Schedule, store: Any, now: datetime | None = None) -> Stat
     now = now or datetime.now(UTC)
     names = [i.name for i in schedule.item]
     last = store.last_runs(names, per_item=1)
-    stale = timedelta(seconds=schedule.schedule.stale_s)
+    stale = timedelta(seconds=schedule.schedule.stale_after_s)
     out: list[ItemStatus] = []
     for item in schedule.item:
         runs = last.get(item.name) or []
@@ -117,7 +123,11 @@ def collect(schedule: Schedule, store: Any, now: datetime | None = None) -> Stat
         if item.enabled and due is not None:
             started = due + item.slip(due)
             late = (now - started).total_seconds() > OVERDUE_AFTER_S
-            who = f"host {item.host} has not claimed it" if item.host else "no host has claimed it"
+            who = (
+                f"host {' or '.join(item.owners)} has not claimed it"
+                if item.owners
+                else "no host has claimed it"
+            )
             if newest is None or newest["due_at"] < due:
                 if late:
                     st.overdue = (
@@ -152,6 +162,7 @@ def collect(schedule: Schedule, store: Any, now: datetime | None = None) -> Stat
         flows_per_agent_today=store.flows_per_destination(midnight),
         upload_backlog=backlog,
         runs_today=runs_today,
+        refused_claims=store.refusals(names),
     )
 
 
@@ -180,6 +191,14 @@ def render(status: Status) -> str:
             lines.append(
                 f"  {f['item']} due {f['due_at']:%Y-%m-%d %H:%M} on {f['host']} "
                 f"({f['outcome']}): {f['reason']}"
+            )
+    if status.refused_claims:
+        lines.append("")
+        lines.append("refused claims (nothing stored):")
+        for r in status.refused_claims[:10]:
+            lines.append(
+                f"  {r['host']} {r['item'] or '(not in the schedule)'} {r['reason']}: "
+                f"{r['refusals']}x, last {r['last_at']:%Y-%m-%d %H:%M} ({r['last_message']})"
             )
     lines.append("")
     lines.append(

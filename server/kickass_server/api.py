@@ -66,6 +66,9 @@ class ApiConfig:
     health_cache_s: float = 2.0
     # Who may read GET /metrics (networks); others get a 404.
     metrics_from: tuple[str, ...] = ("127.0.0.0/8", "::1/128")
+    # The schedule file runner hosts' claims are judged by (schedule_api.py);
+    # None: no runner may claim a scheduled run.
+    schedule_file: str | None = None
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any] | None) -> ApiConfig:

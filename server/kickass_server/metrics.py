@@ -2,7 +2,9 @@
 
 Read when scraped, from what the server keeps anyway (the probe engine's
 counters and gauges, its database writer's backlog) and from the database
-(scheduled runs by item and outcome), so nothing is counted twice. Only
+(scheduled runs by item and outcome, refused claims: the schedule's own
+``run_families``, labelled only by the items of the server's schedule file),
+so nothing is counted twice. Only
 addresses in ``ApiConfig.metrics_from`` may read it (loopback by default: a
 Prometheus on the same host, or the reverse proxy's allow-list); others get
 a 404, as if it did not exist.
@@ -11,15 +13,18 @@ a 404, as if it did not exist.
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from flask import Blueprint, Response, current_app, request
+from flask import Blueprint, Flask, Response, current_app, request
+from kickass_operations.metrics import run_families
+from kickass_operations.schedule_file import Schedule
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from .http import ApiError
+from .schedule_api import server_schedule
 
 bp = Blueprint("metrics", __name__)
 
@@ -38,8 +43,9 @@ GAUGES = ("sessions_live", "sessions_probing", "sessions_remembered", "db_write_
 
 
 class ServerCollector(Collector):
-    def __init__(self, services: Any) -> None:
+    def __init__(self, services: Any, schedule: Callable[[], Schedule | None]) -> None:
         self.services = services
+        self.schedule = schedule
 
     def collect(self) -> Iterator[Metric]:
         stats = self.services.engine.stats()
@@ -59,19 +65,28 @@ class ServerCollector(Collector):
                 c = CounterMetricFamily(f"kickass_server_{name}", f"Database writer: {name}")
                 c.add_metric([], float(stats[name]))
                 yield c
-        schedule = self.services.schedule
-        if schedule is not None:
-            runs = GaugeMetricFamily(
-                "kickass_schedule_item_runs",
-                "Scheduled runs recorded in item_runs, by item, kind and outcome",
-                labels=["item", "kind", "outcome"],
-            )
+        store = self.services.schedule
+        if store is not None:
+            # Labels from the schedule file's items, never from item_runs
+            # (no schedule: none), so no claimer can add a series.
+            schedule = self.schedule()
+            names = [] if schedule is None else [i.name for i in schedule.item]
             try:
-                for r in schedule.outcome_counts(None):
-                    runs.add_metric([r["item"], r["kind"], r["outcome"]], float(r["runs"]))
+                families = run_families(store, names)
             except Exception:  # noqa: BLE001 - a scrape during a database outage still answers
-                pass
-            yield runs
+                families = []
+            yield from families
+
+
+def _schedule_reader(app: Flask) -> Callable[[], Schedule | None]:
+    """The server's schedule as it is at each scrape (the collector runs
+    outside the request's app context)."""
+
+    def read() -> Schedule | None:
+        with app.app_context():
+            return server_schedule()
+
+    return read
 
 
 def allowed(remote: str | None, networks: tuple[str, ...]) -> bool:
@@ -92,6 +107,6 @@ def metrics() -> Response:
     registry = current_app.extensions.get("kickass.metrics")
     if registry is None:
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(ServerCollector(svc))
+        registry.register(ServerCollector(svc, _schedule_reader(current_app)))
         current_app.extensions["kickass.metrics"] = registry
     return Response(generate_latest(registry), mimetype=CONTENT_TYPE_LATEST)

@@ -79,6 +79,8 @@ SETTINGS: tuple[tuple[str, object, Callable[[str], object] | None], ...] = (
     ("network_table", None, str),
     ("page_min_clients", 5, _positive_int),
     ("public_url", None, str),
+    # The schedule runner hosts' claims are judged by (schedule_api.py).
+    ("schedule_file", None, str),
 )
 
 
@@ -153,6 +155,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="the URL volunteers reach this server at, shown in the pages' run command (env "
         "KICKASS_PUBLIC_URL; default the URL a request came in on)",
     )
+    p.add_argument(
+        "--schedule-file",
+        help="the schedule file (TOML, operations/README.md) trial runner hosts' claims are "
+        "judged by: which items each runner may run, their due times, when a run is dead; "
+        "read again when it changes (env KICKASS_SCHEDULE_FILE; default none: no runner may "
+        "claim a scheduled run)",
+    )
     p.set_defaults(func=run)
 
 
@@ -183,6 +192,10 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
         out["listen_host"], out["listen_port"] = parse_hostport(out["listen"])
     except ValueError as exc:
         raise KickassError(f"bad listen address {out['listen']!r}: {exc}") from None
+    if out["schedule_file"]:
+        from kickass_operations.schedule_file import load
+
+        load(out["schedule_file"])  # a bad file stops the server before it binds anything
     return argparse.Namespace(**out)
 
 
@@ -241,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(
         engine,
         store,
-        {"PROBE_HOST": args.probe_host or None},
+        {"PROBE_HOST": args.probe_host or None, "SCHEDULE_FILE": args.schedule_file},
         page=_page_config(args),
         trials=TrialStore(args.database_url),
         # Trial runner hosts claim their scheduled rounds here (schedule_api).

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 from kickass_core.errors import KickassError
 from kickass_operations import crontab as cron
 from kickass_operations.items import round_seed
-from kickass_operations.schedule_file import Item, load, parse
+from kickass_operations.schedule_file import MAX_FILE_BYTES, STALE_FACTOR, Item, load, parse
 
 REPO = Path(__file__).resolve().parents[2]
 T0 = datetime(2026, 11, 25, 3, 0, tzinfo=UTC)
@@ -38,7 +39,11 @@ def item(**over: Any) -> dict[str, Any]:
         ({"item": [item(), item()]}, "item names must be unique"),
         ({"item": [item(colour="red")]}, "colour"),
         ({"item": [item(name="../etc")]}, "item '../etc': name"),
-        ({"schedule": {"stale_s": 10, "heartbeat_s": 6}}, "heartbeat_s must be at most half"),
+        ({"schedule": {"stale_s": 23, "heartbeat_s": 6}}, "must be at least 4 heartbeats"),
+        ({"item": [item(host=[])]}, "item 'refresh': host"),
+        ({"item": [item(host=["edge-1", "edge-1"])]}, "distinct host names"),
+        ({"item": [item(host=["edge-1", "../x"])]}, "not a host name: '../x'"),
+        ({"item": [item(host=[f"h{i}" for i in range(65)])]}, "1 to 64 host names"),
         ({"item": [item(slip_s=-1)]}, "slip_s"),
         ({"item": [item(slip_s=900)]}, "must be shorter than the time between due times (900 s)"),
         ({"item": [item(timeout_s="1h")]}, "timeout_s"),
@@ -60,6 +65,86 @@ def test_a_file_that_is_not_toml_or_not_there_is_a_clear_error(tmp_path: Path) -
     bad.write_text("[schedule\nname = 1")
     with pytest.raises(KickassError, match="is not TOML"):
         load(bad)
+
+
+def test_a_schedule_file_is_at_most_max_file_bytes(tmp_path: Path) -> None:
+    """The limit's edges: exactly MAX_FILE_BYTES is read, one byte more is
+    refused (a 10 MB file was accepted before), with the size in the error."""
+    body = (
+        '[schedule]\nname = "big"\n\n[[item]]\nname = "r"\nkind = "refresh"\ncron = "* * * * *"\n'
+    )
+    at_limit = tmp_path / "at-limit.toml"
+    padding = MAX_FILE_BYTES - len(body) - 1
+    at_limit.write_bytes(body.encode() + b"#" + b"x" * (padding - 1) + b"\n")
+    assert at_limit.stat().st_size == MAX_FILE_BYTES
+    schedule, _ = load(at_limit)
+    assert [i.name for i in schedule.item] == ["r"]
+    over = tmp_path / "over.toml"
+    over.write_bytes(at_limit.read_bytes() + b"\n")
+    with pytest.raises(KickassError, match=f"larger than {MAX_FILE_BYTES:,} bytes") as exc:
+        load(over)
+    assert exc.value.hint
+    ten_mb = tmp_path / "ten-mb.toml"
+    ten_mb.write_bytes(body.encode() + b"#" + b"x" * 10_000_000 + b"\n")
+    with pytest.raises(KickassError, match="larger than"):
+        load(ten_mb)
+
+
+def test_a_schedule_file_that_is_not_utf8_is_a_clear_error(tmp_path: Path) -> None:
+    """One Latin-1 byte in a comment was a UnicodeDecodeError traceback."""
+    bad = tmp_path / "latin1.toml"
+    bad.write_bytes(b'[schedule]\nname = "x"\n# caf\xe9 on the corner\n')
+    with pytest.raises(KickassError) as exc:
+        load(bad)
+    assert exc.value.message == f"{bad} is not UTF-8: byte 0xe9 at line 3, column 6"
+    assert exc.value.hint and "UTF-8" in exc.value.hint
+    folder = tmp_path / "a-folder.toml"
+    folder.mkdir()
+    with pytest.raises(KickassError, match="cannot read the schedule file"):
+        load(folder)
+
+
+@pytest.mark.parametrize(
+    ("extra", "error"),
+    [
+        (b"# caf\xe9\n", "is not UTF-8: byte 0xe9 at line 3, column 6"),
+        (b"#" + b"x" * MAX_FILE_BYTES + b"\n", "larger than"),
+    ],
+)
+def test_schedule_check_says_what_is_wrong_without_a_traceback(
+    tmp_path: Path, extra: bytes, error: str
+) -> None:
+    path = tmp_path / "s.toml"
+    path.write_bytes(b'[schedule]\nname = "x"\n' + extra)
+    kickass = Path(sys.executable).with_name("kickass")
+    proc = subprocess.run(
+        [str(kickass), "schedule", "check", str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("ERROR: ") and error in proc.stderr, proc.stderr
+
+
+def test_owners_cron_times_and_the_stale_limit() -> None:
+    one = Item.model_validate({"name": "a", "kind": "trials", "cron": "40 */3 * * *",
+                               "trials": {}, "host": "edge-1"})  # fmt: skip
+    many = one.model_copy(update={"host": ["edge-1", "edge-2"]})
+    anyone = one.model_copy(update={"host": None})
+    assert one.owners == ("edge-1",) and many.owners == ("edge-1", "edge-2")
+    assert one.may_run("edge-1") and not one.may_run("edge-2") and many.may_run("edge-2")
+    assert anyone.owners is None and anyone.may_run("whoever")
+    due = datetime(2026, 11, 25, 3, 40, tzinfo=UTC)
+    assert one.on_cron(due) and one.on_cron(due + timedelta(hours=3))
+    for off in (
+        timedelta(minutes=1),
+        timedelta(hours=1),
+        timedelta(seconds=1),
+        timedelta(microseconds=1),
+        timedelta(days=365 * 73) + timedelta(minutes=7),
+    ):
+        assert not one.on_cron(due + off), off  # fmt: skip
+    settings = parse({"schedule": {"heartbeat_s": 5}}).schedule
+    assert settings.stale_after_s == 5 * STALE_FACTOR
+    assert parse({"schedule": {"heartbeat_s": 5, "stale_s": 60}}).schedule.stale_after_s == 60
 
 
 def test_the_example_schedule_is_valid() -> None:

@@ -13,6 +13,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import kickass_db as db
+import pytest
 from kickass_db.schedule_store import ScheduleStore
 from support.schedule import (
     KICKASS,
@@ -58,7 +59,7 @@ def test_due_items_run_once_and_a_second_run_does_nothing(
 
     again = run_schedule(schedule, env, "--json")
     assert again.returncode == 0 and events(again.stdout)[-1] == {
-        "due": 0, "ran": [], "unreachable": None, "exit_code": 0,
+        "due": 0, "ran": [], "refused": [], "unreachable": None, "exit_code": 0,
     }  # fmt: skip
     assert len(item_runs(database_url)) == 2
 
@@ -153,6 +154,41 @@ def test_failures_timeouts_and_late_due_times_are_recorded_with_exit_codes(
     assert "timeout of 0.05 s" in runs["hurried"]["reason"]
     assert runs["late"]["outcome"] == "skipped" and "too late" in runs["late"]["reason"]
     assert runs["atlas-missing"]["due_at"] == due
+
+
+def test_the_store_refuses_a_database_host_the_item_does_not_name_and_a_future_due(
+    database_url: str,
+) -> None:
+    """What the server enforces for runner tokens, the store enforces for
+    database hosts: a host the item does not name, or a due time ahead of the
+    database's clock, is refused (ClaimRefused), stores no run, and is
+    counted; and a live run is judged by the stale limit the schedule says."""
+    from kickass_db.schedule_store import FUTURE_S, ClaimRefused
+
+    due = datetime.now(UTC).replace(second=0, microsecond=0) - timedelta(minutes=1)
+    store = ScheduleStore(database_url)
+    try:
+        with pytest.raises(ClaimRefused) as exc:
+            store.claim("round", "trials", due, "host-a", owners=["host-b", "runner:edge-1"])
+        assert exc.value.reason == "not-owner" and "not by host-a" in exc.value.message
+        ahead = datetime.now(UTC) + timedelta(seconds=FUTURE_S + 60)
+        with pytest.raises(ClaimRefused) as exc:
+            store.claim("round", "trials", ahead, "host-b", owners=["host-b"])
+        assert exc.value.reason == "not-due"
+        assert item_runs(database_url) == []
+        assert {(r["host"], r["item"], r["reason"], r["refusals"]) for r in store.refusals()} == {
+            ("host-a", "round", "not-owner", 1), ("host-b", "round", "not-due", 1),
+        }  # fmt: skip
+        # An owner claims; the due time of a clock a little ahead is still due.
+        held = store.claim("round", "trials", due, "host-b", owners=["host-b"], lock=False)
+        assert held is not None
+        soon = store.claim("round", "trials", datetime.now(UTC) + timedelta(seconds=30), "host-b")
+        assert soon is not None
+        time.sleep(2.5)
+        # Another owner, judging by the schedule's stale limit: the run is alive.
+        assert store.claim("round", "trials", due, "host-c", stale_s=40.0) is None
+    finally:
+        store.close()
 
 
 def test_a_dead_run_whose_due_time_passed_is_closed_by_the_next_run(

@@ -21,9 +21,12 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+import shutil
 import struct
+import tempfile
 from collections.abc import Iterator
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import kickass_db as db
@@ -42,6 +45,7 @@ from kickass_server.policy import Policy
 from kickass_server.schemas import FlowsBody
 from sqlalchemy import create_engine, text
 from support.flow_limits import limit_cases
+from support.schedule import write_schedule
 
 BODY_METHODS = {"POST", "PUT", "PATCH"}
 # The limits of PostgreSQL's number columns, and one past each.
@@ -86,9 +90,16 @@ class Api:
         )  # fmt: skip
         self.engine = ProbeEngine(self.study, policy, probe_port=9000, server_version="fuzz")
         self.schedule = ScheduleStore(database_url)
+        # The runner "fuzz" may claim the schedule API's example item (schedule_api.py).
+        self.schedule_file = Path(tempfile.mkdtemp(prefix="kickass-fuzz-")) / "s.toml"
+        write_schedule(self.schedule_file, [{
+            "name": "round-example", "kind": "trials", "cron": "0 3 * * *", "host": "fuzz",
+            "trials": {"pairs": 1},
+        }])  # fmt: skip
         self.app: Flask = create_app(
-            self.engine, self.study, ApiConfig(), trials=self.trials, schedule=self.schedule
-        )
+            self.engine, self.study, ApiConfig(schedule_file=str(self.schedule_file)),
+            trials=self.trials, schedule=self.schedule,
+        )  # fmt: skip
         self.client: FlaskClient = self.app.test_client()
         self.token = self.trials.add_runner("fuzz")
         # A session that is over (the report endpoint takes only those).
@@ -158,6 +169,7 @@ class Api:
         self.study.close()
         self.trials.close()
         self.schedule.close()
+        shutil.rmtree(self.schedule_file.parent, ignore_errors=True)
 
 
 @pytest.fixture

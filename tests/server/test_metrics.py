@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 from flask.testing import FlaskClient
@@ -14,14 +15,20 @@ from kickass_server.api import ApiConfig, create_app
 from kickass_server.engine import ProbeEngine
 from kickass_server.policy import Policy
 from prometheus_client.parser import text_string_to_metric_families
+from support.schedule import write_schedule
 
 
 @pytest.fixture
-def app(database_url: str) -> Iterator[tuple[FlaskClient, ProbeEngine, ScheduleStore]]:
+def app(
+    database_url: str, tmp_path: Path
+) -> Iterator[tuple[FlaskClient, ProbeEngine, ScheduleStore]]:
     study, schedule = StudyStore(database_url), ScheduleStore(database_url)
     policy = Policy(sessions_per_address=1, sessions_per_prefix=10, max_sessions=100)
     engine = ProbeEngine(study, policy, probe_port=9000, server_version="metrics")
-    client = create_app(engine, study, ApiConfig(), schedule=schedule).test_client()
+    # The scheduled runs' item labels come from the server's schedule file.
+    items = [{"name": "nightly", "kind": "refresh", "cron": "0 3 * * *"}]
+    config = ApiConfig(schedule_file=str(write_schedule(tmp_path / "s.toml", items)))
+    client = create_app(engine, study, config, schedule=schedule).test_client()
     try:
         yield client, engine, schedule
     finally:

@@ -23,7 +23,11 @@ def free_port(kind: int) -> int:
 
 
 @contextmanager
-def server(database_url: str, probe_port: int, http_port: int) -> Iterator[subprocess.Popen]:
+def server(
+    database_url: str, probe_port: int, http_port: int, *, schedule_file: Path | None = None
+) -> Iterator[subprocess.Popen]:
+    """``schedule_file``: the schedule runner hosts' claims are judged by (none: no
+    runner may claim a scheduled run)."""
     journal = tempfile.mkdtemp(prefix="kickass-journal-")
     proc = subprocess.Popen(
         [
@@ -39,6 +43,7 @@ def server(database_url: str, probe_port: int, http_port: int) -> Iterator[subpr
             database_url,
             "--journal-dir",
             journal,
+            *(["--schedule-file", str(schedule_file)] if schedule_file else []),
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

@@ -116,10 +116,7 @@ def test_a_runner_host_without_database_runs_its_scheduled_round(
     store.close()
     http = free_port(socket.SOCK_STREAM)
     url = f"http://127.0.0.1:{http}"
-    with (
-        agent(tmp_path / "agent") as (agent_port, _),
-        server(database_url, free_port(socket.SOCK_DGRAM), http),
-    ):
+    with agent(tmp_path / "agent") as (agent_port, _):
         item = trials_item("round-edge-1", agent_port, tmp_path, server_url=url, pairs=1,
                            period=1.5, host="edge-1")  # fmt: skip
         schedule = write_schedule(
@@ -131,13 +128,15 @@ def test_a_runner_host_without_database_runs_its_scheduled_round(
             name="runner-host", server=url, runner_token_file=str(tmp_path / "runner-token"),
         )  # fmt: skip
         argv = [str(venv / "bin" / "kickass"), "schedule", "run", str(schedule), "--json"]
-        first = subprocess.run(argv, env=bare, capture_output=True, text=True, timeout=300)
-        assert first.returncode == 0, first.stdout + first.stderr
-        summary = events(first.stdout)[-1]
-        assert [r["item"] for r in summary["ran"]] == ["round-edge-1"]
-        assert summary["ran"][0]["outcome"] == "ok", first.stdout
-        again = subprocess.run(argv, env=bare, capture_output=True, text=True, timeout=300)
-        assert again.returncode == 0 and events(again.stdout)[-1]["ran"] == []
+        # The server judges the runner's claims by the same file.
+        with server(database_url, free_port(socket.SOCK_DGRAM), http, schedule_file=schedule):
+            first = subprocess.run(argv, env=bare, capture_output=True, text=True, timeout=300)
+            assert first.returncode == 0, first.stdout + first.stderr
+            summary = events(first.stdout)[-1]
+            assert [r["item"] for r in summary["ran"]] == ["round-edge-1"]
+            assert summary["ran"][0]["outcome"] == "ok", first.stdout
+            again = subprocess.run(argv, env=bare, capture_output=True, text=True, timeout=300)
+            assert again.returncode == 0 and events(again.stdout)[-1]["ran"] == []
 
     [run] = item_runs(database_url)
     assert (run["item"], run["host"], run["outcome"], run["attempt"]) == (
