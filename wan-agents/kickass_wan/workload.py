@@ -1,4 +1,16 @@
-"""The paper's workload (section IV-A): on-off senders, exponential gaps, Pareto flow sizes.
+"""The paper's workload (sections III-B, IV-A): on-off senders, exponential gaps, Pareto flow sizes.
+
+Two ways a sender's flows follow each other (``Workload.loop``):
+
+* ``closed``, the paper's senders (III-B: "Senders begin in off mode, waiting
+  for a time drawn from an exponential distribution. When the time expires,
+  the sender begins a flow ... and runs until completion. After the flow is
+  finished, it switches to the off state and repeats"): a flow starts its
+  off time after the previous one *ended*, so a slow protocol thins out its
+  own load, as on the paper's testbed;
+* ``open``: a flow starts its gap after the previous one *started*, whatever
+  became of it; the offered load is fixed by the workload (a slow protocol
+  faces a longer queue of flows, not fewer of them).
 
 Flow sizes are bounded Pareto in packets of 1500 bytes, shape ~1.8, scale
 chosen so the mean is ~100 packets, rounded up to whole packets and clamped
@@ -34,6 +46,7 @@ PACKET_BYTES = 1500
 # so a flow of N packets is the same transfer over Kick-Ass and over TCP.
 APP_BYTES_PER_PACKET = 1440
 ROUNDINGS = ("ceil", "floor")
+LOOPS = ("open", "closed")
 
 
 @dataclass(frozen=True)
@@ -50,10 +63,15 @@ class Workload:
     # How a drawn size becomes whole packets: "ceil" (never below the scale)
     # or "floor" (``literal()``: the scale itself occurs).
     rounding: str = "ceil"
+    # "open" (a gap from one flow's start to the next) or "closed" (the
+    # paper's on-off senders: an off time from one flow's end to the next).
+    loop: str = "open"
 
     def __post_init__(self) -> None:
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"rounding must be one of {', '.join(ROUNDINGS)}")
+        if self.loop not in LOOPS:
+            raise ValueError(f"loop must be one of {', '.join(LOOPS)}")
         if not 1 <= self.min_packets <= self.max_packets:
             raise ValueError("need 1 <= min_packets <= max_packets")
         if self.shape <= 1.0:
@@ -70,7 +88,19 @@ class Workload:
         # stay as they were.
         if self.rounding == "ceil":
             del out["rounding"]
+        # Open loop likewise: what every trial before the field existed ran.
+        if self.loop == "open":
+            del out["loop"]
         return out
+
+    def offered_load_bps(self) -> float | None:
+        """What one sender offers on average, in application bits per second:
+        mean size over mean gap for an open loop; None for a closed loop,
+        whose load depends on how fast its flows finish (the trial stores
+        what each period really carried)."""
+        if self.loop == "closed":
+            return None
+        return self.mean_packets * APP_BYTES_PER_PACKET * 8.0 / self.mean_gap_s
 
     @classmethod
     def literal(cls, **kw: Any) -> Workload:
@@ -138,8 +168,13 @@ def _floor_mean(xm: float, alpha: float, lo: int, hi: int) -> float:
 @dataclass(frozen=True)
 class Flow:
     index: int
-    start_s: float  # offset from the period's start
+    # Open loop: the offset from the period's start. Closed loop: the earliest
+    # it may start (the off times so far, as if every flow took no time).
+    start_s: float
     size_packets: int
+    # Closed loop: the off time before this flow, counted from the end of the
+    # sender's previous flow (from the period's start for its first).
+    off_s: float | None = None
 
     @property
     def size_bytes(self) -> int:
@@ -163,20 +198,26 @@ def pair_flows(
 
 
 def flows(w: Workload, duration_s: float, stream: int = 0) -> Iterator[Flow]:
-    """The flows one on-off sender starts within ``duration_s`` seconds.
+    """The flows one on-off sender may start within ``duration_s`` seconds.
 
     ``stream`` separates senders (and periods) sharing one workload seed.
-    The gap is measured from one flow's start to the next (open loop, as the
-    paper's senders), so a slow flow does not thin out the load.
+    Open loop: the gap is measured from one flow's start to the next, so a
+    slow flow does not thin out the load. Closed loop (the paper's senders):
+    each flow carries its off time, counted from the previous flow's end; the
+    list holds every flow that could start if flows took no time (how many
+    really run depends on the protocol), the same draws as an open loop's.
     """
     rng = random.Random(f"{w.seed}:{stream}")
     xm = w.scale()
-    t = rng.expovariate(1.0 / w.mean_gap_s)
+    gap = rng.expovariate(1.0 / w.mean_gap_s)
+    t = gap
     i = 0
     while t < duration_s:
         u = 1.0 - rng.random()  # (0, 1]
         x = xm / u ** (1.0 / w.shape)
         size = math.floor(x) if w.rounding == "floor" else math.ceil(x)
-        yield Flow(i, t, max(w.min_packets, min(w.max_packets, size)))
+        off = gap if w.loop == "closed" else None
+        yield Flow(i, t, max(w.min_packets, min(w.max_packets, size)), off)
         i += 1
-        t += rng.expovariate(1.0 / w.mean_gap_s)
+        gap = rng.expovariate(1.0 / w.mean_gap_s)
+        t += gap

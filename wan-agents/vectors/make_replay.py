@@ -1,4 +1,4 @@
-"""Write the flow lists the transport's simulated-time replay runs (wan-agents/ka-transport/tests/replay.rs).
+"""The flow lists the transport's simulated-time replay runs (ka-transport/tests/replay.rs).
 
     .venv/bin/python wan-agents/vectors/make_replay.py
 
@@ -13,20 +13,27 @@ bench. Regenerate after changing the workload; the test checks the files' sums.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from kickass_wan.workload import APP_BYTES_PER_PACKET, Workload, pair_flows
 
 HERE = Path(__file__).resolve().parent / "replay"
 
-# bench/trials_bench.py's heavy scenario: 8 senders, 10 Mbit/s, 100 ms, 90 s periods.
+# bench/trials_bench.py's scenarios: 8 senders, 100 ms. Heavy: 10 Mbit/s, 1 MB mean,
+# 8 s mean gap, 90 s periods, open loop (today's bench) and closed loop (the
+# paper's senders); light: 100 Mbit/s, ~100 packets mean, 0.5 s, 40 s periods.
+HEAVY = dict(senders=8, pairs=4, period_s=90.0, capacity_bps=10e6, rtt_ms=100.0)
+HEAVY_LOAD = Workload(mean_packets=694.0, mean_gap_s=8.0, seed=13)
 SCENARIOS = {
-    "heavy_open_seed13": dict(
-        workload=Workload(mean_packets=694.0, mean_gap_s=8.0, seed=13),
+    "heavy_open_seed13": dict(workload=HEAVY_LOAD, **HEAVY),
+    "heavy_closed_seed13": dict(workload=replace(HEAVY_LOAD, loop="closed"), **HEAVY),
+    "light_open_seed11": dict(
+        workload=Workload(mean_gap_s=0.5, seed=11),
         senders=8,
         pairs=4,
-        period_s=90.0,
-        capacity_bps=10e6,
+        period_s=40.0,
+        capacity_bps=100e6,
         rtt_ms=100.0,
     ),
 }
@@ -40,7 +47,11 @@ def scenario(name: str, spec: dict) -> dict:
         for s in range(spec["senders"]):
             senders.append(
                 [
-                    {"start_s": round(f.start_s, 6), "size_bytes": f.size_packets * APP_BYTES_PER_PACKET}
+                    {
+                        "start_s": round(f.start_s, 6),
+                        "size_bytes": f.size_packets * APP_BYTES_PER_PACKET,
+                    }
+                    | ({} if f.off_s is None else {"off_s": round(f.off_s, 6)})
                     for f in pair_flows(w, pair, spec["period_s"], sender_index=s)
                 ]
             )
@@ -50,7 +61,7 @@ def scenario(name: str, spec: dict) -> dict:
         "metadata": {
             "scenario": name,
             "workload": w.to_json(),
-            "loop": "open",
+            "loop": w.loop,
             "generator": "wan-agents/vectors/make_replay.py",
         },
         "capacity_bps": spec["capacity_bps"],

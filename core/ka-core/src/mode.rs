@@ -6,13 +6,16 @@
 //! mode only below `off`, default 40%) keeps a queue hovering at 50% from
 //! flapping the mode on every packet.
 //!
-//! A `hold` (our addition; 0 is the paper's rule) asks the queue to stay
-//! above the threshold that long before TCP mode starts. Kick-Ass flows that
-//! arrive together on an idle link each start at the whole advertised rate
-//! and overshoot for about one RTT; RCP's queue term then drains what they
-//! built within a few RTTs. Unresponsive traffic keeps the queue up. The
-//! hold tells the two apart instead of sending every flow to TCP mode on
-//! each overlapping arrival.
+//! Whose queue is it? The paper's rule exists to detect "excessive queuing
+//! caused by non-Kick-Ass flows" (III-D1). Kick-Ass flows that arrive
+//! together each start at the advertised rate and overshoot for about one
+//! feedback delay; RCP's queue term then drains what they built within a few
+//! RTTs, and sending them to TCP mode for it costs them the rate they were
+//! about to get. So the queue must stay above the threshold for a `hold`
+//! before TCP mode starts, unless the router sees traffic that is not Kick-
+//! Ass's own (the caller says so: a share of the arriving bytes that no
+//! router could mark, DF set or not full size, as every TCP stack with path
+//! MTU discovery sends): then at once, the paper's rule.
 
 use crate::Nanos;
 
@@ -59,6 +62,11 @@ impl ModeSwitch {
         }
     }
 
+    /// Since when the occupancy has been above `on` outside TCP mode.
+    pub fn above_since(&self) -> Option<Nanos> {
+        self.above_since
+    }
+
     /// Feed the current occupancy at `now`; TCP mode starts once it has been
     /// above `on` for `hold` (0: at once). Returns whether TCP mode is on.
     pub fn update(&mut self, now: Nanos, occupancy: f64, hold: Nanos) -> bool {
@@ -83,6 +91,16 @@ impl ModeSwitch {
 
     pub fn tcp(&self) -> bool {
         self.tcp
+    }
+
+    /// Leave TCP mode now, whatever the queue (the caller knows why).
+    pub fn leave(&mut self) -> bool {
+        if self.tcp {
+            self.tcp = false;
+            self.switches += 1;
+            self.above_since = None;
+        }
+        false
     }
 
     /// Number of mode changes so far (both directions).

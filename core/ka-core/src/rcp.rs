@@ -84,6 +84,12 @@ impl Rcp {
     pub fn config(&self) -> &RcpConfig {
         &self.cfg
     }
+
+    /// Put R back to `rate_bps` (clamped to [min, C]).
+    pub fn set_rate_bps(&mut self, rate_bps: f64) {
+        self.rate =
+            (rate_bps / 8.0).clamp(self.cfg.min_rate_bps / 8.0, self.cfg.capacity_bps / 8.0);
+    }
 }
 
 impl RateController for Rcp {

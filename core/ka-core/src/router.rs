@@ -11,7 +11,7 @@
 use serde::Serialize;
 
 use crate::encoding::{self, bps_to_bytes_per_ms};
-use crate::fragment::{self, Split, Verdict};
+use crate::fragment::{self, Pass, Split, Verdict};
 use crate::mode::{Mode, ModeSwitch};
 use crate::rcp::{Measurement, RateController, Rcp, RcpConfig, RttEstimator};
 use crate::rng::SplitMix64;
@@ -22,6 +22,12 @@ use crate::Nanos;
 
 /// ns-2 RCP: update every min(d, 10 ms).
 pub const MAX_DEFAULT_INTERVAL: Nanos = 10_000_000;
+/// See `RouterConfig::unmarkable_share`: a few percent of unmarkable bytes
+/// is what TCP's ACKs and the endpoints' RTT indicators may add; a TCP flow
+/// sending data adds far more.
+pub const DEFAULT_UNMARKABLE_SHARE: f64 = 0.05;
+/// See `RouterConfig::tcp_mode_hold_rtts` and the note in `mode.rs`.
+pub const DEFAULT_TCP_MODE_HOLD_RTTS: f64 = 5.0;
 
 /// Kick-Ass router or the plain drop-tail baseline.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -52,14 +58,20 @@ pub struct RouterConfig {
     pub tcp_mode_on: f64,
     /// ...and leave it below this one.
     pub tcp_mode_off: f64,
-    /// ...once the queue has stayed above `tcp_mode_on` for this many
-    /// average RTTs d (0: at once, the paper's rule). See `mode.rs`.
+    /// ...at once when at least this share of the bytes that arrived over
+    /// the last d could never be marked (DF set or not full size, RTT
+    /// indicators aside: traffic that is not Kick-Ass's own), the paper's
+    /// rule;
+    pub unmarkable_share: f64,
+    /// ...else once the queue has stayed above `tcp_mode_on` for this many
+    /// average RTTs d: Kick-Ass's own arrivals overshoot for about one
+    /// feedback delay and RCP drains what they built. See `mode.rs`.
     pub tcp_mode_hold_rtts: f64,
-    /// Hold R while in TCP mode (RCP's update skipped). The traffic then
-    /// is unresponsive by definition (that is why the mode is on), so y
-    /// and q say nothing about the fair share of Kick-Ass flows; updating R
-    /// from them drives it to its floor, where the flows come back when the
-    /// mode ends.
+    /// Keep R while in TCP mode; when traffic that is not Kick-Ass's own
+    /// started the mode, go back to the R from before it showed. The traffic then is unresponsive by
+    /// definition (that is why the mode is on), so y and q say nothing
+    /// about the fair share of Kick-Ass flows; updating R from them drives
+    /// it to its floor, where the flows would come back when the mode ends.
     pub hold_rate_in_tcp_mode: bool,
     /// How much pacer lateness may be caught up in one burst.
     pub max_burst_ns: Nanos,
@@ -86,8 +98,9 @@ impl RouterConfig {
             rtt_gain: 0.1,
             tcp_mode_on: 0.5,
             tcp_mode_off: 0.4,
-            tcp_mode_hold_rtts: 0.0,
-            hold_rate_in_tcp_mode: false,
+            unmarkable_share: DEFAULT_UNMARKABLE_SHARE,
+            tcp_mode_hold_rtts: DEFAULT_TCP_MODE_HOLD_RTTS,
+            hold_rate_in_tcp_mode: true,
             max_burst_ns: 1_000_000,
             seed: 0x6b69_636b_6173_7321,
         }
@@ -131,6 +144,10 @@ pub struct Sample {
     pub marking_mode: &'static str,
     /// d, the average of the RTT indicators (or the default).
     pub rtt_ms: f64,
+    /// The share of the arriving bytes no router could mark (DF set, not
+    /// full size; RTT indicators aside), averaged over about d: traffic that
+    /// is not Kick-Ass's own.
+    pub unmarkable_share: f64,
     pub interval_ms: f64,
     pub mode_switches: u64,
     #[serde(flatten)]
@@ -156,6 +173,16 @@ pub struct Router {
     last_control: Nanos,
     next_control: Nanos,
     interval_arrived: u64,
+    /// Bytes this interval that no router could mark (DF set, not full
+    /// size), RTT indicators aside.
+    interval_unmarkable: u64,
+    /// Their share of the arrivals, averaged over about d.
+    unmarkable: f64,
+    /// R before the current unresponsive episode (unmarkable traffic seen,
+    /// or the queue above `tcp_mode_on`) began: TCP mode goes back to it.
+    rate_before_episode: Option<f64>,
+    /// TCP mode is on because of traffic that is not Kick-Ass's own.
+    tcp_for_unmarkable: bool,
     interval_sent: u64,
     leading_fragment_len: Option<usize>,
     counters: Counters,
@@ -181,6 +208,10 @@ impl Router {
             last_control: now,
             next_control: now,
             interval_arrived: 0,
+            interval_unmarkable: 0,
+            unmarkable: 0.0,
+            rate_before_episode: None,
+            tcp_for_unmarkable: false,
             interval_sent: 0,
             leading_fragment_len: None,
             counters: Counters::default(),
@@ -270,11 +301,19 @@ impl Router {
                         self.rtt.on_sample(ms);
                         self.counters.rtt_indicators += 1;
                     }
+                } else if matches!(
+                    fragment::classify(&packet, Some(encoding::MIN_LEADING_FRAGMENT_LEN)),
+                    Verdict::Pass(Pass::DontFragment | Pass::NotFullSize)
+                ) {
+                    self.interval_unmarkable += len as u64;
                 }
                 len
             }
             // Not IPv4 we can read: still forwarded, and still load.
-            Err(_) => packet.len(),
+            Err(_) => {
+                self.interval_unmarkable += packet.len() as u64;
+                packet.len()
+            }
         };
         let wire = self.wire_len(&packet, len);
         self.counters.arrived_packets += 1;
@@ -298,8 +337,47 @@ impl Router {
     }
 
     fn update_mode(&mut self, now: Nanos) -> bool {
-        let hold = (self.cfg.tcp_mode_hold_rtts * self.rtt.rtt_ms() * 1e6) as Nanos;
-        self.mode.update(now, self.queue.occupancy(), hold)
+        let unmarkable = self.unmarkable >= self.cfg.unmarkable_share;
+        let occupancy = self.queue.occupancy();
+        // An episode begins when traffic that is not Kick-Ass's own shows,
+        // or the queue crosses the threshold: remember R from before it.
+        if unmarkable || occupancy > self.cfg.tcp_mode_on || self.mode.tcp() {
+            self.rate_before_episode.get_or_insert(self.rcp.rate_bps());
+        } else {
+            self.rate_before_episode = None;
+        }
+        let was_tcp = self.mode.tcp();
+        let hold = if unmarkable {
+            0
+        } else {
+            (self.cfg.tcp_mode_hold_rtts * self.rtt.rtt_ms() * 1e6) as Nanos
+        };
+        let mut tcp = self.mode.update(now, occupancy, hold);
+        if tcp && was_tcp && self.tcp_for_unmarkable && !unmarkable {
+            // The traffic that was not Kick-Ass's own is gone: what holds
+            // the queue now are Kick-Ass endpoints in TCP mode, which come
+            // back as soon as rates do.
+            tcp = self.mode.leave();
+        }
+        if tcp && !was_tcp {
+            self.tcp_for_unmarkable = unmarkable;
+            // Traffic that is not Kick-Ass's own pushed R down before the
+            // mode started: the Kick-Ass flows' share is what it was before.
+            // (Kick-Ass's own overshoot held past the hold: R is what RCP
+            // made of it, kept from here on.)
+            if self.cfg.hold_rate_in_tcp_mode && unmarkable {
+                if let Some(r) = self.rate_before_episode {
+                    self.rcp.set_rate_bps(r);
+                    self.refresh_leading_fragment_len();
+                }
+            }
+        }
+        tcp
+    }
+
+    /// The share of the arrivals no router could mark, averaged over about d.
+    pub fn unmarkable_share(&self) -> f64 {
+        self.unmarkable
     }
 
     /// The next packet allowed to leave at `now`, fragmented as it must be.
@@ -363,6 +441,17 @@ impl Router {
         if !(self.cfg.hold_rate_in_tcp_mode && self.mode.tcp()) {
             self.rcp.on_interval(&m);
         }
+        // The unmarkable share, an average over about half of d (gain
+        // 2T/d): long enough to ignore a stray packet, short enough that
+        // TCP mode ends within a few RTTs of the traffic that caused it.
+        let gain = (2.0 * interval_s / m.rtt_s.max(1e-6)).min(1.0);
+        let share = if self.interval_arrived > 0 {
+            (self.interval_unmarkable as f64 / self.interval_arrived as f64).min(1.0)
+        } else {
+            0.0
+        };
+        self.unmarkable += gain * (share - self.unmarkable);
+        self.interval_unmarkable = 0;
         self.refresh_leading_fragment_len();
         let input = self.interval_arrived as f64 * 8.0 / interval_s;
         let output = self.interval_sent as f64 * 8.0 / interval_s;
@@ -388,6 +477,7 @@ impl Router {
             queue_packets: self.queue.len(),
             marking_mode: mode.as_str(),
             rtt_ms: self.rtt.rtt_ms(),
+            unmarkable_share: self.unmarkable,
             interval_ms: interval_s * 1e3,
             mode_switches: self.mode.switches(),
             counters: self.counters.clone(),

@@ -16,9 +16,15 @@ fn rate_10mbit() -> f64 {
     advertised_rate(L_10MBIT as usize).expect("valid code")
 }
 
-/// Kick-Ass flow, padded handshake marked at 10 Mbit/s, RTT 100 ms.
+/// Kick-Ass flow, padded handshake marked at 10 Mbit/s, RTT 100 ms, at the
+/// whole rate from the start (`start_fraction` 1: the rules here are the
+/// paper's, the start has its own test).
 fn ka() -> Manual {
-    let m = Manual::connect(Config::default(), 5000 * U, ms(100), Some(L_10MBIT));
+    let cfg = Config {
+        start_fraction: 1.0,
+        ..Config::default()
+    };
+    let m = Manual::connect(cfg, 5000 * U, ms(100), Some(L_10MBIT));
     assert_eq!(m.conn.ka_mode(), Mode::KickAss);
     assert_eq!(
         m.events[0],
@@ -69,6 +75,25 @@ fn kickass_mode_paces_at_the_advertised_rate_with_df_clear() {
     // first data segment cut to that length.
     assert_eq!(m.indicators, vec![606]);
     assert!(sent[0].indicator && sent[0].len == 606 - 28 - 32);
+}
+
+/// A new flow paces at `start_fraction` of the advertised rate until data
+/// sent at a rate is acknowledged, then at the rate.
+#[test]
+fn a_new_flow_starts_at_half_the_rate_for_one_rtt() {
+    let mut m = Manual::connect(Config::default(), 5000 * U, ms(100), Some(L_10MBIT));
+    let half = rate_10mbit() * 1000.0 * 0.5;
+    assert_eq!(m.conn.pacing_rate(), Some(half));
+    let sent = send_for(&mut m, ms(100));
+    let expect = 100.0 * rate_10mbit() * 0.5 / 1500.0 + 2.0;
+    assert!(
+        (sent.len() as f64 - expect).abs() <= 1.0,
+        "{} vs {expect}",
+        sent.len()
+    );
+    m.ack(sent[0].seq + sent[0].len, &[], sent[0].ts, Some(L_10MBIT));
+    assert_eq!(m.conn.pacing_rate(), Some(rate_10mbit() * 1000.0));
+    assert_eq!(m.conn.ka_mode(), Mode::KickAss);
 }
 
 #[test]

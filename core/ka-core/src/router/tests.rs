@@ -462,3 +462,150 @@ fn an_arrival_overshoot_trips_the_papers_rule_but_not_the_hold() {
         assert_eq!(one_more_arrival(3.0, active).1, 0);
     }
 }
+
+/// Full-size packets at `bps` (IP bytes) from `from` to `to`, DF as given,
+/// and RTT indicators of 100 ms every 100 ms; the router stepped between.
+fn offered(
+    r: &mut Router,
+    now: &mut Nanos,
+    to: Nanos,
+    streams: &[(f64, bool)],
+    samples: &mut Vec<Sample>,
+) {
+    let mut next: Vec<Nanos> = vec![*now; streams.len()];
+    let mut next_indicator = *now;
+    let mut seq = 0u32;
+    while *now < to {
+        for (i, &(bps, df)) in streams.iter().enumerate() {
+            while next[i] <= *now {
+                let _ = r.on_packet(*now, packet(i as u16, seq, 1500, df));
+                seq += 1;
+                next[i] += (1500.0 * 8.0 / bps * 1e9) as Nanos;
+            }
+        }
+        indicator_if_due(r, *now, &mut next_indicator, 100 * MS);
+        if let Some(s) = r.handle_timeout(*now) {
+            samples.push(s);
+        }
+        while r.poll_transmit(*now).is_some() {}
+        let wake = next
+            .iter()
+            .copied()
+            .min()
+            .unwrap_or(to)
+            .min(r.poll_timeout());
+        *now = wake.min(next_indicator).clamp(*now + 1, to);
+    }
+}
+
+#[test]
+fn rcp_counts_the_bytes_the_link_carries() {
+    // Kick-Ass traffic at 9 Mbit/s of IP bytes: every packet is cut, so the
+    // link carries 1520 bytes for each 1500 and RCP's y says 9.12 Mbit/s.
+    let mut r = Router::new(RouterConfig::with_capacity(10e6), 0);
+    let (mut now, mut samples) = (0, Vec::new());
+    offered(&mut r, &mut now, 3 * SEC, &[(9e6, false)], &mut samples);
+    let late: Vec<&Sample> = samples.iter().filter(|s| s.t > 1.0).collect();
+    let y = late.iter().map(|s| s.input_rate_bps).sum::<f64>() / late.len() as f64;
+    assert!((y / 9.12e6 - 1.0).abs() < 0.02, "{y}");
+    // The same rate with DF set is not cut: 9 Mbit/s.
+    let mut r = Router::new(RouterConfig::with_capacity(10e6), 0);
+    let (mut now, mut samples) = (0, Vec::new());
+    offered(&mut r, &mut now, 3 * SEC, &[(9e6, true)], &mut samples);
+    let late: Vec<&Sample> = samples.iter().filter(|s| s.t > 1.0).collect();
+    let y = late.iter().map(|s| s.input_rate_bps).sum::<f64>() / late.len() as f64;
+    assert!((y / 9e6 - 1.0).abs() < 0.02, "{y}");
+}
+
+/// Traffic no router could mark (DF set, as TCP with path MTU discovery
+/// sends) holding the queue: TCP mode at once, the paper's rule; R goes back
+/// to what the Kick-Ass flows had before it came, and stays there.
+#[test]
+fn unresponsive_traffic_is_tcp_mode_at_once_and_r_keeps_the_kickass_share() {
+    let mut r = Router::new(RouterConfig::with_capacity(10e6), 0);
+    let (mut now, mut samples) = (0, Vec::new());
+    // Kick-Ass traffic at about the rate: R settles near C.
+    offered(&mut r, &mut now, 3 * SEC, &[(8e6, false)], &mut samples);
+    let before = r.advertised_rate_bps();
+    assert_eq!(r.mode(), Mode::KickAss);
+    // DF-set traffic at 6 Mbit/s joins: 14 Mbit/s into 10.
+    let t0 = now;
+    offered(
+        &mut r,
+        &mut now,
+        t0 + 3 * SEC,
+        &[(8e6, false), (6e6, true)],
+        &mut samples,
+    );
+    let first_tcp = samples
+        .iter()
+        .find(|s| s.t * 1e9 >= t0 as f64 && s.marking_mode == "tcp")
+        .expect("TCP mode");
+    let crossing = samples
+        .iter()
+        .find(|s| s.t * 1e9 >= t0 as f64 && s.queue_bytes as f64 > 0.5 * 125_000.0)
+        .expect("the queue crossed half the buffer");
+    assert!(
+        first_tcp.t - crossing.t <= 0.011,
+        "at once: {} vs {}",
+        first_tcp.t,
+        crossing.t
+    );
+    assert!(first_tcp.unmarkable_share >= 0.05);
+    let held: Vec<f64> = samples
+        .iter()
+        .filter(|s| s.t >= first_tcp.t && s.marking_mode == "tcp")
+        .map(|s| s.advertised_rate_bps)
+        .collect();
+    assert!(
+        held.iter().all(|&x| (x - before).abs() / before < 0.05),
+        "{before} {held:?}"
+    );
+    // The DF-set traffic stops; the Kick-Ass source (unresponsive here, as
+    // endpoints in TCP mode are) keeps the queue up: the mode still ends,
+    // within a few RTTs, because what holds the queue is Kick-Ass's own.
+    let t1 = now;
+    offered(
+        &mut r,
+        &mut now,
+        t1 + 2 * SEC,
+        &[(12e6, false)],
+        &mut samples,
+    );
+    let back = samples
+        .iter()
+        .find(|s| s.t * 1e9 >= t1 as f64 && s.marking_mode == "kickass")
+        .expect("back in Kick-Ass mode");
+    assert!(
+        back.t - t1 as f64 / 1e9 <= 0.5,
+        "{} s",
+        back.t - t1 as f64 / 1e9
+    );
+}
+
+/// Kick-Ass's own traffic above half the buffer: TCP mode only once the
+/// queue has stayed there for the hold (5 average RTTs by default).
+#[test]
+fn kickass_traffic_above_the_threshold_waits_for_the_hold() {
+    let cfg = RouterConfig::with_capacity(10e6);
+    assert_eq!(cfg.tcp_mode_hold_rtts, 5.0);
+    let mut r = Router::new(cfg, 0);
+    let (mut now, mut samples) = (0, Vec::new());
+    // 13 Mbit/s of markable traffic that never slows down.
+    offered(&mut r, &mut now, 3 * SEC, &[(13e6, false)], &mut samples);
+    let crossing = samples
+        .iter()
+        .find(|s| s.queue_bytes as f64 > 0.5 * 125_000.0)
+        .expect("crossed");
+    let tcp = samples
+        .iter()
+        .find(|s| s.marking_mode == "tcp")
+        .expect("TCP mode after the hold");
+    let waited = tcp.t - crossing.t;
+    let d = tcp.rtt_ms / 1e3;
+    assert!(
+        waited >= 5.0 * d - 0.011 && waited <= 5.0 * d + 0.03,
+        "waited {waited} s, d {d}"
+    );
+    assert!(crossing.unmarkable_share < 0.05);
+}

@@ -88,10 +88,20 @@ struct Cli {
     /// Leave TCP mode below this fraction of the buffer (hysteresis)
     #[arg(long, default_value_t = 0.4)]
     tcp_mode_off: f64,
-    /// Enter TCP mode only once the queue has stayed above --tcp-mode-on for
-    /// this many average RTTs (0: at once, the paper's rule); see README
-    #[arg(long, default_value_t = 0.0, value_name = "RTTS")]
+    /// With only Kick-Ass's own traffic arriving, enter TCP mode once the
+    /// queue has stayed above --tcp-mode-on for this many average RTTs (0:
+    /// at once, the paper's rule literally); see README
+    #[arg(long, default_value_t = 5.0, value_name = "RTTS")]
     tcp_mode_hold: f64,
+    /// Enter TCP mode at once (the paper's rule) when at least this share of
+    /// the arriving bytes could never be marked (DF set or not full size:
+    /// not Kick-Ass's own traffic); 1 turns the test off
+    #[arg(long, default_value_t = 0.05, value_name = "SHARE")]
+    unmarkable_share: f64,
+    /// Let RCP update R in TCP mode too (by default R is held there, and put
+    /// back to its value when the queue crossed --tcp-mode-on)
+    #[arg(long)]
+    no_hold_rate: bool,
     /// Telemetry NDJSON file ("-" = stdout)
     #[arg(long)]
     telemetry: Option<String>,
@@ -167,6 +177,8 @@ fn options(c: Cli) -> Result<Options, sys::Error> {
         ));
     }
     r.tcp_mode_hold_rtts = c.tcp_mode_hold;
+    r.unmarkable_share = frac("unmarkable-share", c.unmarkable_share)?;
+    r.hold_rate_in_tcp_mode = !c.no_hold_rate;
     if r.tcp_mode_off > r.tcp_mode_on {
         return Err(sys::Error::new(
             "--tcp-mode-off must not exceed --tcp-mode-on",

@@ -50,6 +50,8 @@ use recovery::{Rack, Recovery, Scoreboard};
 
 /// SMSS: payload of a full-size DATA datagram.
 pub const SMSS: u64 = MAX_DATA_PAYLOAD as u64;
+/// `Config::start_fraction`'s default.
+pub const DEFAULT_START_FRACTION: f64 = 0.5;
 /// IP length of a full-size DATA datagram.
 const FULL_DATAGRAM: u64 = FULL_PACKET_LEN as u64;
 
@@ -74,6 +76,10 @@ pub struct Config {
     pub cc: CongestionControl,
     /// Kick-Ass mode: the share of the advertised rate a new flow paces at
     /// until its first data is acknowledged (1: the whole rate at once).
+    /// A flow joining one other at R = C would otherwise double the input
+    /// for the feedback delay and fill a one-BDP buffer to the brim; at a
+    /// half it adds half a BDP, which RCP's queue term drains (see
+    /// router-edge/README.md, "Whose queue is it").
     pub start_fraction: f64,
     pub pacing_burst: Nanos,
     /// Pace TCP mode too (at 2x/1.2x cwnd/SRTT, as Linux with `fq`).
@@ -103,7 +109,7 @@ impl Default for Config {
             max_rto: MAX_RTO,
             initial_window: None,
             cc: CongestionControl::Cubic,
-            start_fraction: 1.0,
+            start_fraction: DEFAULT_START_FRACTION,
             pacing_burst: DEFAULT_BURST_INTERVAL,
             pace_tcp_mode: true,
             max_handshake_attempts: 6,

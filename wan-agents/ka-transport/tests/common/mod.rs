@@ -45,6 +45,39 @@ impl TokenValidator for TokenIs {
     }
 }
 
+/// The router `ka-router` runs with by default at this capacity, with
+/// `KA_REPLAY_ROUTER` overrides (`alpha=0.1,beta=1,hold=3,hold_rate=1`) for
+/// trying a change on the simulated path without rebuilding.
+pub fn router_config(
+    capacity_bps: f64,
+    kind: ka_core::router::RouterKind,
+) -> ka_core::router::RouterConfig {
+    let mut rc = ka_core::router::RouterConfig {
+        kind,
+        ..ka_core::router::RouterConfig::with_capacity(capacity_bps)
+    };
+    for kv in std::env::var("KA_REPLAY_ROUTER")
+        .unwrap_or_default()
+        .split(',')
+    {
+        let Some((k, v)) = kv.split_once('=') else {
+            continue;
+        };
+        let x: f64 = v.parse().expect("a number");
+        match k {
+            "alpha" => rc.alpha = x,
+            "beta" => rc.beta = x,
+            "hold" => rc.tcp_mode_hold_rtts = x,
+            "hold_rate" => rc.hold_rate_in_tcp_mode = x != 0.0,
+            "on" => rc.tcp_mode_on = x,
+            "off" => rc.tcp_mode_off = x,
+            "buffer" => rc.buffer = ka_core::units::Limit::Bytes(x as usize),
+            _ => panic!("KA_REPLAY_ROUTER: unknown {k}"),
+        }
+    }
+    rc
+}
+
 /// Advertised rate (bytes/ms) the simulated router marks with at time t.
 pub type RateSchedule = Box<dyn FnMut(Nanos) -> Option<f64>>;
 /// Whether a forward packet gets ECN CE at time t.
@@ -126,6 +159,9 @@ pub struct FlowSpec {
     /// Cut (not completed) at this time, as a trial period's deadline cuts
     /// a flow.
     pub deadline: Option<Nanos>,
+    /// A closed-loop flow whose start would come later never starts (the
+    /// period ended first), nor do the flows after it.
+    pub not_after: Option<Nanos>,
     pub token: Vec<u8>,
 }
 
@@ -138,6 +174,7 @@ impl FlowSpec {
             after: None,
             endpoint: 0,
             deadline: None,
+            not_after: None,
             token: TOKEN.to_vec(),
         }
     }
@@ -181,6 +218,9 @@ pub struct Outcome {
     pub end: Nanos,
     /// Router telemetry of the KaRouter bottleneck, one per control interval.
     pub router_samples: Vec<ka_core::router::Sample>,
+    /// With `Sim::log_deliveries`: (time, flow, bytes) as the receiver
+    /// delivered them in order (per-flow throughput over time).
+    pub deliveries: Vec<(Nanos, usize, u64)>,
 }
 
 enum Ev {
@@ -246,6 +286,7 @@ pub struct Sim {
     ip_ident: u16,
     stats: PathStats,
     router_samples: Vec<ka_core::router::Sample>,
+    deliveries: Option<Vec<(Nanos, usize, u64)>>,
 }
 
 fn sender_addr(flow: usize) -> SocketAddr {
@@ -289,7 +330,14 @@ impl Sim {
             ip_ident: 1,
             stats: PathStats::default(),
             router_samples: Vec::new(),
+            deliveries: None,
         }
+    }
+
+    /// Keep every in-order delivery with its time (per-flow throughput).
+    pub fn log_deliveries(mut self) -> Self {
+        self.deliveries = Some(Vec::new());
+        self
     }
 
     fn push(&mut self, at: Nanos, ev: Ev) {
@@ -560,6 +608,9 @@ impl Sim {
                         );
                     }
                     self.delivered[flow] += data.len() as u64;
+                    if let Some(log) = self.deliveries.as_mut() {
+                        log.push((self.now, flow, data.len() as u64));
+                    }
                 }
             }
             if !progressed {
@@ -599,6 +650,11 @@ impl Sim {
             .collect();
         self.scheduled.retain(|(t, _)| *t > self.now);
         for i in due {
+            if self.specs[i].not_after.is_some_and(|t| self.now > t) {
+                // Never started: closed at once, and so are its successors.
+                self.end_flow(i);
+                continue;
+            }
             self.start_flow(i);
         }
     }
@@ -739,6 +795,7 @@ impl Sim {
             receiver: self.recv.stats().clone(),
             end: self.now,
             router_samples: self.router_samples,
+            deliveries: self.deliveries.unwrap_or_default(),
         }
     }
 }
