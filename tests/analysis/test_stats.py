@@ -124,6 +124,109 @@ def test_the_interval_covers_what_it_claims(clusters: int) -> None:
         assert boot / trials < 0.85, boot  # 0.72 here: the 27 resamples' extremes
 
 
+def test_sooner_without_failures_is_the_plain_paired_comparison() -> None:
+    rng = random.Random(9)
+    pairs = [(rng.uniform(50, 500), rng.uniform(50, 500)) for _ in range(300)]
+    pairs += [(100.0, 100.0)] * 20  # ties count half
+    labels = [i % 6 for i in range(len(pairs))]
+    s = stats.sooner(pairs, labels)
+    first = sum(k < b for k, b in pairs)
+    assert s.estimate == pytest.approx((first + 0.5 * 20) / len(pairs))
+    assert (s.pairs, s.clusters) == (320, 6)
+    assert s.completion_kickass == s.completion_baseline == 1.0
+    assert s.low < s.estimate < s.high
+    # Identical arms: exactly one half, an interval of width 0.
+    same = stats.sooner([(x, x) for x in (10.0, 20.0, 30.0)], ["a", "b", "c"])
+    assert same.estimate == same.low == same.high == 0.5
+    # Kick-Ass sooner in every flow: 1; a speedup above 1 in every flow agrees.
+    faster = [(k, 2 * k) for k, _ in pairs]
+    assert stats.sooner(faster, labels).estimate == 1.0
+    assert stats.speedup(faster, labels).estimate == pytest.approx(2.0)
+
+
+def test_sooner_ranks_a_flow_that_did_not_finish_slowest() -> None:
+    s = stats.sooner([(None, 5.0), (5.0, None), (None, None), (1e6, 1.0)])
+    # 0 (Kick-Ass failed), 1 (the baseline failed), a tie, 0 (a slow finish).
+    assert s.estimate == pytest.approx(1.5 / 4)
+    assert s.pairs == 4 and s.completion_kickass == 0.5 and s.completion_baseline == 0.5
+    assert stats.sooner([]).estimate is None
+    one = stats.sooner([(1.0, 2.0)] * 5, ["p0"] * 5)
+    assert one.clusters == 1 and one.estimate == 1.0 and one.low is one.high is None
+    with pytest.raises(ValueError, match="cluster labels"):
+        stats.sooner([(1.0, 2.0)] * 5, ["p0"])
+
+
+def _arms(
+    rng: np.random.Generator, flows: int, ratio: float, fail_ka: float, fail_base: float
+) -> list[tuple[float | None, float | None]]:
+    """Matched flows: the baseline ``ratio`` times slower with noise; each
+    arm's flow fails with its own probability."""
+    ka = rng.uniform(50, 500, flows)
+    base = ka * ratio * np.exp(rng.normal(0, 0.1, flows))
+    ka_out = [None if f else float(x) for x, f in zip(ka, rng.random(flows) < fail_ka, strict=True)]
+    base_out = [
+        None if f else float(x) for x, f in zip(base, rng.random(flows) < fail_base, strict=True)
+    ]
+    return list(zip(ka_out, base_out, strict=True))
+
+
+def test_when_one_arm_fails_flows_the_matched_speedup_and_sooner_diverge() -> None:
+    """The matched speedup leaves out every pair with a failure, so it does
+    not move when an arm fails flows; the share of flows finished sooner
+    counts them against the arm that failed."""
+    rng = np.random.default_rng(24)
+    labels = np.repeat(np.arange(8), 100).tolist()
+    even = _arms(rng, 800, 1.0, 0.0, 0.0)
+    ka_fails = _arms(rng, 800, 1.0, 0.2, 0.0)
+    base_fails = _arms(rng, 800, 1.0, 0.0, 0.2)
+    for pairs in (even, ka_fails, base_fails):
+        m = stats.speedup(pairs, labels)
+        assert m.low < 1.0 < m.high  # matched: no difference, whoever fails
+    s_even, s_ka, s_base = (stats.sooner(p, labels) for p in (even, ka_fails, base_fails))
+    assert s_even.low < 0.5 < s_even.high
+    assert s_ka.high < 0.5 and s_ka.estimate == pytest.approx(0.4, abs=0.04)
+    assert s_base.low > 0.5 and s_base.estimate == pytest.approx(0.6, abs=0.04)
+    # Kick-Ass 1.2x faster on the flows both finished, but it fails 60% of
+    # them: the matched speedup says 1.2x, the flows say the baseline.
+    flattered = _arms(rng, 800, 1.2, 0.6, 0.0)
+    m = stats.speedup(flattered, labels)
+    s = stats.sooner(flattered, labels)
+    assert m.low > 1.1 and m.estimate == pytest.approx(1.2, rel=0.03)
+    assert s.high < 0.5 and s.completion_kickass == pytest.approx(0.4, abs=0.05)
+
+
+@pytest.mark.parametrize("clusters", [3, 8])
+def test_the_sooner_interval_covers_what_it_claims(clusters: int) -> None:
+    """As ``test_the_interval_covers_what_it_claims``, for ``sooner``: simulated
+    A/A trials (the arms exchangeable, so the true share is 1/2), each
+    period of a pair shifting its arm's log FCT (sd 0.03), each flow its
+    own noise (sd 0.1), and failures: a flow fails when it takes longer than
+    its limit (the slow ones: failures tied to speed) or at random (5%).
+    The 95% interval must contain 1/2 in 95% of trials (within 2 points);
+    flows treated as independent do not."""
+    rng = np.random.default_rng(20261201)
+    flows, trials = 40, 1000
+    covered = naive = 0
+    n = clusters * flows
+    for _ in range(trials):
+        size = rng.uniform(50, 500, n)
+        limit = rng.uniform(300, 600, n)
+        fcts = []
+        for _arm in range(2):
+            shift = np.repeat(rng.normal(0, 0.03, clusters), flows)
+            t = size * np.exp(shift + rng.normal(0, 0.1, n))
+            failed = (t > limit) | (rng.random(n) < 0.05)
+            fcts.append([None if f else float(x) for x, f in zip(t, failed, strict=True)])
+        pairs = list(zip(fcts[0], fcts[1], strict=True))
+        labels = np.repeat(np.arange(clusters), flows).tolist()
+        s = stats.sooner(pairs, labels)
+        covered += s.low <= 0.5 <= s.high
+        u = stats.sooner(pairs)
+        naive += u.low <= 0.5 <= u.high
+    assert 0.93 <= covered / trials <= 0.97, covered
+    assert naive / trials < 0.8, naive
+
+
 def test_ecdf() -> None:
     xs, ys = stats.ecdf([0.5, None, 1.0, 0.0, float("nan")])
     assert xs == [0.0, 0.5, 1.0] and ys == pytest.approx([1 / 3, 2 / 3, 1.0])
