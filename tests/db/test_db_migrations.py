@@ -150,6 +150,7 @@ VIEW_COLUMNS = {
         "size_bucket", "pairs", "matched", "speedup", "speedup_low", "speedup_high",
         "completion_arm", "completion_baseline", "workload", "computed_at",
         "clusters",  # 0015
+        "sooner", "sooner_low", "sooner_high", "sooner_pairs", "sooner_clusters",  # 0019
     ],
     # 0006: RIPE Atlas beside the volunteers (db/README.md, "RIPE Atlas")
     "v_atlas_whole_drop": [

@@ -186,3 +186,10 @@ class TrialSpeedupRow(Base):
     )
     # Independent clusters of period pairs behind the interval (migration 0015).
     clusters: Mapped[int | None] = mapped_column(Integer)
+    # Beside it, every matched flow (0019, kickass_analysis.stats.sooner): the
+    # share that finished sooner under the arm, a failure ranked slowest.
+    sooner: Mapped[float | None] = mapped_column(Float)
+    sooner_low: Mapped[float | None] = mapped_column(Float)
+    sooner_high: Mapped[float | None] = mapped_column(Float)
+    sooner_pairs: Mapped[int | None] = mapped_column(Integer)
+    sooner_clusters: Mapped[int | None] = mapped_column(Integer)
