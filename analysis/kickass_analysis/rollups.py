@@ -1,11 +1,19 @@
 """Rollups the scheduled ``refresh`` computes and stores for every reader.
 
 ``refresh_speedups``: the trials' speedup on matched flows
-(``stats.speedup``), per size bucket and over all sizes, per trial and
-pooled over trials of the same destination, access capacity, workload and
-arms, written to ``trial_speedups`` (read through ``v_trial_speedups`` by
-the dashboards, notebooks, report, benchmarks and demo) in one transaction:
-readers see the old rows or the new ones, never half.
+(``stats.speedup``) and beside it the share of matched flows finished
+sooner under the arm, failures kept (``stats.sooner``), per size bucket and
+over all sizes, per trial and pooled over trials of the same destination,
+access capacity, workload and arms, written to ``trial_speedups`` (read
+through ``v_trial_speedups`` by the dashboards, notebooks, report,
+benchmarks and demo) in one transaction: readers see the old rows or the
+new ones, never half.
+
+``sooner`` compares every matched flow but those never given their time:
+a flow of a period that was skipped (no flow tokens) or of a trial that was
+stopped (Ctrl-C, a scheduled round's timeout) did not fail on its own, so
+its pair is left out (``given_its_time``); every other flow that did not
+complete counts as slower than its twin.
 
 Which arms are compared: in a trial with Kick-Ass and TCP arms, each
 Kick-Ass arm against each TCP arm (speedup = FCT(TCP) / FCT(Kick-Ass)); in
@@ -50,7 +58,7 @@ ALL_SIZES = "all"
 
 _FLOWS = text("""
 SELECT f.trial_id, f.destination, f.access_capacity_bps, f.pair, f.flow_index, f.arm,
-       f.protocol, f.size_packets, f.completed, f.fct_ms, t.parameters
+       f.protocol, f.size_packets, f.completed, f.fct_ms, f.error, t.parameters
 FROM v_flow_results f JOIN trials t ON t.trial_id = f.trial_id
 WHERE f.pair IS NOT NULL AND f.arm IS NOT NULL
 """)
@@ -67,6 +75,20 @@ GROUP BY trial_id, pair
 
 PairKey = tuple[str, int]
 Span = tuple[float, float]
+
+# How the trial runner (kickass_wan.runner) begins the error of a flow it
+# never gave its time: "not run: ..." (its period skipped for want of flow
+# tokens, or the trial stopped before it was due) and "interrupted: ..."
+# (the trial stopped while it ran). tests/analysis/test_rollups.py holds the
+# runner's words to these.
+NOT_GIVEN_ITS_TIME = ("not run", "interrupted")
+
+
+def given_its_time(flow: Mapping[str, Any]) -> bool:
+    """Whether a flow ran until it completed, failed or reached its limit."""
+    if flow["completed"]:
+        return True
+    return not str(flow.get("error") or "").startswith(NOT_GIVEN_ITS_TIME)
 
 
 def pair_spans(conn: Connection, trial_ids: Sequence[str] | None = None) -> dict[PairKey, Span]:
@@ -104,9 +126,10 @@ class SpeedupRow:
     size_bucket: str
     speedup: stats.Speedup
     workload: dict[str, Any] | None
+    sooner: stats.Sooner
 
     def to_row(self) -> dict[str, Any]:
-        s = self.speedup
+        s, q = self.speedup, self.sooner
         return {
             "scope": self.scope,
             "key": self.key,
@@ -124,6 +147,11 @@ class SpeedupRow:
             "completion_arm": s.completion_kickass,
             "completion_baseline": s.completion_baseline,
             "workload": None if self.workload is None else json.dumps(self.workload),
+            "sooner": q.estimate,
+            "sooner_low": q.low,
+            "sooner_high": q.high,
+            "sooner_pairs": q.pairs,
+            "sooner_clusters": q.clusters,
         }
 
 
@@ -138,7 +166,7 @@ def comparisons(arms: list[str], protocols: Mapping[str, str]) -> list[tuple[str
 
 def _speedups(
     flows: Iterable[Mapping[str, Any]], clusters: Mapping[PairKey, int]
-) -> dict[tuple[str, str, str], stats.Speedup]:
+) -> dict[tuple[str, str, str], tuple[stats.Speedup, stats.Sooner]]:
     """Per (arm, baseline, size bucket or "all"), from one group of trials'
     flows; ``clusters`` from ``pair_clusters`` (a pair missing from it is a
     cluster of its own)."""
@@ -151,10 +179,11 @@ def _speedups(
             protocols[f["arm"]] = f["protocol"]
             arm_order.append(f["arm"])
     # The schedule's order where the trial stored it (parameters.arms).
-    out: dict[tuple[str, str, str], stats.Speedup] = {}
+    out: dict[tuple[str, str, str], tuple[stats.Speedup, stats.Sooner]] = {}
     for arm, base in comparisons(arm_order, protocols):
         buckets: dict[str, list[tuple[float | None, float | None]]] = defaultdict(list)
         labels: dict[str, list[Hashable]] = defaultdict(list)
+        given: dict[str, list[bool]] = defaultdict(list)
         for (trial_id, pair_index, _), twins in by_flow.items():
             a, b = twins.get(arm), twins.get(base)
             if a is None or b is None:
@@ -164,11 +193,20 @@ def _speedups(
                 b["fct_ms"] if b["completed"] else None,
             )
             label = clusters.get((trial_id, pair_index), (trial_id, pair_index))
+            both_given = given_its_time(a) and given_its_time(b)
             for bucket in (stats.size_bucket(int(a["size_packets"])), ALL_SIZES):
                 buckets[bucket].append(fcts)
                 labels[bucket].append(label)
+                given[bucket].append(both_given)
         for bucket, fcts_of in buckets.items():
-            out[(arm, base, bucket)] = stats.speedup(fcts_of, labels[bucket])
+            keep = given[bucket]
+            out[(arm, base, bucket)] = (
+                stats.speedup(fcts_of, labels[bucket]),
+                stats.sooner(
+                    [f for f, k in zip(fcts_of, keep, strict=True) if k],
+                    [m for m, k in zip(labels[bucket], keep, strict=True) if k],
+                ),
+            )
     return out
 
 
@@ -200,7 +238,7 @@ def compute(
         flows = sorted(
             flows, key=lambda f: order.index(f["arm"]) if f["arm"] in order else len(order)
         )
-        for (arm, base, bucket), s in (_speedups(flows, clusters) if trials else {}).items():
+        for (arm, base, bucket), (s, q) in (_speedups(flows, clusters) if trials else {}).items():
             out.append(
                 SpeedupRow(
                     "trial",
@@ -212,6 +250,7 @@ def compute(
                     bucket,
                     s,
                     params.get("workload"),
+                    q,
                 )  # fmt: skip
             )
         identity = {
@@ -226,10 +265,10 @@ def compute(
         group_meta[key] = (first["destination"], first["access_capacity_bps"], identity)
     for key, flows in groups.items():
         dest, cap, identity = group_meta[key]
-        for (arm, base, bucket), s in _speedups(flows, clusters).items():
+        for (arm, base, bucket), (s, q) in _speedups(flows, clusters).items():
             out.append(
                 SpeedupRow(
-                    "pooled", key, dest, cap, arm, base, bucket, s, identity["workload"]
+                    "pooled", key, dest, cap, arm, base, bucket, s, identity["workload"], q
                 )  # fmt: skip
             )
     return out
@@ -251,10 +290,12 @@ class RollupStore(StoreBase):
                         "INSERT INTO trial_speedups (scope, key, destination, "
                         "access_capacity_bps, arm, baseline_arm, size_bucket, pairs, matched, "
                         "speedup, speedup_low, speedup_high, clusters, completion_arm, "
-                        "completion_baseline, workload) VALUES (:scope, :key, :destination, "
+                        "completion_baseline, workload, sooner, sooner_low, sooner_high, "
+                        "sooner_pairs, sooner_clusters) VALUES (:scope, :key, :destination, "
                         ":access_capacity_bps, :arm, :baseline_arm, :size_bucket, :pairs, "
                         ":matched, :speedup, :speedup_low, :speedup_high, :clusters, "
-                        ":completion_arm, :completion_baseline, CAST(:workload AS jsonb))"
+                        ":completion_arm, :completion_baseline, CAST(:workload AS jsonb), "
+                        ":sooner, :sooner_low, :sooner_high, :sooner_pairs, :sooner_clusters)"
                     ),
                     [c.to_row() for c in computed],
                 )

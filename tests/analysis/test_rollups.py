@@ -92,6 +92,55 @@ def test_speedup_per_bucket_on_matched_flows(store) -> None:  # noqa: ANN001
     assert len(rollups.speedups()) == before
 
 
+def test_sooner_keeps_the_flows_an_arm_failed_to_finish(store) -> None:  # noqa: ANN001
+    """Kick-Ass 1.2x faster on every flow it finished, but 4 of each
+    period's 6 flows did not finish under it: the matched speedup reads
+    1.2x over the 2 flows left of each pair; ``sooner`` keeps the 4 and
+    reads 1/3. A third pair's Kick-Ass period was skipped (no flow tokens):
+    its flows were never run, and leave ``sooner``, not its completion."""
+    trials, runner, rollups = store
+    tid = secrets.token_hex(16)
+    trial = _trial(tid, [("kickass", "kickass"), ("tcp:cubic", "tcp")], pairs=3)
+    trials.put_trial(runner, trial)
+    failed = {(i, "kickass") for i in range(4)}
+    flows = _flows(tid, trial, {"kickass": 2.0, "tcp:cubic": 2.4}, failed)
+    for f in flows:
+        if f["pair"] == 2 and f["arm"] == "kickass":
+            f.update(completed=False, fct_ms=None,
+                     error="not run: no flow tokens from agent far-1: unreachable")  # fmt: skip
+        elif not f["completed"]:
+            f["error"] = "not completed by the end of its period (cut at the deadline)"
+    assert not trials.put_flows(runner, tid, flows).conflicts
+    rollups.refresh_speedups()
+    rows = {(r["scope"], r["size_bucket"]): r for r in rollups.speedups()}
+    every = rows[("trial", "all")]
+    assert (every["pairs"], every["matched"]) == (18, 4)
+    assert every["speedup"] == pytest.approx(1.2)
+    assert every["completion_arm"] == pytest.approx(4 / 18) and every["completion_baseline"] == 1.0
+    assert (every["sooner_pairs"], every["sooner_clusters"]) == (12, 2)
+    assert every["sooner"] == pytest.approx(1 / 3)
+    # Both pairs read 1/3: an interval of width 0 (t with 1 degree of freedom).
+    assert every["sooner_low"] == pytest.approx(1 / 3) == every["sooner_high"]
+    assert rows[("pooled", "all")]["sooner"] == pytest.approx(1 / 3)
+    # Per bucket: the 500-packet flows (indices 2 and 5) split one each way.
+    assert rows[("trial", "101-1000")]["sooner"] == pytest.approx(0.5)
+
+
+def test_the_runner_s_words_for_a_flow_never_given_its_time() -> None:
+    """``rollups.NOT_GIVEN_ITS_TIME`` is how kickass_wan.runner begins the
+    error of a flow it never gave its time (a skipped period's flows are
+    "not run: no flow tokens ...": tests/wan/test_trials_loopback.py), and
+    not how it begins that of a flow that reached its limit."""
+    from kickass_analysis.rollups import NOT_GIVEN_ITS_TIME, given_its_time
+    from kickass_wan import runner, tcpflow
+
+    for error in (runner.NOT_RUN_STOPPED, runner.CUT_BY_STOP):
+        assert not given_its_time({"completed": False, "error": error}), error
+    for error in (runner.CUT_AT_DEADLINE, tcpflow.TIMED_OUT, "no result from the sender", None):
+        assert given_its_time({"completed": False, "error": error}), error
+    assert all(isinstance(w, str) for w in NOT_GIVEN_ITS_TIME)
+
+
 def test_an_a_a_trial_compares_its_arms_with_the_first(store) -> None:  # noqa: ANN001
     trials, runner, rollups = store
     tid = secrets.token_hex(16)
@@ -102,6 +151,7 @@ def test_an_a_a_trial_compares_its_arms_with_the_first(store) -> None:  # noqa: 
     (row,) = [r for r in rollups.speedups([tid]) if r["size_bucket"] == "all"]
     assert (row["arm"], row["baseline_arm"]) == ("tcp:cubic#2", "tcp:cubic")
     assert row["speedup"] == pytest.approx(1.0) and row["speedup_low"] == pytest.approx(1.0)
+    assert row["sooner"] == row["sooner_low"] == row["sooner_high"] == 0.5  # every flow a tie
 
 
 # -- the rollups of migration 0012 (issue 20) -------------------------------------------------
