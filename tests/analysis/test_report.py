@@ -128,11 +128,21 @@ def seed_atlas(database_url: str) -> None:
 
 
 def seed_paired_trial(
-    database_url: str, flows_per_period: int = 30, destination: str = "far-3", fallbacks: int = 0
+    database_url: str,
+    flows_per_period: int = 30,
+    destination: str = "far-3",
+    fallbacks: int = 0,
+    *,
+    failed: int = 0,
+    not_run: int = 0,
 ) -> str:
     """A trial of two arms in two pairs replaying the same flows (30): the rollup's input.
     The first ``fallbacks`` Kick-Ass flows of each pair negotiated TCP (no time
-    in Kick-Ass mode)."""
+    in Kick-Ass mode); the last ``failed`` Kick-Ass flows of each pair were cut
+    at the deadline; the first ``not_run`` TCP flows of the second pair were
+    never run (the trial was stopped)."""
+    from kickass_wan.runner import CUT_AT_DEADLINE, NOT_RUN_STOPPED
+
     tid = secrets.token_hex(16)
     arms = [("kickass", "kickass"), ("tcp:cubic", "tcp")]
     periods = [
@@ -166,6 +176,11 @@ def seed_paired_trial(
             size = 1 + (i * 37) % 900
             fct = size * (1.1 if p["arm"] == "kickass" else 2.5) + 150
             fell_back = p["arm"] == "kickass" and i < fallbacks
+            error = None
+            if p["arm"] == "kickass" and i >= flows_per_period - failed:
+                error = CUT_AT_DEADLINE
+            elif p["arm"] != "kickass" and p["pair"] == 1 and i < not_run:
+                error = NOT_RUN_STOPPED
             flows.append(
                 {
                     "flow_id": flow_id(tid, p["index"], i),
@@ -178,8 +193,9 @@ def seed_paired_trial(
                     "started_at": (
                         t0 + timedelta(seconds=p["start_s"] + i * 100.0 / flows_per_period)
                     ).isoformat(),
-                    "completed": True,
-                    "fct_ms": fct,
+                    "completed": error is None,
+                    "fct_ms": fct if error is None else None,
+                    "error": error,
                     "negotiated_protocol": "tcp" if fell_back else p["protocol"],
                     "ka_mode_fraction": (0.0 if fell_back else 0.5 + (i % 5) / 10)
                     if p["arm"] == "kickass"
@@ -459,6 +475,31 @@ def test_report_numbers_are_the_statistics_of_the_views(
     # The workload's floor is stated where the trials are shown.
     assert "no flow is shorter than 46 packets" in page and "--literal-range" in page
     assert s["smallest_size_bin"] == 1  # the seeded trials' sizes start at 1 packet
+
+
+def test_report_shows_sooner_beside_the_matched_speedup(database_url: str, tmp_path: Path) -> None:
+    """Kick-Ass finishes every flow it finishes about 2x sooner, but 12 of
+    each pair's 30 were cut at the deadline; 3 CUBIC flows of the second pair
+    were never run. The matched speedup (33 of 60 pairs) reads about 2x; the
+    flows finished sooner, failures kept, are 33 of the 57 run: 57.9%. The
+    report shows both with completion per arm, from the rollup and, for a
+    filtered report, computed from the flows alike."""
+    seed_paired_trial(database_url, destination="far-5", failed=12, not_run=3)
+    with RollupStore(database_url) as rollups:
+        rollups.refresh_speedups()
+    rolled = write_report(database_url, tmp_path / "r.html")
+    live = write_report(database_url, tmp_path / "l.html", since=NOW - timedelta(days=30))
+    for result in (rolled, live):
+        (row,) = [x for x in result.summary["speedups"] if x["size_bucket"] == "all"]
+        assert (row["pairs"], row["matched"]) == (60, 33)
+        assert row["speedup"] > 1.5
+        assert (row["completion_arm"], row["completion_baseline"]) == (0.6, 0.95)
+        assert row["sooner_pairs"] == 57 and row["sooner"] == pytest.approx(33 / 57)
+        assert row["sooner_low"] < 33 / 57 < row["sooner_high"]
+    page = (tmp_path / "r.html").read_text()
+    assert "<strong>Finished sooner</strong> keeps every matched flow" in page
+    assert "finished sooner under the arm (95% CI), failures kept" in page
+    assert "<td>60.0% / 95.0%</td><td>57.9% (" in page and ") of 57</td>" in page
 
 
 def test_report_filters_and_cli(database_url: str, seeded: dict[str, Any], tmp_path: Path) -> None:
