@@ -25,7 +25,9 @@ same bounds as CHECK constraints (``kickass_db.base.check_bounds``, migration
 0018), so a writer that skips the check (a script, an older server) is
 refused there instead of breaking every reader. A float always has both
 bounds: a range is what keeps NaN and the infinities out of a column
-(PostgreSQL sorts NaN above every number, so ``x <= max`` refuses it).
+(PostgreSQL sorts NaN above every number, so ``x <= max`` refuses it); and a
+float is 0 or at least ``REAL_MIN`` (a reader dividing 5e-324 bit/s by a
+capacity underflows, which PostgreSQL raises as an error).
 
 Standard library only, like the flow record's table, whose ``Field`` and
 ``check_value`` this extends to the other tables.
@@ -40,13 +42,23 @@ from .flow_record import (
     DURATION_MS_MAX,
     INT32_MAX,
     RATE_BPS_MAX,
+    REAL_MIN,
     TIME_MAX,
     TIME_MIN,
     Field,
     check_value,
 )
 
-__all__ = ["TABLES", "TIME_MAX", "TIME_MIN", "Field", "check_value", "checked", "wall_clock"]
+__all__ = [
+    "REAL_MIN",
+    "TABLES",
+    "TIME_MAX",
+    "TIME_MIN",
+    "Field",
+    "check_value",
+    "checked",
+    "wall_clock",
+]
 
 INT16_MAX = 2**15 - 1  # smallint
 INT64_MAX = 2**63 - 1  # bigint

@@ -48,7 +48,10 @@ RATE_BPS_MAX = 1e12
 DURATION_MS_MAX = 1e9
 SIZE_BYTES_MAX = 2**40  # 1 TiB: the workload's largest flow is 2000 x 1440 bytes
 ERROR_MAX_CHARS = 2000
-# The smallest normal float32: a ``real`` column takes 0 or at least this much.
+# The smallest normal float32: a ``real`` column takes 0 or at least this much,
+# and so does every number here: nothing measured is smaller, and below it a
+# reader's quotient (a rate over a capacity of 1e13) or product underflows to
+# 0, which PostgreSQL refuses as an error ("value out of range: underflow").
 REAL_MIN = 1.1754943508222875e-38
 EXTRA_MAX_KEYS = 32
 EXTRA_MAX_BYTES = 4096  # as compact JSON
@@ -73,7 +76,7 @@ CONGESTION_CONTROL_MAX_CHARS = 32
 CONGESTION_CONTROL_RE = re.compile(rf"^[a-z][a-z0-9_]{{0,{CONGESTION_CONTROL_MAX_CHARS - 1}}}$")
 # An arm's name (kickass_wan.schedule): "kickass", "kickass:paper", "tcp:cubic+50ms#2"...
 ARM_MAX_CHARS = 64
-ARM_RE = re.compile(rf"^[a-z][a-z0-9_:+.#-]{{0,{ARM_MAX_CHARS - 1}}}$")
+ARM_RE = re.compile(rf"^[a-z][a-z0-9_:+.#/@-]{{0,{ARM_MAX_CHARS - 1}}}$")
 # C0 controls, DEL and lone surrogates: PostgreSQL text takes no NUL, UTF-8
 # no surrogates, and none of them belongs in a flow's error message.
 BAD_TEXT_RE = strictjson.UNPRINTABLE
@@ -95,8 +98,8 @@ class Field:
     max_len: int | None = None
     # An object's size as compact JSON.
     max_bytes: int | None = None
-    # Stored in a 4-byte ``real`` column: a nonzero value must be a normal
-    # float32 (PostgreSQL refuses what would underflow to a subnormal).
+    # Stored in a 4-byte ``real`` column (every float, real or double, is 0 or
+    # at least REAL_MIN: PostgreSQL refuses what would underflow a real).
     real: bool = False
     # The minimum itself is refused (a period lasts more than 0 s).
     exclusive_minimum: bool = False
@@ -268,7 +271,8 @@ def check(record: Mapping[str, Any]) -> None:
 
 
 def real_ok(value: float) -> bool:
-    """Whether ``value`` fits a ``real`` column (0, or a normal float32 magnitude)."""
+    """Whether ``value`` is 0 or of a normal float32 magnitude (``REAL_MIN``), as
+    every float of a record must be."""
     return value == 0 or abs(value) >= REAL_MIN
 
 
@@ -321,8 +325,8 @@ def check_value(f: Field, value: Any) -> None:
         if low or (f.maximum is not None and value > f.maximum):
             opening = "(" if f.exclusive_minimum else "["
             raise FlowRecordError(f.name, f"must lie within {opening}{f.minimum}, {f.maximum}]")
-        if f.real and not real_ok(value):
-            raise FlowRecordError(f.name, f"too small for its column (0, or at least {REAL_MIN})")
+        if f.kind == "float" and not real_ok(value):
+            raise FlowRecordError(f.name, f"too small (0, or at least {REAL_MIN})")
     elif f.kind == "time":
         try:
             parse_time(value, f.max_len or TIME_MAX_CHARS)

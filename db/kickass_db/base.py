@@ -40,7 +40,18 @@ def check_bounds(f: bounds.Field) -> str:
         low, high = (f"'{t:%Y-%m-%dT%H:%MZ}'" for t in (bounds.TIME_MIN, bounds.TIME_MAX))
         return f"{f.name} >= {low} AND {f.name} <= {high}"
     above = ">" if f.exclusive_minimum else ">="
-    return f"{f.name} {above} {f.minimum!r} AND {f.name} <= {f.maximum!r}"
+    low = f"{f.name} {above} {f.minimum!r}"
+    if f.kind == "float":
+        # Every float is 0 or at least REAL_MIN (flow_record.real_ok): below
+        # it, a reader's quotient or product underflows, an error in PostgreSQL.
+        assert f.minimum == 0, f"{f.name}: a float's lower bound is 0"
+        tiny = bounds.REAL_MIN
+        low = (
+            f"{f.name} >= {tiny!r}"
+            if f.exclusive_minimum
+            else f"({f.name} = 0 OR {f.name} >= {tiny!r})"
+        )
+    return f"{low} AND {f.name} <= {f.maximum!r}"
 
 
 def bounds_checks(table: str) -> tuple[CheckConstraint, ...]:

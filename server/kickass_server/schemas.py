@@ -73,7 +73,7 @@ def Truncated(max_len: int) -> Any:  # noqa: N802
 
 def _real(value: float) -> float:
     if not flow_record.real_ok(value):
-        raise ValueError(f"too small for its column (0, or at least {flow_record.REAL_MIN})")
+        raise ValueError(f"too small (0, or at least {flow_record.REAL_MIN})")
     return value
 
 
@@ -85,9 +85,9 @@ def Bounded(f: flow_record.Field) -> Any:  # noqa: N802
     if f.kind == "int":
         base = Annotated[int, Field(gt=gt, ge=ge, le=f.maximum)]
     else:
-        base = Annotated[float, Field(gt=gt, ge=ge, le=f.maximum, allow_inf_nan=False)]
-        if f.real:
-            base = Annotated[base, AfterValidator(_real)]
+        base = Annotated[
+            float, Field(gt=gt, ge=ge, le=f.maximum, allow_inf_nan=False), AfterValidator(_real)
+        ]
     return base | None if f.nullable else base
 
 

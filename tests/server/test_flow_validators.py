@@ -8,6 +8,7 @@ just past them, wrong types, missing and unknown fields."""
 from __future__ import annotations
 
 import math
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -125,11 +126,16 @@ def _valid_values(f: Field) -> st.SearchStrategy[Any]:
         return st.integers(int(f.minimum or 0), int(f.maximum or 0))
     if f.kind == "float":
         s = st.floats(f.minimum, f.maximum)
-        return s.filter(flow_record.real_ok) if f.real else s
+        return s.filter(flow_record.real_ok)
     if f.kind == "bool":
         return st.booleans()
     if f.kind == "time":
-        return st.datetimes(timezones=st.timezones()).map(lambda t: t.isoformat())
+        # Within flow_record.TIME_MIN and TIME_MAX whatever the offset (a day inside).
+        day = timedelta(days=1)
+        low, high = (flow_record.TIME_MIN + day, flow_record.TIME_MAX - day)
+        return st.datetimes(
+            low.replace(tzinfo=None), high.replace(tzinfo=None), timezones=st.timezones()
+        ).map(lambda t: t.isoformat())
     if f.kind == "object":
         return st.dictionaries(st.text(max_size=10), json_values, max_size=5)
     if f.choices is not None:

@@ -69,11 +69,10 @@ def cases_of(f: Field, trial_id: str) -> list[Case]:
         add(Case(f.name, float(f.maximum), True, "max"))
         add(Case(f.name, math.nextafter(f.minimum, -math.inf), False, "below min"))
         add(Case(f.name, math.nextafter(f.maximum, math.inf), False, "above max"))
-        if f.real:
-            add(Case(f.name, flow_record.REAL_MIN, True, "smallest real"))
-            add(Case(f.name, math.nextafter(flow_record.REAL_MIN, 0), False, "below real"))
-        else:
-            add(Case(f.name, 5e-324, True, "smallest double"))
+        # Every float, real or double: 0 or at least REAL_MIN (flow_record.real_ok).
+        add(Case(f.name, flow_record.REAL_MIN, True, "smallest nonzero"))
+        add(Case(f.name, math.nextafter(flow_record.REAL_MIN, 0), False, "below real"))
+        add(Case(f.name, 5e-324, False, "smallest double"))
     elif f.kind == "str" and f.choices is not None:
         out += [Case(f.name, c, True, c) for c in f.choices]
         add(Case(f.name, f.choices[0].upper(), False, "not a choice"))

@@ -13,8 +13,9 @@ holds. Each column a view, the report, an export or a dashboard computes
 with gets a CHECK from its bounds in ``kickass_core.bounds`` (as they are at
 this revision: written out below, so this migration does what it did
 whatever the table says later). A float has both ends, which also refuses
-NaN and the infinities; a time lies between 1970 and 2100 (which refuses
-'infinity'). Flows' old ``ck_flows_size`` and ``ck_flows_ka_mode_fraction``
+NaN and the infinities, and is 0 or at least 1.2e-38 (``REAL_MIN``: below
+it a reader's quotient underflows, which PostgreSQL raises); a time lies
+between 1970 and 2100 (which refuses 'infinity'). Flows' old ``ck_flows_size`` and ``ck_flows_ka_mode_fraction``
 are inside the new ones and go.
 
 Rows already out of bounds do not stop the upgrade, and nothing measured
@@ -62,27 +63,53 @@ CHECKS: dict[str, tuple[tuple[str, bool, str], ...]] = {
             True,
             "started_at >= '1970-01-01T00:00Z' AND started_at <= '2100-01-01T00:00Z'",
         ),
-        ("fct_ms", False, "fct_ms >= 0.0 AND fct_ms <= 1000000000.0"),
-        ("ka_mode_ms", False, "ka_mode_ms >= 0.0 AND ka_mode_ms <= 1000000000.0"),
-        ("ka_mode_fraction", False, "ka_mode_fraction >= 0.0 AND ka_mode_fraction <= 1.0"),
+        (
+            "fct_ms",
+            False,
+            "(fct_ms = 0 OR fct_ms >= 1.1754943508222875e-38) AND fct_ms <= 1000000000.0",
+        ),
+        (
+            "ka_mode_ms",
+            False,
+            "(ka_mode_ms = 0 OR ka_mode_ms >= 1.1754943508222875e-38) "
+            "AND ka_mode_ms <= 1000000000.0",
+        ),
+        (
+            "ka_mode_fraction",
+            False,
+            "(ka_mode_fraction = 0 OR ka_mode_fraction >= 1.1754943508222875e-38) "
+            "AND ka_mode_fraction <= 1.0",
+        ),
         ("mode_switches", False, "mode_switches >= 0 AND mode_switches <= 2147483647"),
         ("retransmissions", False, "retransmissions >= 0 AND retransmissions <= 2147483647"),
-        ("srtt_ms", False, "srtt_ms >= 0.0 AND srtt_ms <= 1000000000.0"),
-        ("min_rtt_ms", False, "min_rtt_ms >= 0.0 AND min_rtt_ms <= 1000000000.0"),
+        (
+            "srtt_ms",
+            False,
+            "(srtt_ms = 0 OR srtt_ms >= 1.1754943508222875e-38) AND srtt_ms <= 1000000000.0",
+        ),
+        (
+            "min_rtt_ms",
+            False,
+            "(min_rtt_ms = 0 OR min_rtt_ms >= 1.1754943508222875e-38) "
+            "AND min_rtt_ms <= 1000000000.0",
+        ),
         (
             "advertised_rate_min_bps",
             False,
-            "advertised_rate_min_bps >= 0.0 AND advertised_rate_min_bps <= 1000000000000.0",
+            "(advertised_rate_min_bps = 0 OR advertised_rate_min_bps >= 1.1754943508222875e-38) "
+            "AND advertised_rate_min_bps <= 1000000000000.0",
         ),
         (
             "advertised_rate_max_bps",
             False,
-            "advertised_rate_max_bps >= 0.0 AND advertised_rate_max_bps <= 1000000000000.0",
+            "(advertised_rate_max_bps = 0 OR advertised_rate_max_bps >= 1.1754943508222875e-38) "
+            "AND advertised_rate_max_bps <= 1000000000000.0",
         ),
         (
             "advertised_rate_last_bps",
             False,
-            "advertised_rate_last_bps >= 0.0 AND advertised_rate_last_bps <= 1000000000000.0",
+            "(advertised_rate_last_bps = 0 OR advertised_rate_last_bps >= 1.1754943508222875e-38) "
+            "AND advertised_rate_last_bps <= 1000000000000.0",
         ),
         (
             "advertised_rates_seen",
@@ -90,13 +117,18 @@ CHECKS: dict[str, tuple[tuple[str, bool, str], ...]] = {
             "advertised_rates_seen >= 0 AND advertised_rates_seen <= 2147483647",
         ),
         ("pair", False, "pair >= 0 AND pair <= 2147483647"),
-        ("queued_ms", False, "queued_ms >= 0.0 AND queued_ms <= 1000000000.0"),
+        (
+            "queued_ms",
+            False,
+            "(queued_ms = 0 OR queued_ms >= 1.1754943508222875e-38) AND queued_ms <= 1000000000.0",
+        ),
     ),
     "trials": (
         (
             "access_capacity_bps",
             False,
-            "access_capacity_bps > 0.0 AND access_capacity_bps <= 10000000000000.0",
+            "access_capacity_bps >= 1.1754943508222875e-38 "
+            "AND access_capacity_bps <= 10000000000000.0",
         ),
         (
             "started_at",
@@ -112,17 +144,33 @@ CHECKS: dict[str, tuple[tuple[str, bool, str], ...]] = {
     "trial_periods": (
         ("period_index", True, "period_index >= 0 AND period_index <= 2147483647"),
         ("pair", True, "pair >= 0 AND pair <= 2147483647"),
-        ("start_offset_s", True, "start_offset_s >= 0.0 AND start_offset_s <= 100000000.0"),
-        ("duration_s", True, "duration_s > 0.0 AND duration_s <= 100000000.0"),
-        ("handicap_ms", False, "handicap_ms >= 0.0 AND handicap_ms <= 1000000.0"),
+        (
+            "start_offset_s",
+            True,
+            "(start_offset_s = 0 OR start_offset_s >= 1.1754943508222875e-38) "
+            "AND start_offset_s <= 100000000.0",
+        ),
+        ("duration_s", True, "duration_s >= 1.1754943508222875e-38 AND duration_s <= 100000000.0"),
+        (
+            "handicap_ms",
+            False,
+            "(handicap_ms = 0 OR handicap_ms >= 1.1754943508222875e-38) "
+            "AND handicap_ms <= 1000000.0",
+        ),
         (
             "actual_start_offset_s",
             False,
-            "actual_start_offset_s >= 0.0 AND actual_start_offset_s <= 100000000.0",
+            "(actual_start_offset_s = 0 OR actual_start_offset_s >= 1.1754943508222875e-38) "
+            "AND actual_start_offset_s <= 100000000.0",
         ),
     ),
     "router_runs": (
-        ("capacity_bps", False, "capacity_bps >= 0.0 AND capacity_bps <= 10000000000000.0"),
+        (
+            "capacity_bps",
+            False,
+            "(capacity_bps = 0 OR capacity_bps >= 1.1754943508222875e-38) "
+            "AND capacity_bps <= 10000000000000.0",
+        ),
         (
             "started_at",
             True,
@@ -140,34 +188,55 @@ CHECKS: dict[str, tuple[tuple[str, bool, str], ...]] = {
             True,
             "recorded_at >= '1970-01-01T00:00Z' AND recorded_at <= '2100-01-01T00:00Z'",
         ),
-        ("t", True, "t >= 0.0 AND t <= 100000000.0"),
+        ("t", True, "(t = 0 OR t >= 1.1754943508222875e-38) AND t <= 100000000.0"),
         (
             "advertised_rate_bps",
             True,
-            "advertised_rate_bps >= 0.0 AND advertised_rate_bps <= 1000000000000.0",
+            "(advertised_rate_bps = 0 OR advertised_rate_bps >= 1.1754943508222875e-38) "
+            "AND advertised_rate_bps <= 1000000000000.0",
         ),
         (
             "leading_fragment_len",
             False,
             "leading_fragment_len >= 0 AND leading_fragment_len <= 32767",
         ),
-        ("input_rate_bps", True, "input_rate_bps >= 0.0 AND input_rate_bps <= 1000000000000.0"),
+        (
+            "input_rate_bps",
+            True,
+            "(input_rate_bps = 0 OR input_rate_bps >= 1.1754943508222875e-38) "
+            "AND input_rate_bps <= 1000000000000.0",
+        ),
         (
             "output_rate_bps",
             False,
-            "output_rate_bps >= 0.0 AND output_rate_bps <= 1000000000000.0",
+            "(output_rate_bps = 0 OR output_rate_bps >= 1.1754943508222875e-38) "
+            "AND output_rate_bps <= 1000000000000.0",
         ),
         ("queue_bytes", True, "queue_bytes >= 0 AND queue_bytes <= 9223372036854775807"),
         ("queue_packets", False, "queue_packets >= 0 AND queue_packets <= 9223372036854775807"),
-        ("rtt_ms", False, "rtt_ms >= 0.0 AND rtt_ms <= 1000000000.0"),
+        (
+            "rtt_ms",
+            False,
+            "(rtt_ms = 0 OR rtt_ms >= 1.1754943508222875e-38) AND rtt_ms <= 1000000000.0",
+        ),
         ("drops", True, "drops >= 0 AND drops <= 9223372036854775807"),
         ("fragmented", True, "fragmented >= 0 AND fragmented <= 9223372036854775807"),
         ("mode_switches", False, "mode_switches >= 0 AND mode_switches <= 9223372036854775807"),
     ),
-    "sessions": (("rtt_ms", False, "rtt_ms >= 0.0 AND rtt_ms <= 1000000000.0"),),
+    "sessions": (
+        (
+            "rtt_ms",
+            False,
+            "(rtt_ms = 0 OR rtt_ms >= 1.1754943508222875e-38) AND rtt_ms <= 1000000000.0",
+        ),
+    ),
     "probe_outcomes": (
         ("ip_len", True, "ip_len >= 0 AND ip_len <= 32767"),
-        ("rtt_ms", False, "rtt_ms >= 0.0 AND rtt_ms <= 1000000000.0"),
+        (
+            "rtt_ms",
+            False,
+            "(rtt_ms = 0 OR rtt_ms >= 1.1754943508222875e-38) AND rtt_ms <= 1000000000.0",
+        ),
         ("ack_count", True, "ack_count >= 0 AND ack_count <= 32767"),
         ("received_len", False, "received_len >= 0 AND received_len <= 65535"),
         ("observed_frag_size", False, "observed_frag_size >= 0 AND observed_frag_size <= 65535"),
@@ -197,7 +266,11 @@ CHECKS: dict[str, tuple[tuple[str, bool, str], ...]] = {
     ),
     "atlas_outcomes": (
         ("ip_len", False, "ip_len >= 0 AND ip_len <= 32767"),
-        ("rtt_ms", False, "rtt_ms >= 0.0 AND rtt_ms <= 1000000000.0"),
+        (
+            "rtt_ms",
+            False,
+            "(rtt_ms = 0 OR rtt_ms >= 1.1754943508222875e-38) AND rtt_ms <= 1000000000.0",
+        ),
         ("ack_count", True, "ack_count >= 0 AND ack_count <= 32767"),
     ),
 }
