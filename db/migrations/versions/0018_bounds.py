@@ -15,8 +15,9 @@ this revision: written out below, so this migration does what it did
 whatever the table says later). A float has both ends, which also refuses
 NaN and the infinities, and is 0 or at least 1.2e-38 (``REAL_MIN``: below
 it a reader's quotient underflows, which PostgreSQL raises); a time lies
-between 1970 and 2100 (which refuses 'infinity'). Flows' old ``ck_flows_size`` and ``ck_flows_ka_mode_fraction``
-are inside the new ones and go.
+between 1970 and 2100 (which refuses 'infinity'). Flows' old
+``ck_flows_size`` and ``ck_flows_ka_mode_fraction`` are inside the new ones
+and go.
 
 Rows already out of bounds do not stop the upgrade, and nothing measured
 vanishes without a word: each is copied, whole and as it was, to the new
