@@ -33,7 +33,7 @@ import nbformat
 import psycopg
 import pytest
 import yaml
-from kickass_analysis import rollups
+from kickass_analysis import rollups, stats
 from kickass_core import verdict
 from kickass_db.study_store import ProbeOutcome, StudyStore
 from psycopg import sql
@@ -184,6 +184,7 @@ EXCESS_TABLE = (
     "Split drop against the two-fragment bound, per session, with the excess's 95% interval"
 )
 FALLBACKS = "Kick-Ass flows that fell back to TCP, by arm"
+SPEEDUP_STAT = "Kick-Ass speedup over TCP (paper: 1.2x-4x)"
 
 # Columns a panel needs: the SQL may return more, never fewer.
 EXPECTED_COLUMNS: dict[str, set[str]] = {
@@ -213,10 +214,18 @@ EXPECTED_COLUMNS: dict[str, set[str]] = {
     },
     "Sessions": {"session_id", "created_at", "state", "verdict", "whole_drop_rate"},
     # the trials
-    "Kick-Ass speedup over TCP (paper: 1.2x-4x)": {"speedup", "paper: from", "paper: to"},
+    SPEEDUP_STAT: {
+        "speedup", "finished sooner, failures kept", "completed: Kick-Ass", "completed: TCP",
+        "paper: from", "paper: to",
+    },
     "Paired speedup with its 95% interval, by destination and arm": {
         "arm", "baseline_arm", "speedup", "speedup_low", "speedup_high", "clusters",
         "completion_arm", "completion_baseline",
+        "sooner", "sooner_low", "sooner_high", "sooner_pairs", "sooner_clusters",
+    },
+    "Speedup by flow size (paired, 95% interval)": {
+        "size_bucket", "speedup", "completion_arm", "completion_baseline",
+        "sooner", "sooner_low", "sooner_high", "sooner_pairs",
     },
     "Mean FCT by flow size": {"size_from", "Kick-Ass", "TCP"},
     "Per-trial speedup over time (paired, 95% interval)": {"time", "metric", "speedup"},
@@ -676,6 +685,31 @@ def test_fallback_panel_counts_what_each_flow_negotiated(database_url: str) -> N
     got = [(r["destination"], r["arm"], r["Kick-Ass flows"], r["fell back to TCP"]) for r in rows]
     assert got == truth == [("far-1", "kickass", 40, 3), ("far-2", "kickass", 40, 3)]
     assert all(r["share fell back"] == pytest.approx(3 / 40) for r in rows)
+
+
+def test_the_headline_pools_the_flows_finished_sooner(database_url: str) -> None:
+    """The trials' headline stat shows, beside the matched speedup, the share
+    of matched flows finished sooner under Kick-Ass with failures kept and
+    each arm's completion, pooled over the destinations shown: as
+    ``stats.sooner`` over every matched flow, counted here from the flows
+    (seeded: one Kick-Ass and two CUBIC flows of each trial failed)."""
+    seed_paired_trials(database_url, pairs=2, flows_per_period=20)
+    rollups.refresh(database_url)
+    with reader(database_url) as conn:
+        (row,) = panel_rows(conn, "wide-area-trials.json", SPEEDUP_STAT)
+        flows = conn.execute(
+            "SELECT trial_id, pair, flow_index, arm, fct_ms FROM v_flow_results"
+        ).fetchall()
+    twins: dict[tuple[str, int, int], dict[str, float | None]] = {}
+    for trial_id, pair, index, arm, fct in flows:
+        twins.setdefault((trial_id, pair, index), {})[arm] = fct
+    pairs = [(t["kickass"], t["tcp:cubic"]) for t in twins.values()]
+    truth = stats.sooner(pairs)
+    assert truth.pairs == 80 and truth.completion_kickass == pytest.approx(78 / 80)
+    assert row["finished sooner, failures kept"] == pytest.approx(truth.estimate)
+    assert row["completed: Kick-Ass"] == pytest.approx(78 / 80)
+    assert row["completed: TCP"] == pytest.approx(76 / 80)
+    assert row["speedup"] == pytest.approx(stats.speedup(pairs).estimate)
 
 
 # -- every column read exists at head ------------------------------------------------------
