@@ -4,7 +4,8 @@ A file is the results API's JSON list, newline-delimited JSON (the API's
 ``format=txt``, RIPE Atlas's hourly archive dumps), each as is or
 bzip2/gzip/xz-compressed (told by their first bytes, not the name). Every
 line (or element of a JSON list) of one of the campaign's measurements is
-checked before anything of it is stored: strict JSON (no NaN or infinities,
+checked before anything of it is stored (``ingest.check_result``, which
+fetch applies to the API's results too): strict JSON (no NaN or infinities,
 bounded nesting and length), text and values that ``jsonb`` stores as they
 are, a key (``prb_id``, ``timestamp``) its columns hold, and every number that
 reaches a column within that column's bounds (``kickass_core.bounds``: sizes
@@ -22,10 +23,8 @@ from __future__ import annotations
 import bz2
 import gzip
 import io
-import ipaddress
 import json
 import lzma
-import math
 import re
 import sys
 from collections import defaultdict
@@ -34,45 +33,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from kickass_core import bounds, strictjson
+from kickass_core import strictjson
 from kickass_core.errors import KickassError
-from ripe.atlas.sagan.base import ParsingDict
-from ripe.atlas.sagan.ping import PingResult
 
 from .campaign import Campaign
 from .ingest import (
     DEFAULT_CHUNK_S,
+    MAX_RESULT_BYTES,
     FetchReport,
     MeasurementSpec,
-    _int,
+    ResultRefused,
     _measurement_specs,
+    check_result,
     ingest_window,
+    key_integer,
 )
 from .store import AtlasStore
 
-# An Atlas ping result is a few hundred bytes to a few kilobytes.
-MAX_LINE_BYTES = 256 * 1024
-# Entries of one result: a ping sends at most 16 packets; each entry is a
-# reply, a duplicate, a timeout or an error. Each becomes an outcome with a
-# smallint packet index.
-MAX_ENTRIES = 1024
-# What jsonb refuses in text (NUL) and UTF-8 cannot hold (lone surrogates).
-_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+MAX_LINE_BYTES = MAX_RESULT_BYTES
 _MSM_ID = re.compile(rb'"msm_id"\s*:\s*"?(\d+)')
-
-# A result's key and times (as ingest reads them), and its numbers as Sagan
-# reads them, named as in the line, bounded by the column each lands in.
-_KEY = bounds.ATLAS_RESULT_KEY
-_TIMESTAMP = bounds.wall_clock("timestamp", required=True)
-_STORED = bounds.wall_clock("stored_timestamp")
-_RESULT = {f.name: f for f in bounds.ATLAS_RESULTS}
-_FW = bounds.renamed(_RESULT["firmware"], "fw")
-_SIZE, _SENT, _RCVD, _DUP = (_RESULT[n] for n in ("size", "sent", "rcvd", "dup"))
-_RTT = bounds.renamed({f.name: f for f in bounds.ATLAS_OUTCOMES}["rtt_ms"], "rtt")
-
-
-class LineRefused(ValueError):
-    """A result line skipped: what is wrong with it, for the summary."""
 
 
 @dataclass(frozen=True)
@@ -178,116 +157,13 @@ def peek_msm_id(line: bytes | str | Any) -> int | None:
     """The line's msm_id, found without parsing the line (the archive dumps
     are mostly other measurements' results)."""
     if isinstance(line, Mapping):
-        return _integer(line.get("msm_id"))
+        return key_integer(line.get("msm_id"))
     if isinstance(line, str):
         line = line.encode("utf-8", "surrogatepass")
     if not isinstance(line, bytes):
         return None
     m = _MSM_ID.search(line)
-    return _integer(m.group(1).decode()) if m else None
-
-
-def _integer(value: Any) -> int | None:
-    """An integer as ``ingest`` reads a key (an int, or a string of digits);
-    None otherwise. Longer than any bigint: -1, no measurement's or probe's."""
-    if isinstance(value, str) and value.strip().isdigit() and len(value.strip()) > 19:
-        return -1
-    return _int(value)
-
-
-def check_line(line: bytes | str | Any) -> dict[str, Any]:
-    """The result of one line, if everything of it that is stored fits its
-    column and every reader can read it; LineRefused otherwise. A result
-    Sagan cannot read passes: it is stored ``invalid``, with its reason."""
-    if isinstance(line, bytes | str):
-        data = line.encode("utf-8", "surrogatepass") if isinstance(line, str) else line
-        if len(data.strip()) > MAX_LINE_BYTES:
-            raise LineRefused(f"longer than {MAX_LINE_BYTES} bytes")
-        try:
-            obj = strictjson.loads(data.strip())
-        except UnicodeDecodeError:
-            raise LineRefused("not UTF-8") from None
-        except ValueError as exc:
-            raise LineRefused(f"not JSON: {str(exc)[:200]}") from None
-    else:
-        obj = line
-    if not isinstance(obj, dict):
-        raise LineRefused("not a JSON object")
-    _check_storable(obj)
-    # The key and the times as ingest reads them (an integer or digits).
-    for f in (*_KEY, _TIMESTAMP):
-        given = obj.get(f.name)
-        if given is None:
-            raise LineRefused(f"{f.name}: missing")
-        value = _integer(given)
-        if value is None:
-            raise LineRefused(f"{f.name}: must be an integer")
-        _check(f, value)
-    _check(_STORED, _integer(obj.get("stored_timestamp")))
-    _check(_FW, _integer(obj.get("fw")))
-    entries = obj.get("result")
-    if isinstance(entries, list) and len(entries) > MAX_ENTRIES:
-        raise LineRefused(f"result: more than {MAX_ENTRIES} entries")
-    _check_as_read(obj)
-    return obj
-
-
-def _check_as_read(obj: dict[str, Any]) -> None:
-    """The numbers and addresses of the result as Sagan reads them (it turns
-    "1e300" into a float and 1e300 into an integer), each within its column."""
-    try:
-        r = PingResult(
-            obj, on_error=ParsingDict.ACTION_IGNORE, on_malformation=ParsingDict.ACTION_IGNORE
-        )
-    except Exception:  # noqa: BLE001 - unreadable: stored invalid by ingest, with the reason
-        return
-    for f, value in (
-        (_FW, r.firmware),
-        (_SIZE, r.packet_size),
-        (_SENT, r.packets_sent),
-        (_RCVD, r.packets_received),
-        (_DUP, r.duplicates),
-    ):
-        _check(f, value)
-    for p in r.packets:
-        _check(_RTT, p.rtt)
-    for name, value in (("from", r.origin), ("dst_addr", r.destination_address)):
-        if value:
-            try:
-                ipaddress.ip_address(value)
-            except ValueError:
-                raise LineRefused(f"{name}: not an IP address") from None
-
-
-def _check(f: bounds.Field, value: Any) -> None:
-    """``value`` within ``f`` (None: checked elsewhere, or not stored)."""
-    if value is None:
-        return
-    try:
-        bounds.check_value(f, value)
-    except ValueError as exc:
-        raise LineRefused(str(exc)) from None
-
-
-def _check_storable(obj: dict[str, Any]) -> None:
-    """Raw JSON ``jsonb`` keeps as it is: finite numbers (an element of a JSON
-    list was parsed leniently), no NUL, no lone surrogate."""
-    stack: list[Any] = [obj]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, str):
-            if _UNSTORABLE.search(v):
-                raise LineRefused("holds a NUL character or invalid Unicode")
-        elif isinstance(v, float):
-            if not math.isfinite(v):
-                raise LineRefused("holds NaN or an infinity")
-        elif isinstance(v, list):
-            stack.extend(v)
-        elif isinstance(v, dict):
-            for k, x in v.items():
-                if not isinstance(k, str) or _UNSTORABLE.search(k):
-                    raise LineRefused("holds a NUL character or invalid Unicode")
-                stack.append(x)
+    return key_integer(m.group(1).decode()) if m else None
 
 
 def import_campaign(
@@ -314,11 +190,11 @@ def import_campaign(
             report.ignored["another measurement's result"] += 1
             continue
         try:
-            obj = check_line(where.line)
-        except LineRefused as exc:
+            obj = check_result(where.line)
+        except ResultRefused as exc:
             report.skipped.append((where, str(exc)))
             continue
-        msm_id, timestamp = _integer(obj["msm_id"]), _integer(obj["timestamp"])
+        msm_id, timestamp = key_integer(obj["msm_id"]), key_integer(obj["timestamp"])
         assert msm_id is not None and timestamp is not None  # check_line
         if msm_id not in specs:
             report.ignored["another measurement's result"] += 1

@@ -406,6 +406,38 @@ def test_a_bad_result_is_recorded_and_the_window_still_commits(
     assert m["results_invalid"] == 2 and m["fetched_until"].timestamp() > start + 400
 
 
+def test_a_result_its_columns_cannot_hold_is_refused_and_the_window_still_commits(
+    env: dict[str, str], standin: StandIn, campaign_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An RTT of 1e308 or NaN (as Cousteau parses the API's JSON), a sent past
+    smallint, a source that is no address: the window's write failed on each
+    (a column overflow, then its CHECK) and fetch stopped there for good, or
+    stored the NaN for every reader to trip on. Now each is refused, counted
+    and logged (ingest.check_result, as import's lines), the rest stored."""
+    url = env["KICKASS_DATABASE_URL"]
+    assert kickass("create", campaign_file) == 0
+    start = backdate(standin, 1000)
+    split = created(standin)["split-1500"]
+    play(standin, url, split, [start + 100])
+    good = standin.results[split][0]
+    hostile = [
+        {"result": [{"rtt": 1e308}]},
+        {"result": [{"rtt": float("nan")}]},
+        {"sent": 99_999},
+        {"from": "not-an-ip"},
+    ]
+    standin.add_results(
+        split, [good | {"timestamp": start + 200 + 10 * i} | h for i, h in enumerate(hostile)]
+    )
+    capsys.readouterr()
+    assert kickass("fetch", campaign_file, "--settle", "0", "--json") == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ignored"] == {"refused: out of its columns' bounds or unstorable": len(hostile)}
+    assert rows(url, "SELECT count(*) AS n FROM atlas_results")[0]["n"] == len(PROBES)
+    m = rows(url, f"SELECT fetched_until FROM v_atlas_measurements WHERE msm_id = {split}")[0]
+    assert m["fetched_until"].timestamp() > start + 300
+
+
 def test_import_stores_files_as_fetch_does_idempotently(
     env: dict[str, str], standin: StandIn, campaign_file: Path, capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
