@@ -9,7 +9,7 @@ PYPROJECTS := core/pyproject.toml db/pyproject.toml probe-client/pyproject.toml 
 	server/pyproject.toml testbed/pyproject.toml wan-agents/pyproject.toml requirements-dev.txt
 RUST_BINS := ka-router ka-linkem ka-blast ka-agent-recv ka-send
 
-.PHONY: system install demo test lint bench router clean
+.PHONY: system install demo test lint bench router agent-deb clean
 
 system:
 	@tools/setup-system.sh
@@ -27,6 +27,13 @@ router:
 	@echo "install: rust binaries ($(RUST_BINS)) into $(BIN)"
 	@cargo build --quiet --release --workspace
 	@for b in $(RUST_BINS); do install -m 755 target/release/$$b $(BIN)/$$b; done
+
+# The remote receiver as one Debian package (the agent, its dependencies and
+# ka-agent-recv prebuilt; wan-agents/deploy/build-deb.sh): build/agent/
+# kickass-agent_<version>_amd64.deb and its .sha256. Reproducible: same sources,
+# same bytes. Install on the receiver host: wan-agents/deploy/install-agent.sh DEB.
+agent-deb: system $(BIN)/.installed
+	@wan-agents/deploy/build-deb.sh build/agent
 
 # The volunteer client in one file, for any Python 3.9+ (probe-client/README.md);
 # the server serves it from here. Reproducible: same sources, same bytes.

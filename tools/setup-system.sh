@@ -31,7 +31,9 @@ debootstrap                          debootstrap     base images of the compose 
 /usr/lib/postgresql/*/bin/postgres   postgresql      the real PostgreSQL the tests run against
 pypy3                                pypy3           a Python 3.9: the one-file client kickass-probe.pyz run on its oldest Python (tests)
 crontab                              cron            `kickass schedule crontab --install` and the line it writes, run as cron would (tests)
-systemd-analyze                      systemd         the timer units of `kickass schedule crontab --systemd`, verified (tests)
+systemd-analyze                      systemd         the timer units of `kickass schedule crontab --systemd` and the unit of the agent package, verified (tests)
+dpkg-shlibdeps                       dpkg-dev        the Debian package of the agent: the libraries ka-agent-recv needs (make agent-deb)
+nsenter                              util-linux      the container of a deployed receiver plugged into the testbed (tests)
 chromium                             chromium        rendering tests: the report and the volunteer page
 '
 

@@ -37,6 +37,16 @@ import kickass_db as db
 import psycopg
 import pytest
 import yaml
+from _deployed import (
+    AGENT_ADDRESS,
+    assert_paired_trial_stored,
+    build_deb,
+    plug_into_far,
+    trial_to_deployed,
+    unplug_root,
+)
+from _deployed import docker_daemon as _docker_daemon
+from _deployed import docker_env as _docker_env
 from psycopg import sql
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -320,8 +330,6 @@ def test_grant_reader_says_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> N
 
 # -- the deployment, for real -----------------------------------------------------------
 
-BASE_IMAGES = ROOT.parent / "shared" / "oracles" / "docker" / "make-base-images.sh"
-DOCKER_STATE = Path(os.environ.get("KICKASS_DOCKER_STATE", "/var/tmp/kickass-docker"))
 PROBE = ROOT / ".venv" / "bin" / "kickass-probe"
 # Grafana is left out: there is no Grafana image or Debian package here
 # (../shared/oracles/docker/README.md); its provisioning is tested offline above.
@@ -345,54 +353,6 @@ name = "refresh-test"
 kind = "refresh"
 cron = "* * * * *"
 """
-
-
-def _docker_env(docker_host: str | None) -> dict[str, str]:
-    env = {k: os.environ[k] for k in ("PATH", "HOME") if k in os.environ}
-    if docker_host:
-        env["DOCKER_HOST"] = docker_host
-    return env
-
-
-def _answers(docker_host: str | None) -> bool:
-    probe = subprocess.run(
-        ["docker", "info", "--format", "{{.ServerVersion}}"],
-        env=_docker_env(docker_host),
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    return probe.returncode == 0
-
-
-def _docker_daemon() -> str | None:
-    """DOCKER_HOST of a daemon that holds the base images, or a skip."""
-    if shutil.which("docker") is None or shutil.which("docker-compose") is None:
-        pytest.skip(
-            "docker / docker-compose not installed (Debian packages docker.io, docker-compose)"
-        )
-    if BASE_IMAGES.is_file() and os.geteuid() == 0:
-        # Starts a daemon unless one answers on its socket; builds the base
-        # images the compose file names from Debian packages (minutes, once).
-        made = subprocess.run(
-            ["bash", str(BASE_IMAGES), str(DOCKER_STATE)],
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-        last = made.stdout.strip().splitlines()[-1:] or [""]
-        if made.returncode == 0 and last[0].startswith("export DOCKER_HOST="):
-            return last[0].removeprefix("export DOCKER_HOST=")
-        if "dockerd did not start" in made.stderr:
-            pytest.skip(f"Docker's daemon is not reachable: {made.stderr.strip()[-400:]}")
-        pytest.fail(f"make-base-images.sh failed (exit {made.returncode}): {made.stderr[-2000:]}")
-    host = os.environ.get("DOCKER_HOST")
-    if _answers(host):
-        return host
-    pytest.skip(
-        "Docker's daemon is not reachable (no answer on DOCKER_HOST or the default socket, "
-        f"and {BASE_IMAGES} cannot start one here: it needs the file and root)"
-    )
 
 
 def _free_port(kind: int = socket.SOCK_STREAM) -> int:
@@ -657,3 +617,90 @@ def test_compose_deployment_runs_for_real(tmp_path: Path) -> None:
     print("compose test timings (s since start):", {k: round(v, 1) for k, v in timings.items()})
     assert down.returncode == 0, down.stderr
     assert leftovers() == {"containers": [], "volumes": [], "networks": []}
+
+
+@pytest.mark.slow
+@pytest.mark.netns
+@pytest.mark.machine  # the agent on this machine's network, a veth from the testbed to it
+@pytest.mark.timeout(1800)
+def test_compose_agent_profile_serves_a_paired_trial(database_url: str, tmp_path: Path) -> None:
+    """`make agent-deb`, then the compose file's `agent` profile as an operator
+    brings it up (host networking, CAP_NET_RAW only, the secret from the env
+    file): registered with the runner in one command, it receives a paired
+    Kick-Ass/TCP trial from the testbed's sender through ka-router and the
+    emulated WAN, which reaches this machine's network through a veth."""
+    docker_host = _docker_daemon()
+    denv = _docker_env(docker_host)
+    build_deb(ROOT / "build" / "agent")  # what `make agent-deb` does
+    project = f"kickasstest{secrets.token_hex(4)}"
+    secret = secrets.token_hex(32)
+    control = _free_port()
+    settings = {
+        **SECRETS,
+        "KICKASS_AGENT_SECRET": secret,
+        "KICKASS_AGENT_BIND": AGENT_ADDRESS,
+        "KICKASS_AGENT_PORT": str(control),
+        "KICKASS_AGENT_TCP_PORT": str(_free_port()),
+        "KICKASS_AGENT_KICKASS_PORT": str(_free_port(socket.SOCK_DGRAM)),
+        "KICKASS_AGENT_NAME": "far-compose",
+    }
+    env_file = tmp_path / "kickass.env"
+    env_file.write_text("".join(f"{k}={v}\n" for k, v in settings.items()))
+    override_file = tmp_path / "override.yml"
+    override_file.write_text(
+        yaml.safe_dump(
+            {
+                "services": {
+                    "agent": {
+                        "build": {
+                            "context": str(ROOT),
+                            "dockerfile": "docker/agent.Dockerfile",
+                            "network": "host",
+                        }
+                    }
+                }
+            }
+        )
+    )
+
+    def dc(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["docker-compose", "--project-directory", str(ROOT), "-p", project,
+             "-f", str(COMPOSE), "-f", str(override_file), "--env-file", str(env_file),
+             "--profile", "agent", *args],
+            env=denv, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+        )  # fmt: skip
+
+    def started(tb: Any) -> None:
+        # The agent binds the veth's address: the veth first, then `up`.
+        plug_into_far(tb, None)
+        up = dc("up", "-d", "--build", "agent", timeout=1200)
+        assert up.returncode == 0, up.stderr[-4000:]
+
+    t0 = time.monotonic()
+    try:
+        outcome, said = trial_to_deployed(
+            database_url, tmp_path / "trial", "far-compose", plug=started,
+            secret=lambda: secret, url=f"http://{AGENT_ADDRESS}:{control}",
+        )  # fmt: skip
+        assert "far-compose" in said and "ok  agent 0.1.0, ka-agent-recv 0.1.0" in said, said
+        figures = assert_paired_trial_stored(outcome, "far-compose")
+        inspect = subprocess.run(
+            ["docker", "inspect", "-f", "{{.HostConfig.CapDrop}} {{.HostConfig.CapAdd}} "
+             "{{.HostConfig.NetworkMode}}", f"{project}_agent_1"],
+            env=denv, capture_output=True, text=True, check=True,
+        ).stdout.split()  # fmt: skip
+        assert inspect == ["[ALL]", "[NET_RAW]", "host"], inspect
+    except BaseException:
+        print(dc("logs", "--no-color", "--tail", "60", "agent").stdout[-6000:])
+        raise
+    finally:
+        unplug_root()
+        down = dc("down", "-v", "--remove-orphans", "-t", "10", timeout=300)
+    print("compose agent:", {**figures, "s": round(time.monotonic() - t0, 1)})
+    assert down.returncode == 0, down.stderr
+    left = subprocess.run(
+        ["docker", "ps", "-a", "-q", "--filter", f"label={PROJECT_LABEL}={project}"],
+        env=denv, capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    assert left == []

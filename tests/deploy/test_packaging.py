@@ -44,6 +44,7 @@ ALL_PACKAGES = {
     "pypy3",
     "cron",
     "systemd",
+    "dpkg-dev",
     "chromium",
 }
 

@@ -9,14 +9,22 @@ It runs at far-away sites and serves both kinds of flows:
 
 and a small control API on ``--listen`` (HTTP, JSON):
 
-    GET  /v1/health    {"status", "receivers": {...}, "uptime_s"}
-    GET  /v1/version   {"agent": version, "name"}
+    GET  /v1/health    {"status", "receivers": {...}, "uptime_s"}: the Kick-Ass
+                       receiver's entry says whether it is up ("ready": it said
+                       it listens) and, if it is not, its last error
+    GET  /v1/version   {"agent": version, "name", "token_version", "receiver"}
     GET  /v1/environment  this host's kernel, TCP settings, routes (signed)
     POST /v1/tokens    {"kind": "tcp"|"kickass", "count": N}  ->  {"tokens": [hex], ...}
                        signed with the agent secret's key (kickass_core.signing:
                        the secret never travels, a replayed request is refused)
     GET  /metrics      Prometheus text: flows by result, tokens issued, refused
                        requests, receiver restarts (only from --metrics-from networks)
+
+The Kick-Ass receiver is required: an agent without one would serve only
+the TCP half of a trial, so it refuses to start unless told so
+(``--kickass-receiver none``). ``--check`` starts the receiver once, as the
+agent would, and says whether it runs (the Debian package's postinst runs it
+with the unit's privileges).
 
 Flows are refused without a valid, unexpired, unused token. The secret comes
 from ``--secret-file`` or ``KICKASS_AGENT_SECRET``; used tokens and the nonces
@@ -31,8 +39,10 @@ import ipaddress
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -96,6 +106,11 @@ class Agent:
         self.kickass_port = kickass_port
         self.kickass_receiver = kickass_receiver
         self.kickass_restarts = 0
+        # Whether the receiver said its sockets are up, and what it last
+        # complained of (GET /v1/health; the runner's check reads both).
+        self.kickass_ready = False
+        self.kickass_error: str | None = None
+        self.kickass_version = receiver_version(kickass_receiver) if kickass_receiver else None
         # For GET /metrics: tokens issued by kind, control requests refused.
         self.metrics_from = tuple(ipaddress.ip_network(n, strict=False) for n in metrics_from)
         self.tokens_issued = {"tcp": 0, "kickass": 0}
@@ -139,21 +154,41 @@ class Agent:
     def _supervise(self) -> None:
         """Keep the Rust Kick-Ass receiver running; it checks tokens with the same secret."""
         assert self.kickass_receiver is not None
-        env = {**os.environ, "KICKASS_AGENT_SECRET_HEX": self.secret.hex()}
         delay = 0.5
         while not self._stop.is_set():
-            cmd = [
-                self.kickass_receiver,
-                "--port",
-                str(self.kickass_port),
-                "--state-file",
-                str(self.used_tokens),
-                "--max-flows",
-                str(self.max_flows),
-            ]
-            self._proc = subprocess.Popen(cmd, env=env)
-            started = time.monotonic()
-            rc = self._proc.wait()
+            try:
+                self._proc = _start_receiver(
+                    self.kickass_receiver,
+                    self.secret,
+                    self.kickass_port or 0,
+                    "--state-file",
+                    str(self.used_tokens),
+                    "--max-flows",
+                    str(self.max_flows),
+                )
+            except OSError as exc:
+                self.kickass_error = f"cannot start {self.kickass_receiver}: {exc.strerror}"
+                log.error("Kick-Ass receiver: %s", self.kickass_error)
+                rc: int | str = "unstarted"
+                started = time.monotonic()
+            else:
+                started = time.monotonic()
+                errors = threading.Thread(
+                    target=self._pump_errors, args=(self._proc,), name="ka-recv-err", daemon=True
+                )
+                errors.start()
+                assert self._proc.stdout is not None
+                # Passed on as they come (the journal keeps them); the start
+                # line says the receiver's sockets are up.
+                for raw in self._proc.stdout:
+                    if b'"type":"start"' in raw.replace(b" ", b""):
+                        self.kickass_ready = True
+                        self.kickass_error = None
+                    sys.stdout.buffer.write(raw)
+                    sys.stdout.flush()
+                rc = self._proc.wait()
+                errors.join(2)
+            self.kickass_ready = False
             if self._stop.is_set():
                 return
             self.kickass_restarts += 1
@@ -161,15 +196,32 @@ class Agent:
             delay = 0.5 if time.monotonic() - started > 30 else min(delay * 2, 10.0)
             self._stop.wait(delay)
 
+    def _pump_errors(self, proc: subprocess.Popen[bytes]) -> None:
+        """The receiver's stderr, passed on; its last line kept for /v1/health."""
+        assert proc.stderr is not None
+        for raw in proc.stderr:
+            sys.stderr.buffer.write(raw)
+            sys.stderr.flush()
+            line = raw.decode("utf-8", "replace").strip()
+            if line:
+                self.kickass_error = line[:300]
+
     # -- control API ------------------------------------------------------
 
     def health(self) -> dict[str, Any]:
         ka = None
         if self.kickass_receiver:
             alive = self._proc is not None and self._proc.poll() is None
-            ka = {"running": alive, "restarts": self.kickass_restarts, "port": self.kickass_port}
+            ka = {
+                "running": alive,
+                "ready": alive and self.kickass_ready,
+                "restarts": self.kickass_restarts,
+                "port": self.kickass_port,
+                "version": self.kickass_version,
+                "error": None if alive and self.kickass_ready else self.kickass_error,
+            }
         return {
-            "status": "ok" if ka is None or ka["running"] else "degraded",
+            "status": "ok" if ka is None or ka["ready"] else "degraded",
             "name": self.name,
             "uptime_s": round(time.monotonic() - self.started, 1),
             "receivers": {"tcp": {"port": self.tcp.address[1], **self.tcp.counts}, "kickass": ka},
@@ -182,6 +234,16 @@ class Agent:
         return {
             **environment.local(),
             "agent": {"version": __version__, "name": self.name, "max_flows": self.max_flows},
+        }
+
+    def version(self) -> dict[str, Any]:
+        """What this agent runs: its version, the flow tokens it issues, its
+        Kick-Ass receiver's version (None: it has none)."""
+        return {
+            "agent": __version__,
+            "name": self.name,
+            "token_version": tk.VERSION,
+            "receiver": self.kickass_version,
         }
 
     def issue(self, kind: str, count: int) -> dict[str, Any]:
@@ -310,7 +372,7 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path == "/v1/health":
             self._reply(200, self.agent.health())
         elif self.path == "/v1/version":
-            self._reply(200, {"agent": __version__, "name": self.agent.name})
+            self._reply(200, self.agent.version())
         elif self.path == "/metrics":
             # Prometheus cannot sign: only the networks of --metrics-from may read it.
             if not self.agent.may_read_metrics(self.client_address[0]):
@@ -364,6 +426,95 @@ class _Handler(BaseHTTPRequestHandler):
         log.debug("%s " + fmt, self.client_address[0], *args)
 
 
+# How long the receiver may take to say its sockets are up (``--check``).
+RECEIVER_START_S = 5.0
+
+
+def _start_receiver(path: str, secret: bytes, port: int, *args: str) -> subprocess.Popen[bytes]:
+    """ka-agent-recv on ``port``, checking tokens with ``secret`` (given in its
+    environment, never on the command line); stdout and stderr piped."""
+    env = {**os.environ, "KICKASS_AGENT_SECRET_HEX": secret.hex()}
+    return subprocess.Popen(
+        [path, "--port", str(port), *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+
+
+def receiver_version(path: str) -> str | None:
+    """``ka-agent-recv --version`` (e.g. "ka-agent-recv 0.1.0"), or None if it does not answer."""
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip()[:100] or None if out.returncode == 0 else None
+
+
+def find_receiver() -> str | None:
+    """ka-agent-recv next to this program (the Debian package's layout, a
+    virtual environment's bin), else on PATH."""
+    for folder in (Path(sys.argv[0]).resolve().parent, Path(sys.executable).parent):
+        here = folder / "ka-agent-recv"
+        if here.is_file():
+            return str(here)
+    return shutil.which("ka-agent-recv")
+
+
+def check_receiver(path: str, timeout_s: float = RECEIVER_START_S) -> str:
+    """Start the Kick-Ass receiver once as the agent does (a free UDP port, a
+    throwaway secret, these privileges), wait for it to say its sockets are
+    up, stop it. Its version; KickassError saying why it cannot run."""
+    hint = (
+        "the receiver needs Linux on x86-64 and CAP_NET_RAW (it reads leading fragments "
+        "with an AF_PACKET socket): the systemd unit grants exactly that; a container "
+        "needs --cap-add NET_RAW"
+    )
+    version = receiver_version(path)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("0.0.0.0", 0))
+        port = s.getsockname()[1]
+    try:
+        proc = _start_receiver(path, secrets.token_bytes(32), port)
+    except OSError as exc:
+        raise KickassError(
+            f"the Kick-Ass receiver {path} cannot be started: {exc.strerror}", hint
+        ) from None
+    assert proc.stdout is not None and proc.stderr is not None
+    ready = threading.Event()
+
+    def read_start() -> None:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            if b'"type":"start"' in raw.replace(b" ", b""):
+                ready.set()
+
+    reader = threading.Thread(target=read_start, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + timeout_s
+    while not ready.is_set() and proc.poll() is None and time.monotonic() < deadline:
+        ready.wait(0.05)
+    ran = ready.is_set()
+    still_starting = proc.poll() is None
+    if still_starting:
+        proc.terminate()
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    said = proc.stderr.read().decode("utf-8", "replace").strip()
+    reader.join(2)
+    if not ran:
+        lines = [ln.strip() for ln in said.splitlines() if ln.strip()]
+        errors = [ln.split("error:", 1)[1].strip() for ln in lines if "error:" in ln]
+        why = (errors or lines or [f"exit status {proc.returncode}"])[0]
+        if still_starting:
+            why = f"it did not start within {timeout_s:g} s"
+        raise KickassError(f"the Kick-Ass receiver {path} does not run: {why}", hint)
+    return version or path
+
+
 def _secret(args: argparse.Namespace) -> bytes:
     hint = "pass --secret-file FILE or set KICKASS_AGENT_SECRET"
     raw = config.read_secret(args.secret_file, "KICKASS_AGENT_SECRET", "agent secret", hint)
@@ -391,7 +542,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--kickass-receiver",
         help="path of the ka-agent-recv binary (default: found next to this program or on "
-        "PATH; 'none' serves TCP flows only)",
+        "PATH; 'none' serves TCP flows only: without it the agent refuses to start)",
+    )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="start the Kick-Ass receiver once as the agent would (with this process's "
+        "privileges), stop it, and exit: 0 when it runs, 1 saying why not",
     )
     p.add_argument("--secret-file", help="file holding the agent secret (env KICKASS_AGENT_SECRET)")
     p.add_argument(
@@ -439,10 +596,26 @@ def main(argv: list[str] | None = None) -> int:
         host, _, port = listen.rpartition(":")
         receiver = get("kickass_receiver", None)
         if receiver is None:
-            here = Path(sys.executable).parent / "ka-agent-recv"
-            receiver = str(here) if here.exists() else shutil.which("ka-agent-recv")
+            receiver = find_receiver()
+            if receiver is None:
+                raise KickassError(
+                    "no Kick-Ass receiver: ka-agent-recv is neither next to kickass-agent "
+                    "nor on PATH",
+                    hint="install the kickass-agent package (make agent-deb), pass "
+                    "--kickass-receiver PATH, or --kickass-receiver none to serve TCP flows only",
+                )
         if receiver == "none":
             receiver = None
+        if args.check:
+            if receiver is None:
+                raise KickassError("--check: there is no Kick-Ass receiver to check")
+            try:
+                said = check_receiver(receiver)
+            except KickassError as exc:
+                print(exc.render(), file=sys.stderr)
+                return 1
+            print(f"kickass-agent: the Kick-Ass receiver runs ({said})")
+            return 0
         agent = Agent(
             name=str(get("name", os.uname().nodename)),
             secret=_secret(args),
@@ -465,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ERROR: cannot start the agent: {exc}", file=sys.stderr)
         return 2
     if receiver is None:
-        log.warning("no Kick-Ass receiver (ka-agent-recv): serving TCP flows only")
+        log.warning("no Kick-Ass receiver (--kickass-receiver none): serving TCP flows only")
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())

@@ -8,6 +8,9 @@ kickass trials upload --server URL
     re-send spooled results
 kickass trials runners add NAME [--database-url URL]
     register a trial runner with the server's database; prints its upload token once
+kickass trials agents add NAME URL --secret-file FILE|-   (agents list, agents check [NAME...])
+    register a deployed receiver with this runner: its URL and the secret its package made,
+    checked against the agent first (receivers.py); `run --agent NAME` then finds both
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from typing import Any
 from kickass_core import config
 from kickass_core.errors import KickassError
 
-from .schedule import Period, interleaved
+from . import receivers
+from .schedule import KICKASS, Period, interleaved
 from .service import SECTION, RoundSettings, ScheduleSettings, run_round, uploader
 from .spool import Spool
 from .workload import pair_flows
@@ -63,10 +67,22 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     run.add_argument(
         "--agent",
         action="append",
-        metavar="NAME=URL",
-        help="agent name and control URL with an IP literal (repeat; or agents in --config)",
+        metavar="NAME[=URL]",
+        help="a registered agent's name (kickass trials agents add), or a name and a control "
+        "URL with an IP literal (repeat; or agents in --config)",
     )
     run.add_argument("--secret-dir", help="directory with one secret file per agent name")
+    run.add_argument(
+        "--agents-dir",
+        help=f"the registry of agents (default ${receivers.AGENTS_DIR_ENV} or "
+        f"{receivers.DEFAULT_AGENTS_DIR})",
+    )
+    run.add_argument(
+        "--no-check",
+        action="store_true",
+        help="start without checking the agents first (version, Kick-Ass receiver, clock "
+        "offset, path MTU)",
+    )
     _schedule_args(run)
     run.add_argument("--cc", help="TCP congestion control (cubic, reno, bbr...; default cubic)")
     run.add_argument("--handshake", choices=["padded", "paper"], help="default padded")
@@ -110,6 +126,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     up.add_argument("--spool-dir", default=".kickass/spool")
     up.set_defaults(func=cmd_upload)
 
+    _agents_parser(tsub)
+
     r = tsub.add_parser("runners", help="manage the runners allowed to upload results")
     rsub = r.add_subparsers(dest="runners_command", metavar="RUNNERS_COMMAND")
 
@@ -124,6 +142,60 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     a.set_defaults(func=cmd_runner_add)
 
 
+def _agents_parser(tsub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    ag = tsub.add_parser(
+        "agents",
+        help="register deployed receivers with this runner, and check them",
+        description="The receivers this runner sends to: their control URL and the secret "
+        "their package made, kept in the registry (--agents-dir).",
+    )
+    asub = ag.add_subparsers(dest="agents_command", metavar="AGENTS_COMMAND")
+
+    def agents_usage(_args: argparse.Namespace) -> int:
+        ag.print_help()
+        return 2
+
+    ag.set_defaults(func=agents_usage)
+    dir_help = (
+        f"the registry (default ${receivers.AGENTS_DIR_ENV} or {receivers.DEFAULT_AGENTS_DIR})"
+    )
+    add = asub.add_parser(
+        "add",
+        help="register a receiver: checked with its secret first",
+        description="Register a deployed receiver. On the runner host: "
+        "ssh root@RECEIVER cat /etc/kickass-agent/secret | "
+        "kickass trials agents add NAME http://ADDRESS:8700 --secret-file -",
+    )
+    add.add_argument("name")
+    add.add_argument("url", help="its control API, http://IP:PORT (port 8700 by default)")
+    add.add_argument(
+        "--secret-file",
+        required=True,
+        help="the agent's secret (its /etc/kickass-agent/secret); - reads standard input",
+    )
+    add.add_argument("--agents-dir", help=dir_help)
+    add.add_argument("--bind", help="source address for the check's datagrams")
+    add.add_argument(
+        "--no-check", action="store_true", help="register without asking the agent (it is away)"
+    )
+    add.set_defaults(func=cmd_agents_add)
+    ls = asub.add_parser("list", help="the registered receivers")
+    ls.add_argument("--agents-dir", help=dir_help)
+    ls.set_defaults(func=cmd_agents_list)
+    ck = asub.add_parser(
+        "check",
+        help="check registered receivers as a round does before it starts",
+        description="Per agent: reachable with its secret, version, Kick-Ass receiver up and "
+        "answering on its UDP port, clock offset, path MTU (1500-byte datagrams with DF set). "
+        "Exit 0 when every agent is ready, 1 otherwise.",
+    )
+    ck.add_argument("names", nargs="*", metavar="NAME", help="default: every registered agent")
+    ck.add_argument("--agents-dir", help=dir_help)
+    ck.add_argument("--bind", help="source address for the check's datagrams")
+    ck.add_argument("--json", action="store_true")
+    ck.set_defaults(func=cmd_agents_check)
+
+
 def _schedule_args(p: argparse.ArgumentParser) -> None:
     """What decides the periods and their flows: `plan` and `run` take the
     same, so a dry run shows exactly the flows a run will start."""
@@ -132,9 +204,12 @@ def _schedule_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--protocols", help="periods to run (default kickass,tcp)")
     p.add_argument(
         "--arms",
-        help="what the periods of a pair run, comma-separated: kickass[:padded|paper], "
-        "tcp[:cubic|reno|bbr], each optionally +<ms>ms (a handicap); e.g. "
-        "kickass,tcp:cubic,tcp:reno,tcp:bbr; an A/A calibration: tcp:cubic,tcp:cubic "
+        help="what the periods of a pair run, comma-separated: "
+        "kickass[:padded|paper][/cubic|newreno][@tcpNN] (the handshake, TCP mode's "
+        "congestion control in the transport, NN%% of the flows run as kernel TCP "
+        "instead), tcp[:cubic|reno|bbr], each optionally +<ms>ms (a handicap); e.g. "
+        "kickass,tcp:cubic,tcp:reno,tcp:bbr; an A/A calibration: tcp:cubic,tcp:cubic; "
+        "TCP with and without Kick-Ass beside it: tcp:cubic,kickass@tcp50 "
         "(default: kickass and TCP with --cc)",
     )
     p.add_argument(
@@ -147,6 +222,13 @@ def _schedule_args(p: argparse.ArgumentParser) -> None:
         help="the paper's 1..2000 packets taken literally (Pareto scale 1, sizes rounded "
         "down: 71%% of flows are of one packet, mean 1.9) instead of the mean of 100 "
         "(no flow under 46 packets)",
+    )
+    p.add_argument(
+        "--loop",
+        choices=["open", "closed"],
+        help="open: a flow starts its gap after the previous one started (default); closed: "
+        "the paper's on-off senders, a flow starts its gap (an off time) after the previous "
+        "one ended",
     )
     p.add_argument("--mean-gap", type=float, help="mean gap between flows, s (default 0.5)")
     p.add_argument("--mean-packets", type=float, help="mean flow size (default 100)")
@@ -186,6 +268,7 @@ def _schedule_mapping(args: argparse.Namespace) -> dict[str, Any]:
             "shape": args.shape,
             "seed": args.seed,
             "literal_range": args.literal_range,
+            "loop": args.loop,
         }
     )
     if workload:
@@ -201,12 +284,26 @@ def settings_from_args(args: argparse.Namespace) -> RoundSettings:
         flags["workload"] = {**data.get("workload", {}), **flags["workload"]}
     data.update(flags)
     if args.agent:
+        registry = receivers.agents_dir(args.agents_dir)
         agents = []
         for spec in args.agent:
             name, sep, url = spec.partition("=")
-            if not sep or not name or not url.startswith("http"):
-                raise KickassError(f"bad --agent {spec!r}", hint="NAME=http://IP:PORT")
-            agents.append({"name": name, "url": url})
+            known = receivers.registered(name, registry) if name else None
+            entry: dict[str, Any] = {"name": name, "url": url}
+            if not sep and known is None:
+                raise KickassError(
+                    f"agent {spec!r} is not registered in {registry}",
+                    hint="kickass trials agents add NAME URL --secret-file -, or --agent "
+                    "NAME=http://IP:PORT",
+                )
+            if not sep and known is not None:
+                entry["url"] = known[0]
+            if not name or not entry["url"].startswith("http"):
+                raise KickassError(f"bad --agent {spec!r}", hint="NAME or NAME=http://IP:PORT")
+            # A registered agent's secret, unless --secret-dir names another place.
+            if known is not None and not args.secret_dir:
+                entry["secret_file"] = str(known[1])
+            agents.append(entry)
         data["agents"] = agents
     data.update(
         _given(
@@ -292,6 +389,22 @@ def cmd_runner_add(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
+    if not args.no_check:
+        arms = settings.arm_objs(settings.congestion_control, settings.handshake)
+        kickass = any(a.protocol == KICKASS for a in arms)
+        checks = [
+            receivers.check_agent(ref, source=settings.bind, kickass=kickass)
+            for ref in settings.agent_refs(args.secret_dir)
+        ]
+        for c in checks:
+            print(c.render(), file=sys.stderr)
+        bad = [c for c in checks if not c.ok]
+        if bad:
+            raise KickassError(
+                "not ready for a round: "
+                + "; ".join(f"agent {c.name}: {', '.join(c.problems)}" for c in bad),
+                hint="fix what is named (kickass trials agents check), or --no-check",
+            )
     stop = threading.Event()
 
     def progress(p: Period) -> None:
@@ -338,3 +451,65 @@ def cmd_upload(args: argparse.Namespace) -> int:
     for err in report.errors[:5]:
         print(f"  {err}", file=sys.stderr)
     return 0 if report.ok else 1
+
+
+def cmd_agents_add(args: argparse.Namespace) -> int:
+    if not args.url.startswith(("http://", "https://")):
+        raise KickassError(f"bad URL {args.url!r}", hint="http://IP:PORT (port 8700 by default)")
+    secret = receivers.read_secret_arg(args.secret_file, sys.stdin.read)
+    if not args.no_check:
+        from .runner import AgentRef
+
+        check = receivers.check_agent(AgentRef(args.name, args.url, secret), source=args.bind)
+        print(check.render(), file=sys.stderr)
+        if not check.ok:
+            raise KickassError(
+                f"agent {args.name} not registered: " + "; ".join(check.problems),
+                hint="fix what is named, or --no-check to register it anyway",
+            )
+    registry = receivers.agents_dir(args.agents_dir)
+    path = receivers.register(args.name, args.url, secret, registry)
+    print(
+        f"registered agent {args.name} ({args.url}); its secret is in {path}. "
+        f"A round: kickass trials run --agent {args.name}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _registered_names(registry: Any) -> list[str]:
+    return sorted(p.stem for p in registry.glob("*.url") if (registry / p.stem).is_file())
+
+
+def cmd_agents_list(args: argparse.Namespace) -> int:
+    registry = receivers.agents_dir(args.agents_dir)
+    for name in _registered_names(registry):
+        known = receivers.registered(name, registry)
+        assert known is not None
+        print(f"{name:<16} {known[0]}")
+    return 0
+
+
+def cmd_agents_check(args: argparse.Namespace) -> int:
+    from .runner import AgentRef
+
+    registry = receivers.agents_dir(args.agents_dir)
+    names = args.names or _registered_names(registry)
+    if not names:
+        raise KickassError(
+            f"no agents registered in {registry}", hint="kickass trials agents add NAME URL"
+        )
+    checks = []
+    for name in names:
+        known = receivers.registered(name, registry)
+        if known is None:
+            raise KickassError(f"agent {name} is not registered in {registry}")
+        url, secret_file = known
+        secret = receivers.read_secret_arg(str(secret_file), sys.stdin.read)
+        checks.append(receivers.check_agent(AgentRef(name, url, secret), source=args.bind))
+    if args.json:
+        print(json.dumps({"version": 1, "agents": [c.to_json() for c in checks]}))
+    else:
+        for c in checks:
+            print(c.render())
+    return 0 if all(c.ok for c in checks) else 1
