@@ -93,6 +93,16 @@ FROM (
 ) AS s
 """
 
+# Finished sessions are read from their durable counts (migration 0020): stored
+# as StudyStore.finish_session stores them.
+_COUNTS = """
+SELECT count(*) FROM write_unit_counts(ARRAY(
+    SELECT id FROM sessions
+    WHERE server_version = 'export-bench'
+      AND session_id BETWEEN lpad(to_hex(%(first)s::bigint), 16, '0')
+                         AND lpad(to_hex(%(last)s::bigint), 16, '0')))
+"""
+
 _RUN = """
 INSERT INTO router_runs (id, run_name, router_kind, capacity_bps, program_version, options,
                          started_at)
@@ -125,7 +135,8 @@ def seed_probe_rows(database_url: str, n: int, start: int = 0) -> None:
     with psycopg.connect(db.libpq_url(database_url)) as conn:
         conn.execute(_SESSIONS, params)
         conn.execute(_PROBES, params)
-    _vacuum(database_url, "sessions", "probe_outcomes")
+        conn.execute(_COUNTS, params)
+    _vacuum(database_url, "sessions", "probe_outcomes", "unit_counts")
 
 
 def seed_telemetry_rows(database_url: str, n: int, run: int = 1) -> None:

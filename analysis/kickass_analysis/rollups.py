@@ -23,11 +23,13 @@ arm against the first of the trial's arms (speedup = FCT(first) / FCT(arm)).
 ``refresh`` brings every rollup of migration 0012 up to date too (the
 dashboards read them; db/README.md, "Rollups"):
 
+* the study's, incrementally (migration 0020): the changes of the sessions'
+  durable counts written since the last refresh are folded into the day and
+  all-time rollups and the distinct clients per size
+  (``fold_unit_count_changes``, one transaction: readers, which add the
+  changes not yet folded, see the counts before or after, never half);
 * the materialised views, with ``REFRESH MATERIALIZED VIEW CONCURRENTLY``
-  (readers keep the old rows meanwhile): the study's two
-  (``mv_session_summary``, ``mv_probe_daily``) in one REPEATABLE READ
-  transaction, so they hold the same sessions (the views over them add the
-  sessions missing from the first, live); then Atlas and the trials';
+  (readers keep the old rows meanwhile): Atlas's and the trials';
 * the router telemetry per second and per minute, incrementally: per run,
   from the last second (minute) already rolled up, which is recomputed (it
   may have been partial); a run whose raw samples end before that (pruned)
@@ -316,11 +318,14 @@ class RollupStore(StoreBase):
 
 # -- the rollups of migration 0012 --------------------------------------------------
 
-STUDY_MATVIEWS = ("mv_session_summary", "mv_probe_daily", "mv_size_clients")
 OTHER_MATVIEWS = ("mv_atlas_probe_drop", "mv_flow_summary", "mv_flow_hourly")
 # The report's trial figures (migration 0014): one snapshot for both, so the
 # report can tell from one count whether they hold every flow.
 REPORT_MATVIEWS = ("mv_report_fct_bins", "mv_report_ka_mode")
+
+# The study's rollups of the durable counts (migration 0020), in rollup_refreshes.
+STUDY_ROLLUP = "unit_counts"
+_FOLD = text("SELECT fold_unit_count_changes()")
 
 # Before any sample (Python's datetime has no -infinity).
 _BEFORE_ANY = datetime(1970, 1, 1, tzinfo=UTC)
@@ -464,11 +469,15 @@ class Rollups(RollupStore):
     """Every rollup of migrations 0010 and 0012, refreshed."""
 
     def refresh_study(self) -> dict[str, int]:
-        # One snapshot for both: they must hold the same finished sessions.
-        def work(conn: Connection) -> dict[str, int]:
-            return _refresh_matviews(conn, STUDY_MATVIEWS)
+        """Fold the durable counts' changes in; how many were folded."""
+        started = time.monotonic()
 
-        return self.run(work, isolation="REPEATABLE READ")
+        def work(conn: Connection) -> dict[str, int]:
+            folded = int(conn.execute(_FOLD).scalar_one())
+            _record(conn, STUDY_ROLLUP, folded, started)
+            return {STUDY_ROLLUP: folded}
+
+        return self.run(work)
 
     def refresh_report(self) -> dict[str, int]:
         def work(conn: Connection) -> dict[str, int]:
@@ -509,7 +518,8 @@ def refresh(database_url: str | None = None) -> dict[str, int]:
     """Every rollup, brought up to date (the scheduled ``refresh`` item's work).
 
     Returns rows per rollup: what a materialised view or ``trial_speedups``
-    holds now, what this refresh (re)wrote of the router's seconds and minutes.
+    holds now, what this refresh (re)wrote of the router's seconds and minutes,
+    how many changes of the durable counts it folded in (``unit_counts``).
     """
     with Rollups(database_url) as store:
         out = {"trial_speedups": store.refresh_trial_speedups()}

@@ -86,32 +86,40 @@ class ProbeOutcome:
 
 # One statement for a whole batch: arrays in, rows out. executemany would
 # cost a round trip (or a statement) per few rows; thousands of outcomes per
-# session make that the engine's bottleneck.
-_UPSERT_OUTCOMES = text("""
-INSERT INTO probe_outcomes (
-    session_pk, seq, phase, ip_len, sent_at, outcome, acked_at, rtt_ms, ack_count,
-    received_len, observed_frag_size, reassembly_invalid
+# session make that the engine's bottleneck. The session row is share-locked:
+# a batch and the session's finish never interleave, so the counts the finish
+# stores include every row (and a batch for a final session rewrites them).
+_UPSERT_OUTCOMES = text(f"""
+WITH s AS (
+    SELECT id, state IN {tuple(FINAL_STATES)} AS final FROM sessions
+    WHERE session_id = :session_id FOR SHARE
+), written AS (
+    INSERT INTO probe_outcomes (
+        session_pk, seq, phase, ip_len, sent_at, outcome, acked_at, rtt_ms, ack_count,
+        received_len, observed_frag_size, reassembly_invalid
+    )
+    SELECT s.id, u.*
+    FROM s
+    CROSS JOIN unnest(
+        CAST(:seq AS integer[]), CAST(:phase AS text[]), CAST(:ip_len AS smallint[]),
+        CAST(:sent_at AS timestamptz[]), CAST(:outcome AS text[]), CAST(:acked_at AS timestamptz[]),
+        CAST(:rtt_ms AS real[]), CAST(:ack_count AS smallint[]), CAST(:received_len AS integer[]),
+        CAST(:observed_frag_size AS integer[]), CAST(:reassembly_invalid AS boolean[])
+    ) AS u
+    ON CONFLICT (session_pk, seq) DO UPDATE SET
+        phase = excluded.phase,
+        ip_len = excluded.ip_len,
+        sent_at = excluded.sent_at,
+        outcome = excluded.outcome,
+        acked_at = excluded.acked_at,
+        rtt_ms = excluded.rtt_ms,
+        ack_count = excluded.ack_count,
+        received_len = excluded.received_len,
+        observed_frag_size = excluded.observed_frag_size,
+        reassembly_invalid = probe_outcomes.reassembly_invalid OR excluded.reassembly_invalid
+    RETURNING 1
 )
-SELECT s.id, u.*
-FROM sessions s
-CROSS JOIN unnest(
-    CAST(:seq AS integer[]), CAST(:phase AS text[]), CAST(:ip_len AS smallint[]),
-    CAST(:sent_at AS timestamptz[]), CAST(:outcome AS text[]), CAST(:acked_at AS timestamptz[]),
-    CAST(:rtt_ms AS real[]), CAST(:ack_count AS smallint[]), CAST(:received_len AS integer[]),
-    CAST(:observed_frag_size AS integer[]), CAST(:reassembly_invalid AS boolean[])
-) AS u
-WHERE s.session_id = :session_id
-ON CONFLICT (session_pk, seq) DO UPDATE SET
-    phase = excluded.phase,
-    ip_len = excluded.ip_len,
-    sent_at = excluded.sent_at,
-    outcome = excluded.outcome,
-    acked_at = excluded.acked_at,
-    rtt_ms = excluded.rtt_ms,
-    ack_count = excluded.ack_count,
-    received_len = excluded.received_len,
-    observed_frag_size = excluded.observed_frag_size,
-    reassembly_invalid = probe_outcomes.reassembly_invalid OR excluded.reassembly_invalid
+SELECT s.id, s.final, (SELECT count(*) FROM written) AS written FROM s
 """)
 _OUTCOME_FIELDS = tuple(f.name for f in fields(ProbeOutcome))  # the statement's arrays
 
@@ -127,17 +135,12 @@ SELECT leading_ip_len, sent, acked, late, drop_rate, frag_observed, arrived_as_s
 FROM v_split_drop WHERE session_id = :session_id ORDER BY leading_ip_len
 """)
 
-# Valid probes only: one lost while the client's kernel refused fragments
-# (reassembly_invalid) is evidence of nothing (migration 0007).
-# For the verdict: a late acknowledgement counts as delivered (kickass_core.verdict).
-_PHASE_COUNTS = text("""
-SELECT session_pk, phase,
-       count(*) FILTER (WHERE NOT (reassembly_invalid AND outcome = 'lost')) AS sent,
-       count(*) FILTER (WHERE outcome IN ('acked', 'late')) AS acked,
-       count(*) FILTER (WHERE reassembly_invalid AND outcome = 'lost') AS invalid,
-       count(*) FILTER (WHERE outcome = 'late') AS late
-FROM probe_outcomes WHERE session_pk = ANY(:pks) GROUP BY session_pk, phase
-""")
+# A final session's counts, per phase and IP length, from its raw rows into
+# unit_counts (and the change into unit_count_changes, for the rollups):
+# migration 0020, under 0007's rules. Returns per session and phase what the
+# verdict is decided from: valid sent, delivered (a late acknowledgement counts
+# as delivered: kickass_core.verdict), invalid, late.
+_WRITE_COUNTS = text("SELECT * FROM write_unit_counts(CAST(:pks AS bigint[]))")
 
 # A lost probe in one of the client's ranges of refused fragments becomes
 # invalid: a split always, a whole packet only from the smallest size the
@@ -306,8 +309,17 @@ class StudyStore(StoreBase):
             f: [getattr(o, f) for o in latest.values()] for f in _OUTCOME_FIELDS
         }
         params["session_id"] = session_id
-        written = self.run(lambda conn: conn.execute(_UPSERT_OUTCOMES, params).rowcount)
-        if written == 0:
+
+        def work(conn: Connection) -> int:
+            row = conn.execute(_UPSERT_OUTCOMES, params).first()
+            if row is None:
+                return 0
+            pk, final, written = row
+            if final:  # a batch for a finished session (a replay): its counts follow
+                _write_counts(conn, [pk])
+            return int(written)
+
+        if self.run(work) == 0:
             raise UnknownSession(f"no session {session_id} to record outcomes for")
 
     def heartbeat(self, session_id: str, sent: int, acked: int) -> bool:
@@ -329,8 +341,10 @@ class StudyStore(StoreBase):
         reassembly: dict[str, Any] | None = None,
         window: dict[str, Any] | None = None,
     ) -> bool:
-        """Put a live session in a final state. The first final state wins:
-        False (and nothing changed) if it had already finished, or is unknown.
+        """Put a live session in a final state, and store its counts (per phase
+        and IP length, from its outcomes: ``unit_counts``) in the same
+        transaction. The first final state wins: False (and nothing changed)
+        if it had already finished, or is unknown.
         ``reassembly``: what the engine learnt from the client's REPORTs, kept
         as ``client_metadata.reassembly.server``; ``window``: an adaptive
         run's window record (kickass_server.window), kept as
@@ -350,8 +364,17 @@ class StudyStore(StoreBase):
                 finished_at=func.now(),
                 **_metadata_update(reassembly, window),
             )
+            .returning(_sessions.c.id)
         )
-        return self.run(lambda conn: conn.execute(stmt).rowcount > 0)
+
+        def work(conn: Connection) -> bool:
+            pk = conn.execute(stmt).scalar_one_or_none()
+            if pk is None:
+                return False
+            _write_counts(conn, [pk])
+            return True
+
+        return self.run(work)
 
     def record_client_report(
         self,
@@ -369,7 +392,8 @@ class StudyStore(StoreBase):
         refused fragments; ``observations`` are the privileged observation's
         (seqs, leading fragment IP lengths, fragment counts). When a final
         session gains invalid probes its verdict is decided again from the
-        valid ones. Idempotent. False if the session is unknown.
+        valid ones, and the counts of a final session are stored again, in
+        the same transaction. Idempotent. False if the session is unknown.
         """
 
         def work(conn: Connection) -> bool:
@@ -413,13 +437,11 @@ class StudyStore(StoreBase):
                         "pieces": list(fragments),
                     },
                 )
-            if marked and state in FINAL_STATES:
-                counts = {
-                    phase: (sent, acked, invalid, late)
-                    for _, phase, sent, acked, invalid, late in conn.execute(
-                        _PHASE_COUNTS, {"pks": [pk]}
-                    )
-                }
+            observed = observations is not None and bool(observations[0])
+            if state not in FINAL_STATES or not (marked or observed):
+                return True
+            counts = _write_counts(conn, [pk]).get(pk, {})
+            if marked:
                 v = _decide(counts)
                 conn.execute(
                     update(_sessions)
@@ -433,7 +455,7 @@ class StudyStore(StoreBase):
     def mark_orphans_incomplete(self) -> list[str]:
         """At server start: sessions this instance's previous run left live become
         'incomplete', with the verdict their stored outcomes support. Returns
-        their session ids.
+        their session ids. Their counts are stored in the same transaction.
 
         Only this instance's sessions (and ones no instance claims, created
         before sessions had owners): another server sharing the database keeps
@@ -453,11 +475,7 @@ class StudyStore(StoreBase):
             ).all()
             if not orphans:
                 return []
-            counts: dict[int, dict[str, tuple[int, int, int, int]]] = {}
-            for pk, phase, sent, acked, invalid, late in conn.execute(
-                _PHASE_COUNTS, {"pks": [pk for pk, _ in orphans]}
-            ):
-                counts.setdefault(pk, {})[phase] = (sent, acked, invalid, late)
+            counts = _write_counts(conn, [pk for pk, _ in orphans])
             updates = []
             for pk, _ in orphans:
                 v = _decide(counts.get(pk, {}))
@@ -601,7 +619,19 @@ def _with_server(meta: Any, reassembly: dict[str, Any]) -> Any:
     )
 
 
-def _decide(counts: dict[str, tuple[int, int, int, int]]) -> Any:
+PhaseCounts = dict[str, tuple[int, int, int, int]]
+
+
+def _write_counts(conn: Connection, pks: list[int]) -> dict[int, PhaseCounts]:
+    """Store these sessions' counts (``unit_counts``); per session and phase
+    (valid sent, delivered, invalid, late), what the verdict is decided from."""
+    out: dict[int, PhaseCounts] = {}
+    for pk, phase, sent, delivered, invalid, late in conn.execute(_WRITE_COUNTS, {"pks": pks}):
+        out.setdefault(pk, {})[phase] = (sent, delivered, invalid, late)
+    return out
+
+
+def _decide(counts: PhaseCounts) -> Any:
     """The verdict from per-phase (valid sent, acked in time or late, invalid,
     late) counts."""
     whole = counts.get("whole", (0, 0, 0, 0))

@@ -24,7 +24,7 @@ Nothing on it can single out another volunteer:
 - a group is shown only when at least ``k`` *other clients* are in it, a
   client being an address block: the /24 (IPv4) or /48 (IPv6) its sessions
   were requested from (the SQL function ``client_key`` of migration 0016,
-  which the rollup ``mv_size_clients`` counts with too). Never the install
+  which the rollups of the durable counts count with too). Never the install
   id, which the client writes itself: five runs from one address with five
   made-up ids are one client, not five. A volunteer cannot mint address
   blocks for free; volunteers behind one NAT, or in one provider's /24,
@@ -46,11 +46,12 @@ two groups that differ by ``k`` or more clients overall but by fewer at one
 size. Rounding blurs both; a stricter page would publish groups only in
 releases of at least ``k`` new clients.
 
-**At scale.** "All other volunteers" is read from the rollups the scheduled
-``refresh`` keeps (``v_drop_rollup``, ``mv_size_clients``) plus the sessions
-finished since, so it costs the same at ten million probe rows as at ten
-thousand (bench/dashboards_bench.py); a country or a network is pooled from its
-sessions' outcomes, in proportion to its size.
+**At scale.** "All other volunteers" is read from the rollups of the
+sessions' durable counts the scheduled ``refresh`` keeps (``v_drop_rollup``,
+``unit_counts_total``, ``client_sizes``: migration 0020) plus the changes
+since, so it costs the same at ten million probe rows as at ten thousand
+(bench/dashboards_bench.py); a country or a network is pooled from its
+sessions' durable counts, in proportion to its size.
 """
 
 from __future__ import annotations
@@ -314,32 +315,34 @@ GROUP BY d.{size}
 }
 
 
-# The "all other volunteers" group is every finished session: its sums from
-# the day rollup (v_drop_rollup: the rolled-up sessions plus those finished
-# since, counted live), its distinct clients per size from mv_size_clients
-# and, for the sessions finished since, from the outcomes. The two client
-# counts cannot be merged exactly (a client may be in both); the larger is a
-# lower bound of the union, so a size is never shown with fewer than k.
-_POOLED_ALL = text(f"""
+# The "all other volunteers" group is every finished session, from the
+# rollups of their durable counts (migration 0020), never from raw rows: its
+# sums from the day rollup (v_drop_rollup: the folded changes plus those not
+# folded yet), its distinct clients per size from unit_counts_total plus the
+# clients of the changes not folded yet that client_sizes does not know of at
+# that size. Exact: a client is counted once however many sessions it ran.
+_POOLED_ALL = text("""
 WITH sums AS (
     SELECT ip_len AS size, sum(sent)::bigint AS sent, sum(acked)::bigint AS acked
     FROM v_drop_rollup WHERE source = 'volunteer' AND phase = :phase
     GROUP BY ip_len
-), live AS (
-    SELECT x.ip_len AS size, count(DISTINCT client_key(s.source_address)) AS clients
-    FROM (SELECT DISTINCT o.session_pk, o.ip_len::integer AS ip_len
-          FROM probe_outcomes o JOIN sessions s0 ON s0.id = o.session_pk
-          WHERE o.phase = :phase AND s0.state IN {tuple(FINAL_STATES)}
-            AND NOT EXISTS (SELECT 1 FROM mv_session_summary m
-                            WHERE m.session_id = s0.session_id)) x
-    JOIN sessions s ON s.id = x.session_pk
+), new AS (
+    SELECT x.ip_len AS size, count(DISTINCT c.client_key) AS clients
+    FROM unit_count_changes c
+    CROSS JOIN LATERAL unnest(c.ip_lens, c.units_by_size) AS x(ip_len, units)
+    WHERE c.source = 'volunteer' AND c.phase = :phase AND c.client_key IS NOT NULL
+      AND x.units > 0
+      AND NOT EXISTS (SELECT 1 FROM client_sizes k
+                      WHERE k.source = c.source AND k.client_key = c.client_key
+                        AND k.phase = c.phase AND x.ip_len = ANY (k.ip_lens))
     GROUP BY x.ip_len
 )
 SELECT sums.size, sums.sent, sums.acked,
-       greatest(coalesce(r.clients, 0), coalesce(live.clients, 0)) AS clients
+       coalesce(t.clients, 0) + coalesce(new.clients, 0) AS clients
 FROM sums
-LEFT JOIN mv_size_clients r ON r.phase = :phase AND r.ip_len = sums.size
-LEFT JOIN live ON live.size = sums.size
+LEFT JOIN unit_counts_total t
+    ON t.source = 'volunteer' AND t.phase = :phase AND t.ip_len = sums.size
+LEFT JOIN new ON new.size = sums.size
 """)
 
 

@@ -399,8 +399,8 @@ def _run(conn: psycopg.Connection, query: str) -> tuple[list[str], list[tuple[An
 def test_reader_role_cannot_read_tables_or_rollups(seeded: Seeded) -> None:
     tables = (
         "sessions", "probe_outcomes", "clients", "flows", "trials", "runners", "item_runs",
-        "router_telemetry_1s", "router_telemetry_1m", "rollup_refreshes", "mv_session_summary",
-        "mv_probe_daily", "mv_flow_hourly",
+        "router_telemetry_1s", "router_telemetry_1m", "rollup_refreshes", "unit_counts",
+        "unit_counts_daily", "unit_counts_pending", "mv_flow_hourly",
     )  # fmt: skip
     for table in tables:
         with pytest.raises(psycopg.errors.InsufficientPrivilege):

@@ -39,6 +39,9 @@ SCHEDULE_TABLES = {"item_runs"}  # 0011
 REFUSAL_TABLES = {"claim_refusals"}  # 0017
 QUARANTINE_TABLES = {"quarantine"}  # 0018
 ROLLUP_TABLES = {"router_telemetry_1s", "router_telemetry_1m", "rollup_refreshes"}  # 0012
+COUNT_TABLES = {  # 0020
+    "unit_counts", "unit_count_changes", "unit_counts_daily", "unit_counts_total", "client_sizes",
+}  # fmt: skip
 TABLES = (
     STUDY_TABLES
     | ROUTER_TABLES
@@ -50,11 +53,15 @@ TABLES = (
     | ROLLUP_TABLES
     | REFUSAL_TABLES
     | QUARANTINE_TABLES
+    | COUNT_TABLES
 )
-# 0012: refreshed by kickass_analysis.rollups, read through the v_* views below.
+# 0020: what the study views add to the rollups (not for readers: no v_ name).
+COUNT_VIEWS = {"unit_counts_pending"}
+# 0012: refreshed by kickass_analysis.rollups, read through the v_* views below
+# (0020 replaced the study's three by the rollups of the durable counts).
 MATVIEWS = {
-    "mv_session_summary", "mv_probe_daily", "mv_atlas_probe_drop", "mv_flow_summary",
-    "mv_flow_hourly", "mv_report_fct_bins", "mv_report_ka_mode", "mv_size_clients",  # 0014
+    "mv_atlas_probe_drop", "mv_flow_summary", "mv_flow_hourly", "mv_report_fct_bins",
+    "mv_report_ka_mode",  # 0014
 }  # fmt: skip
 # 0010 kept one name per view: the non-v_ aliases of 0005 exist only before it.
 OLD_TRIAL_ALIASES = {"flow_results", "flow_summary"}
@@ -286,19 +293,37 @@ def kickass(*argv: str) -> int:
 def test_upgrade_downgrade_upgrade(empty_database_url: str) -> None:
     url = empty_database_url
     assert kickass("db", "upgrade", "--database-url", url) == 0
-    assert schema(url) == (TABLES, set(VIEW_COLUMNS))
+    assert schema(url) == (TABLES, set(VIEW_COLUMNS) | COUNT_VIEWS)
     assert matviews(url) == MATVIEWS
+    assert kickass("db", "downgrade", "0019", "--database-url", url) == 0
+    assert schema(url) == (TABLES - COUNT_TABLES, set(VIEW_COLUMNS))
+    assert matviews(url) == MATVIEWS | {"mv_session_summary", "mv_probe_daily", "mv_size_clients"}
     assert kickass("db", "downgrade", "0011", "--database-url", url) == 0
     views = set(VIEW_COLUMNS) - ROLLUP_VIEWS
-    assert schema(url) == (TABLES - ROLLUP_TABLES - REFUSAL_TABLES - QUARANTINE_TABLES, views)
+    assert schema(url) == (
+        TABLES - ROLLUP_TABLES - REFUSAL_TABLES - QUARANTINE_TABLES - COUNT_TABLES,
+        views,
+    )
     assert matviews(url) == set()
     assert kickass("db", "downgrade", "0010", "--database-url", url) == 0
     assert schema(url) == (
-        TABLES - ROLLUP_TABLES - REFUSAL_TABLES - QUARANTINE_TABLES - SCHEDULE_TABLES,
+        TABLES
+        - ROLLUP_TABLES
+        - REFUSAL_TABLES
+        - QUARANTINE_TABLES
+        - COUNT_TABLES
+        - SCHEDULE_TABLES,
         views - SCHEDULE_VIEWS,
     )
     before_0010 = views - SCHEDULE_VIEWS - PAIRED_VIEWS | OLD_TRIAL_ALIASES
-    newer = PAIRED_TABLES | SCHEDULE_TABLES | ROLLUP_TABLES | REFUSAL_TABLES | QUARANTINE_TABLES
+    newer = (
+        PAIRED_TABLES
+        | SCHEDULE_TABLES
+        | ROLLUP_TABLES
+        | REFUSAL_TABLES
+        | QUARANTINE_TABLES
+        | COUNT_TABLES
+    )
     assert kickass("db", "downgrade", "0009", "--database-url", url) == 0
     assert schema(url) == (TABLES - newer, before_0010)
     assert kickass("db", "downgrade", "0007", "--database-url", url) == 0
@@ -323,7 +348,7 @@ def test_upgrade_downgrade_upgrade(empty_database_url: str) -> None:
     assert kickass("db", "downgrade", "base", "--database-url", url) == 0
     assert schema(url) == (set(), set())
     assert kickass("db", "upgrade", "head", "--database-url", url) == 0
-    assert schema(url) == (TABLES, set(VIEW_COLUMNS))
+    assert schema(url) == (TABLES, set(VIEW_COLUMNS) | COUNT_VIEWS)
     assert matviews(url) == MATVIEWS
 
 

@@ -447,7 +447,7 @@ def test_the_all_group_from_the_rollups_is_the_same_page(
     assert marks(before)["session-by-size"]["all-other-volunteers"] == len(QUICK.whole)
     rollups.refresh(database_url)
     with store.engine.connect() as conn:
-        rolled = conn.exec_driver_sql("SELECT count(*) FROM mv_size_clients").scalar_one()
+        rolled = conn.exec_driver_sql("SELECT count(*) FROM unit_counts_total").scalar_one()
     assert rolled > 0
     after = _page_of(client, store, me.session_id)
     assert after == before
@@ -496,7 +496,7 @@ def test_made_up_install_ids_make_no_group(app_client: App) -> None:
 def test_five_addresses_in_one_block_are_one_client(app_client: App, database_url: str) -> None:
     """Five volunteers (or one with five addresses) in one /24 count as one
     address block, in the groups and in the rollup of distinct clients
-    (mv_size_clients, through the one SQL function client_key)."""
+    (unit_counts_total, through the one SQL function client_key)."""
     from kickass_analysis import rollups
 
     client, store, _ = app_client
@@ -512,7 +512,7 @@ def test_five_addresses_in_one_block_are_one_client(app_client: App, database_ur
     )
     rollups.refresh(database_url)
     with store.engine.connect() as conn:
-        clients = conn.exec_driver_sql("SELECT DISTINCT clients FROM mv_size_clients").scalars()
+        clients = conn.exec_driver_sql("SELECT DISTINCT clients FROM unit_counts_total").scalars()
         assert set(clients) == {2}  # me and the block
         keys = conn.exec_driver_sql(
             "SELECT client_key('198.51.100.7'), client_key('198.51.100.255'), "

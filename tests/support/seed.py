@@ -23,9 +23,11 @@ session is left probing and one expired without a handshake, so views that
 must skip unfinished sessions have something to skip.
 
 The StudyStore stamps ``created_at``/``started_at``/``finished_at`` with now();
-``spread`` backdates sessions over that much past time with one UPDATE per
-session (the only write here that is not the StudyStore's, and only of times) so
-time-series panels get more than one bucket. A client's repeat session is
+``spread`` backdates sessions over that much past time with two UPDATEs per
+session (the only writes here that are not the StudyStore's, and only of
+times) so time-series panels get more than one bucket: its start before any
+outcome is written (a session's outcomes and its counts belong to the day it
+was created), its end once it has finished. A client's repeat session is
 always later than its first, so its latest verdict is its last session's.
 """
 
@@ -198,6 +200,8 @@ def _run_session(
     stop_after: int | None = None,
 ) -> SeededSession:
     session_id = _create(store, c, plan, r, t0)
+    if backdate:
+        _backdate_start(store, session_id, t0)
     handshake_rtt = c.base_rtt_ms * r.uniform(1.0, 1.3)
     store.mark_probing(session_id, c.address, r.randrange(1024, 65536), handshake_rtt)
     n = plan.total_probes if stop_after is None else stop_after
@@ -279,12 +283,23 @@ def _acked(
     )
 
 
-_BACKDATE = text("""
-UPDATE sessions
-SET created_at = :created_at, started_at = :started_at, finished_at = :finished_at,
-    expires_at = :expires_at, updated_at = :finished_at
+_BACKDATE_START = text("""
+UPDATE sessions SET created_at = :created_at, expires_at = :expires_at
 WHERE session_id = :session_id
 """)
+_BACKDATE = text("""
+UPDATE sessions
+SET started_at = :started_at, finished_at = :finished_at, updated_at = :finished_at
+WHERE session_id = :session_id
+""")
+
+
+def _backdate_start(store: StudyStore, session_id: str, t0: datetime) -> None:
+    with store.engine.begin() as conn:
+        conn.execute(
+            _BACKDATE_START,
+            {"session_id": session_id, "created_at": t0, "expires_at": t0 + timedelta(hours=3)},
+        )
 
 
 def _backdate(store: StudyStore, session_id: str, t0: datetime, end: datetime) -> None:
@@ -293,10 +308,8 @@ def _backdate(store: StudyStore, session_id: str, t0: datetime, end: datetime) -
             _BACKDATE,
             {
                 "session_id": session_id,
-                "created_at": t0,
                 "started_at": t0 + timedelta(milliseconds=40),
                 "finished_at": end + timedelta(milliseconds=100),
-                "expires_at": t0 + timedelta(hours=3),
             },
         )
 

@@ -8,13 +8,14 @@ model modules import only ``kickass_db.base``, never this package.
 from __future__ import annotations
 
 from ..base import Base
-from . import atlas, operations, quarantine, rollups, router, study, trials
+from . import atlas, counts, operations, quarantine, rollups, router, study, trials
 
 metadata = Base.metadata
 
 __all__ = [
     "Base",
     "atlas",
+    "counts",
     "metadata",
     "operations",
     "quarantine",
