@@ -202,3 +202,41 @@ def test_the_check_finds_a_small_path_mtu_and_a_closed_port_with_real_packets(
         assert "its Kick-Ass receiver does not answer on 10.77.2.2:8702/udp" in checked.stdout, (
             checked.stdout
         )
+
+
+def test_a_receiver_that_does_not_come_up_is_named_with_its_error(tmp_path: Path) -> None:
+    """A real kickass-agent whose receiver exits at once, saying why (as
+    ka-agent-recv does without CAP_NET_RAW): /v1/health shows it down with
+    that error, and the check names it; a TCP-only round does not need it."""
+    receiver = tmp_path / "ka-agent-recv"
+    receiver.write_text(
+        "#!/bin/sh\n[ \"$1\" = --version ] && { echo 'ka-agent-recv 0.1.0'; exit 0; }\n"
+        "echo 'ka-agent-recv: error: cannot open the AF_PACKET socket: Operation not "
+        "permitted' >&2\nexit 1\n"
+    )
+    receiver.chmod(0o755)
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "kickass-agent"), "--listen", "127.0.0.1:0",
+         "--tcp-port", "0", "--kickass-port", "9", "--kickass-receiver", str(receiver),
+         "--state-dir", str(tmp_path / "state"), "--name", "far-1"],
+        env={**os.environ, "KICKASS_AGENT_SECRET": SECRET}, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stderr is not None
+        port = next(int(ln.rsplit(" ", 1)[1]) for ln in proc.stderr if "ready on" in ln)
+        threading.Thread(target=proc.stderr.read, daemon=True).start()
+        time.sleep(1.0)  # the receiver started and failed at least once
+        from kickass_wan.receivers import check_agent
+        from kickass_wan.runner import AgentRef
+
+        ref = AgentRef("far-1", f"http://127.0.0.1:{port}", SECRET)
+        check = check_agent(ref)
+        assert len(check.problems) == 1, check.problems
+        assert check.problems[0].startswith(
+            "its Kick-Ass receiver is not up (cannot open the AF_PACKET socket: Operation not "
+            "permitted; "
+        ), check.problems
+        assert check_agent(ref, kickass=False).ok  # TCP flows only: the receiver is not needed
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -197,13 +197,16 @@ class Agent:
             self._stop.wait(delay)
 
     def _pump_errors(self, proc: subprocess.Popen[bytes]) -> None:
-        """The receiver's stderr, passed on; its last line kept for /v1/health."""
+        """The receiver's stderr, passed on; its last error kept for /v1/health
+        (the ``error:`` line, not the hint after it)."""
         assert proc.stderr is not None
         for raw in proc.stderr:
             sys.stderr.buffer.write(raw)
             sys.stderr.flush()
             line = raw.decode("utf-8", "replace").strip()
-            if line:
+            if "error:" in line:
+                self.kickass_error = line.split("error:", 1)[1].strip()[:300]
+            elif line and self.kickass_error is None:
                 self.kickass_error = line[:300]
 
     # -- control API ------------------------------------------------------
