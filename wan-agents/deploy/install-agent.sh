@@ -53,7 +53,7 @@ fi
 grep '^kickass-agent: ' "$log" || true  # the postinst's news (a new secret)
 
 if [ ! -d /run/systemd/system ]; then
-  echo "install: kickass-agent $version installed; systemd is not running here, so the unit was enabled, not started"
+  echo "install: kickass-agent $version installed; systemd is not running here, so the agent was not started (its unit: /lib/systemd/system/kickass-agent.service)"
   exit 0
 fi
 echo "install: waiting for the agent and its Kick-Ass receiver"
