@@ -697,6 +697,12 @@ def test_compose_agent_profile_serves_a_paired_trial(database_url: str, tmp_path
     finally:
         unplug_root()
         down = dc("down", "-v", "--remove-orphans", "-t", "10", timeout=300)
+        # The agent image a new package replaced (untagged now) goes; vfs keeps
+        # a whole copy of the file system per layer.
+        subprocess.run(
+            ["docker", "image", "prune", "-f", "--filter", "label=org.kickass.image=kickass-agent"],
+            env=denv, capture_output=True, timeout=300,
+        )  # fmt: skip
     print("compose agent:", {**figures, "s": round(time.monotonic() - t0, 1)})
     assert down.returncode == 0, down.stderr
     left = subprocess.run(
