@@ -148,6 +148,37 @@ TRIAL_PERIODS: tuple[Field, ...] = (
     ),
     _number("handicap_ms", HANDICAP_MS_MAX),
     _number("actual_start_offset_s", PERIOD_S_MAX),
+    # 0021: a Kick-Ass arm's share of flows run as TCP (below 1: at least one
+    # flow is Kick-Ass's), and what the period's flows offered.
+    _number("tcp_share", 0.99),
+    _number("offered_load_bps", CAPACITY_BPS_MAX),
+)
+# 0021: the congestion experiments (kickass_testbed.congestion): each flow's
+# rate every interval, seconds from the flows' start.
+EXPERIMENT_RUNS: tuple[Field, ...] = (
+    _time("started_at", required=True),
+    Field(
+        "capacity_bps",
+        "float",
+        nullable=False,
+        required=True,
+        minimum=0.0,
+        exclusive_minimum=True,
+        maximum=CAPACITY_BPS_MAX,
+    ),
+    Field(
+        "rtt_ms",
+        "float",
+        nullable=False,
+        required=True,
+        minimum=0.0,
+        exclusive_minimum=True,
+        maximum=DURATION_MS_MAX,
+    ),
+)
+EXPERIMENT_RATES: tuple[Field, ...] = (
+    _number("t_s", PERIOD_S_MAX, required=True),
+    _number("rate_bps", RATE_BPS_MAX, required=True),
 )
 SESSIONS: tuple[Field, ...] = (_number("rtt_ms", DURATION_MS_MAX, real=True),)
 PROBE_OUTCOMES: tuple[Field, ...] = (
@@ -190,6 +221,8 @@ TABLES: dict[str, tuple[Field, ...]] = {
     "flows": flow_record.FIELDS,
     "trials": TRIALS,
     "trial_periods": TRIAL_PERIODS,
+    "experiment_runs": EXPERIMENT_RUNS,
+    "experiment_rates": EXPERIMENT_RATES,
     "router_runs": ROUTER_RUNS,
     "router_telemetry": ROUTER_TELEMETRY,
     "sessions": SESSIONS,

@@ -76,7 +76,7 @@ CONGESTION_CONTROL_MAX_CHARS = 32
 CONGESTION_CONTROL_RE = re.compile(rf"^[a-z][a-z0-9_]{{0,{CONGESTION_CONTROL_MAX_CHARS - 1}}}$")
 # An arm's name (kickass_wan.schedule): "kickass", "kickass:paper", "tcp:cubic+50ms#2"...
 ARM_MAX_CHARS = 64
-ARM_RE = re.compile(rf"^[a-z][a-z0-9_:+.#-]{{0,{ARM_MAX_CHARS - 1}}}$")
+ARM_RE = re.compile(rf"^[a-z][a-z0-9_:+.#/@-]{{0,{ARM_MAX_CHARS - 1}}}$")
 # C0 controls, DEL and lone surrogates: PostgreSQL text takes no NUL, UTF-8
 # no surrogates, and none of them belongs in a flow's error message.
 BAD_TEXT_RE = strictjson.UNPRINTABLE

@@ -53,6 +53,9 @@ _PERIOD_FIELDS = (
     "arm",
     "handshake",
     "handicap_ms",
+    # 0021 (None on a period stored before: a re-send then fills it).
+    "transport_cc",
+    "tcp_share",
 )
 _FLOW_COLUMNS = ("trial_pk", *flow_record.FIELD_NAMES)
 
@@ -190,6 +193,7 @@ class TrialStore(StoreBase):
                         select(
                             TrialPeriodRow.period_index,
                             TrialPeriodRow.actual_start_offset_s,
+                            TrialPeriodRow.offered_load_bps,
                             *(getattr(TrialPeriodRow, k) for k in _PERIOD_FIELDS),
                         ).where(TrialPeriodRow.trial_pk == pk)
                     )
@@ -198,7 +202,19 @@ class TrialStore(StoreBase):
                     old = have.get(p["period_index"])
                     if old is None:
                         continue
-                    actual, fields = old[0], old[1:]
+                    actual, offered, fields = old[0], old[1], old[2:]
+                    # What the period carried is known once it ended (as
+                    # when it started), sent again with the trial's end.
+                    new_offered = p.get("offered_load_bps")
+                    if offered is None and new_offered is not None:
+                        conn.execute(
+                            update(TrialPeriodRow)
+                            .where(
+                                TrialPeriodRow.trial_pk == pk,
+                                TrialPeriodRow.period_index == p["period_index"],
+                            )
+                            .values(offered_load_bps=new_offered)
+                        )
                     if any(_differs(a, p[k]) for a, k in zip(fields, _PERIOD_FIELDS, strict=True)):
                         raise Conflict(
                             f"trial {tid}: period {p['period_index']} was stored differently"
@@ -366,6 +382,11 @@ def _trial_rows(trial: Mapping[str, Any]) -> tuple[dict[str, Any], list[dict[str
             "actual_start_offset_s": None
             if p.get("actual_start_s") is None
             else float(p["actual_start_s"]),
+            "transport_cc": p.get("transport_cc"),
+            "tcp_share": None if p.get("tcp_share") is None else float(p["tcp_share"]),
+            "offered_load_bps": None
+            if p.get("offered_load_bps") is None
+            else float(p["offered_load_bps"]),
         }
         for p in trial.get("periods") or ()
     ]

@@ -266,6 +266,11 @@ class TrialPeriod(Strict):
     handshake: Literal["padded", "paper"] | None = None
     handicap_ms: Bounded(_PERIOD["handicap_ms"]) = None  # type: ignore[valid-type]
     actual_start_s: Bounded(_PERIOD["actual_start_offset_s"]) = None  # type: ignore[valid-type]
+    # 0021: a Kick-Ass arm's TCP mode, its share of flows run as kernel TCP,
+    # and what the period's flows offered (known once it ended).
+    transport_cc: Literal["cubic", "newreno"] | None = None
+    tcp_share: Bounded(_PERIOD["tcp_share"]) = None  # type: ignore[valid-type]
+    offered_load_bps: Bounded(_PERIOD["offered_load_bps"]) = None  # type: ignore[valid-type]
 
 
 class TrialBody(Strict):

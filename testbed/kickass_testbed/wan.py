@@ -3,6 +3,12 @@
     s1..sN ──┐                                          ┌── r1..rM
              bridge "lan" ── ka-router ── wan0 ═ ka-linkem ═ bridge ──┘
     (senders)       (router ns: edge Kick-Ass router)   (emu ns)   (far ns)
+                                               │
+                                    x1..xK ────┘ (with ``cross``: a bridge "mid"
+                                                  between the router and the
+                                                  emulator: cross traffic that
+                                                  meets the legacy bottleneck
+                                                  without crossing ka-router)
 
 Senders sit on the router's LAN (198.18.50.0/24); the router's WAN side and
 the receivers share 198.18.51.0/24 through the link emulator, which adds the
@@ -46,6 +52,10 @@ class TestbedConfig:
     bottleneck: str | None = None  # legacy link rate beyond the edge router
     bottleneck_queue: str = "1000p"
     router_args: list[str] = field(default_factory=list)
+    # Cross-traffic hosts x1..xK on the WAN side of ka-router, before the
+    # emulator (paper §III-D2: congestion at a legacy router the Kick-Ass
+    # router does not see).
+    cross: int = 0
 
 
 @dataclass
@@ -69,15 +79,34 @@ def receiver_address(i: int) -> str:
     return f"{WAN_NET}.{10 + i}"
 
 
+def cross_address(i: int) -> str:
+    return f"{WAN_NET}.{200 + i}"
+
+
 def wan_topology(c: TestbedConfig) -> Topology:
     """The testbed as a spec: hosts s1..sN on the router's LAN bridge, r1..rM
     on the far bridge, ka-linkem between them, ka-router on the edge."""
     hosts = [Host("rtr", router=True), Host("emu"), Host("far")]
-    links = [
-        Link(End("rtr", "wan0", (f"{WAN_NET}.1/24",)), End("emu", "a")),
-        Link(End("emu", "b"), End("far", "up0", master="sw")),
-    ]
+    links = [Link(End("emu", "b"), End("far", "up0", master="sw"))]
+    bridges = [Bridge("rtr", "lan", (f"{LAN_NET}.1/24",)), Bridge("far", "sw")]
     routes: list[Route] = []
+    if c.cross:
+        hosts.append(Host("mid"))
+        bridges.append(Bridge("mid", "br"))
+        links += [
+            Link(End("rtr", "wan0", (f"{WAN_NET}.1/24",)), End("mid", "r0", master="br")),
+            Link(End("emu", "a"), End("mid", "e0", master="br")),
+        ]
+        for i in range(1, c.cross + 1):
+            hosts.append(Host(f"x{i}"))
+            links.append(
+                Link(
+                    End(f"x{i}", "eth0", (f"{cross_address(i)}/24",)),
+                    End("mid", f"x{i}", master="br"),
+                )
+            )
+    else:
+        links.append(Link(End("rtr", "wan0", (f"{WAN_NET}.1/24",)), End("emu", "a")))
     for kind, count, hub, bridge, net, address in (
         ("s", c.senders, "rtr", "lan", LAN_NET, sender_address),
         ("r", c.receivers, "far", "sw", WAN_NET, receiver_address),
@@ -99,7 +128,7 @@ def wan_topology(c: TestbedConfig) -> Topology:
     return Topology(
         name="kw",
         hosts=tuple(hosts),
-        bridges=(Bridge("rtr", "lan", (f"{LAN_NET}.1/24",)), Bridge("far", "sw")),
+        bridges=tuple(bridges),
         links=tuple(links),
         routes=tuple(routes),
         processes=(
@@ -203,6 +232,7 @@ def run(args: argparse.Namespace) -> int:
         rtt_ms=args.rtt,
         loss=args.loss,
         bottleneck=args.bottleneck,
+        cross=args.cross,
     )
     url = args.database_url or os.environ.get("KICKASS_DATABASE_URL")
     with cleanup_on_signals(), testbed(config, database_url=url, keep_logs=args.keep_logs) as tb:
@@ -223,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
             if args.ns not in tb.built.hosts:
                 raise KickassError(
                     f"no namespace {args.ns!r} in this testbed",
-                    hint="use s1..sN, r1..rM, rtr, emu or far",
+                    hint="use s1..sN, r1..rM, x1..xK, rtr, emu, far or mid",
                 )
             full = tb.built[args.ns].cmd(full)
         rc = subprocess.run(full, env=env, check=False).returncode
@@ -249,6 +279,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--rtt", type=float, default=100.0, help="wide-area RTT in ms (default 100)")
     p.add_argument("--loss", type=float, default=0.0, help="random loss each way (0..1)")
     p.add_argument("--bottleneck", default=None, help="legacy bottleneck rate beyond the router")
+    p.add_argument(
+        "--cross",
+        type=int,
+        default=0,
+        help="cross-traffic hosts x1..xK between the router and the emulator: their traffic "
+        "meets the legacy bottleneck without crossing ka-router",
+    )
     p.add_argument("--ns", default=None, help="run COMMAND inside this namespace (e.g. s1)")
     p.add_argument("--database-url", default=None, help="store router telemetry here")
     p.add_argument(

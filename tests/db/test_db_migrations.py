@@ -42,6 +42,8 @@ ROLLUP_TABLES = {"router_telemetry_1s", "router_telemetry_1m", "rollup_refreshes
 COUNT_TABLES = {  # 0020
     "unit_counts", "unit_count_changes", "unit_counts_daily", "unit_counts_total", "client_sizes",
 }  # fmt: skip
+EXPERIMENT_TABLES = {"experiment_runs", "experiment_rates"}  # 0021
+EXPERIMENT_VIEWS = {"v_experiment_runs", "v_experiment_rates"}  # 0021
 TABLES = (
     STUDY_TABLES
     | ROUTER_TABLES
@@ -54,6 +56,7 @@ TABLES = (
     | REFUSAL_TABLES
     | QUARANTINE_TABLES
     | COUNT_TABLES
+    | EXPERIMENT_TABLES
 )
 # 0020: what the study views add to the rollups (not for readers: no v_ name).
 COUNT_VIEWS = {"unit_counts_pending"}
@@ -147,6 +150,16 @@ VIEW_COLUMNS = {
         "pair", "protocol", "arm", "congestion_control", "handshake", "handicap_ms",
         "start_offset_s", "duration_s", "actual_start_offset_s", "start_deviation_s",
         "period_started_at",
+        # 0021: a Kick-Ass arm's TCP mode and TCP share, what the period
+        # carried, the workload's loop
+        "transport_cc", "tcp_share", "offered_load_bps", "workload_loop",
+    ],
+    "v_experiment_runs": [
+        "run_id", "kind", "started_at", "capacity_bps", "rtt_ms", "router_run_name",
+        "parameters", "figures", "created_at",
+    ],
+    "v_experiment_rates": [
+        "run_id", "kind", "flow", "protocol", "t_s", "at", "rate_bps", "ka_mode",
     ],
     "v_item_runs": [
         "id", "item", "kind", "due_at", "host", "attempt", "claimed_at", "heartbeat_at",
@@ -296,12 +309,20 @@ def test_upgrade_downgrade_upgrade(empty_database_url: str) -> None:
     assert schema(url) == (TABLES, set(VIEW_COLUMNS) | COUNT_VIEWS)
     assert matviews(url) == MATVIEWS
     assert kickass("db", "downgrade", "0019", "--database-url", url) == 0
-    assert schema(url) == (TABLES - COUNT_TABLES, set(VIEW_COLUMNS))
+    assert schema(url) == (
+        TABLES - COUNT_TABLES - EXPERIMENT_TABLES,
+        set(VIEW_COLUMNS) - EXPERIMENT_VIEWS,
+    )
     assert matviews(url) == MATVIEWS | {"mv_session_summary", "mv_probe_daily", "mv_size_clients"}
     assert kickass("db", "downgrade", "0011", "--database-url", url) == 0
-    views = set(VIEW_COLUMNS) - ROLLUP_VIEWS
+    views = set(VIEW_COLUMNS) - ROLLUP_VIEWS - EXPERIMENT_VIEWS
     assert schema(url) == (
-        TABLES - ROLLUP_TABLES - REFUSAL_TABLES - QUARANTINE_TABLES - COUNT_TABLES,
+        TABLES
+        - ROLLUP_TABLES
+        - REFUSAL_TABLES
+        - QUARANTINE_TABLES
+        - COUNT_TABLES
+        - EXPERIMENT_TABLES,
         views,
     )
     assert matviews(url) == set()
@@ -312,6 +333,7 @@ def test_upgrade_downgrade_upgrade(empty_database_url: str) -> None:
         - REFUSAL_TABLES
         - QUARANTINE_TABLES
         - COUNT_TABLES
+        - EXPERIMENT_TABLES
         - SCHEDULE_TABLES,
         views - SCHEDULE_VIEWS,
     )
@@ -323,6 +345,7 @@ def test_upgrade_downgrade_upgrade(empty_database_url: str) -> None:
         | REFUSAL_TABLES
         | QUARANTINE_TABLES
         | COUNT_TABLES
+        | EXPERIMENT_TABLES
     )
     assert kickass("db", "downgrade", "0009", "--database-url", url) == 0
     assert schema(url) == (TABLES - newer, before_0010)

@@ -145,8 +145,9 @@ def test_a_trial_round_sends_no_secret_and_a_replay_is_refused(
         ):
             for form in _forms(secret):
                 assert form not in capture, f"the {name} is on the wire ({form[:12]!r}...)"
-        # The requests of the round, and only those (the agent's health and
-        # environment, one period of TCP flows under 100: one token request,
+        # The requests of the round, and only those (the check before it: the
+        # agent's health, version and environment; the round's own health and
+        # environment; one period of TCP flows under 100: one token request,
         # one batch of flows; the trial twice, at its start and with its end).
         flows = len(result["summary"]["far-1"]["tcp:cubic"]) + result["failed_flows"]
         assert 0 < flows < 100, result
@@ -154,7 +155,10 @@ def test_a_trial_round_sends_no_secret_and_a_replay_is_refused(
         to_server = _request_lines(_streams(pcap, http))
         assert to_agent == [
             "GET /v1/environment HTTP/1.1",  # signed too: a host's settings are not public
+            "GET /v1/environment HTTP/1.1",
             "GET /v1/health HTTP/1.1",
+            "GET /v1/health HTTP/1.1",
+            "GET /v1/version HTTP/1.1",
             "POST /v1/tokens HTTP/1.1",
         ], to_agent
         tid = result["trials"]["far-1"]

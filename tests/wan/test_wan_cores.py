@@ -137,3 +137,57 @@ def test_spool_keeps_records_until_confirmed(tmp_path: Path) -> None:
     assert sum(r["id"] == "f2" for r in spool.pending()) == 1
     with pytest.raises(ValueError):
         spool.put("flow", "../evil", {})
+
+
+def test_a_closed_loop_draws_the_open_loops_flows_with_their_off_times() -> None:
+    """The paper's on-off senders (III-B): the same draws as the open loop,
+    each flow carrying the off time before it (from the previous flow's end)."""
+    from dataclasses import replace
+
+    from kickass_wan.workload import pair_flows
+
+    w = Workload(mean_packets=694.0, mean_gap_s=8.0, seed=13)
+    closed = replace(w, loop="closed")
+    a, b = pair_flows(w, 0, 90.0), pair_flows(closed, 0, 90.0)
+    assert [(f.start_s, f.size_packets) for f in a] == [(f.start_s, f.size_packets) for f in b]
+    assert all(f.off_s is None for f in a)
+    offs = [f.off_s for f in b]
+    assert offs[0] == pytest.approx(b[0].start_s)
+    for prev, f in zip(b, b[1:], strict=False):
+        assert f.off_s == pytest.approx(f.start_s - prev.start_s)
+    assert closed.to_json()["loop"] == "closed" and "loop" not in w.to_json()
+    assert closed.offered_load_bps() is None
+    assert w.offered_load_bps() == pytest.approx(694.0 * 1440 * 8 / 8.0)
+    with pytest.raises(ValueError, match="loop"):
+        Workload(loop="sideways")
+
+
+def test_the_arm_grammar() -> None:
+    """kickass[:handshake][/cc][@tcpNN], tcp[:cc]: names keep what they named."""
+    from kickass_wan.schedule import parse_arms
+
+    arms = parse_arms(
+        ["kickass", "kickass/newreno", "kickass:paper/cubic", "kickass@tcp50", "tcp:cubic"]
+    )
+    assert [a.name for a in arms] == [
+        "kickass", "kickass/newreno", "kickass:paper", "kickass@tcp50", "tcp:cubic",
+    ]  # fmt: skip
+    assert [a.transport_cc for a in arms] == ["cubic", "newreno", "cubic", "cubic", None]
+    assert [a.tcp_share for a in arms] == [0, 0, 0, 0.5, 0]
+    # A mixed arm's TCP flows run the trial's kernel congestion control.
+    assert arms[3].congestion_control == "cubic" and arms[0].congestion_control is None
+    for bad in ("kickass/bbr", "tcp/newreno", "tcp@tcp50", "kickass@tcp0", "kickass@tcp100"):
+        with pytest.raises(ValueError):
+            parse_arms([bad])
+
+
+def test_a_mixed_periods_tcp_flows_are_the_same_in_every_period_of_a_pair() -> None:
+    from kickass_wan.workload import pair_flows, tcp_share_indices
+
+    w = Workload(seed=3)
+    fl = pair_flows(w, 2, 200.0)
+    half = tcp_share_indices(w, 2, fl, 0.5)
+    assert half == tcp_share_indices(w, 2, fl, 0.5)
+    assert 0.35 < len(half) / len(fl) < 0.65
+    assert tcp_share_indices(w, 3, fl, 0.5) != half  # another pair, other flows
+    assert tcp_share_indices(w, 2, fl, 0.0) == frozenset()

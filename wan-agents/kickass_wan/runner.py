@@ -48,11 +48,11 @@ from kickass_core import flow_record, signing
 from kickass_core.errors import KickassError
 
 from . import __version__, environment
-from .schedule import KICKASS, Arm, Period, default_arms, interleaved
+from .schedule import KICKASS, TCP, Arm, Period, default_arms, interleaved
 from .spool import Spool
 from .tcpflow import TIMED_OUT, send_flow
 from .uploader import Uploader
-from .workload import Flow, Workload, pair_flows
+from .workload import Flow, Workload, pair_flows, tcp_share_indices
 
 log = logging.getLogger("kickass.trials")
 
@@ -78,8 +78,12 @@ UPLOAD_MARGIN_S = 0.5
 # that period (tokens live for the agent's lifetime, 600 s by default).
 TOKENS_AHEAD_S = 5.0
 
-# A period's flow tokens and the agent's port, or why it has none.
-Tokens = tuple[list[bytes], int] | str
+# A period's flow tokens and the agent's port per kind of flow (kickass, tcp),
+# or why it has none.
+Tokens = dict[str, tuple[list[bytes], int]] | str
+# A closed loop's flow whose turn came after its period ended: not run, and
+# not a flow of the period (nothing is recorded for it).
+SKIPPED = "skipped"
 
 
 @dataclass(frozen=True)
@@ -228,6 +232,10 @@ class _Slot:
     deadline_s: float | None = None
     # How long the upload in the gap before it took (None: there was none).
     upload_s: float | None = None
+    # What its flows offered, bits per second of application bytes: the
+    # flows that started, over the period's length (closed loops offer what
+    # their protocol let them).
+    offered_load_bps: float | None = None
 
 
 class TrialRunner:
@@ -356,12 +364,15 @@ class TrialRunner:
             )
             for p in schedule
         }
+        kinds = {
+            p.index: self._kinds(p, planned[p.index], dest_index[p.destination]) for p in schedule
+        }
         # Each later period's tokens are fetched during the one before (ahead).
         first_tokens: Tokens = ""
         if schedule:
             first = schedule[0]
             first_tokens = self._tokens_or_why(
-                clients[first.destination], first, len(planned[first.index])
+                clients[first.destination], first, kinds[first.index]
             )
         ahead: Future[Tokens] | None = None
         t0 = time.monotonic()
@@ -427,6 +438,7 @@ class TrialRunner:
                         trial_ids[period.destination],
                         ka_send,
                         flows,
+                        kinds[period.index],
                         tokens,
                         begun=begun,
                         started=started,
@@ -441,7 +453,7 @@ class TrialRunner:
                             self._tokens_ahead,
                             clients[nxt.destination],
                             nxt,
-                            len(planned[nxt.index]),
+                            kinds[nxt.index],
                             at=t0 + nxt.start_s - TOKENS_AHEAD_S,
                         )
                 if running is not None:
@@ -485,6 +497,17 @@ class TrialRunner:
                     "start_s": p.start_s,
                     "duration_s": p.duration_s,
                     "actual_start_s": self._slots[p.index].actual_s,
+                    **(
+                        {"transport_cc": p.transport_cc}
+                        if p.protocol == KICKASS and p.transport_cc
+                        else {}
+                    ),
+                    **({"tcp_share": p.tcp_share} if p.tcp_share else {}),
+                    **(
+                        {"offered_load_bps": self._slots[p.index].offered_load_bps}
+                        if self._slots[p.index].offered_load_bps is not None
+                        else {}
+                    ),
                 }
                 for i, p in enumerate(mine)
             ],
@@ -502,24 +525,43 @@ class TrialRunner:
 
     # -- one period -------------------------------------------------------
 
+    def _kinds(self, period: Period, fl: list[Flow], destination_index: int) -> dict[int, str]:
+        """Each flow's protocol: the period's, or, for a Kick-Ass arm that
+        gives a share of its flows to TCP, TCP for that share (the same
+        flows in every period of the pair)."""
+        if period.protocol != KICKASS or not period.tcp_share:
+            return {f.index: period.protocol for f in fl}
+        tcp = tcp_share_indices(
+            self.cfg.workload,
+            period.pair,
+            fl,
+            period.tcp_share,
+            self.cfg.sender_index,
+            destination_index,
+        )
+        return {f.index: TCP if f.index in tcp else KICKASS for f in fl}
+
     def _tokens_ahead(
-        self, client: AgentClient, period: Period, count: int, *, at: float
+        self, client: AgentClient, period: Period, kinds: dict[int, str], *, at: float
     ) -> Tokens:
         """The period's tokens, asked for at monotonic time ``at`` (or now, if later)."""
         if self.stop.wait(max(0.0, at - time.monotonic())):
             return NOT_RUN_STOPPED
-        return self._tokens_or_why(client, period, count)
+        return self._tokens_or_why(client, period, kinds)
 
-    def _tokens_or_why(self, client: AgentClient, period: Period, count: int) -> Tokens:
-        """The period's flow tokens, or why there are none (the period is then
-        skipped, its flows recorded as not run)."""
-        if count == 0:
-            return [], 0
-        kind = "kickass" if period.protocol == KICKASS else "tcp"
-        try:
-            return self._tokens(client, kind, count)
-        except KickassError as exc:
-            return f"not run: no flow tokens from agent {client.agent.name}: {exc.message}"
+    def _tokens_or_why(self, client: AgentClient, period: Period, kinds: dict[int, str]) -> Tokens:
+        """The period's flow tokens per kind, or why there are none (the
+        period is then skipped, its flows recorded as not run)."""
+        out: dict[str, tuple[list[bytes], int]] = {}
+        for kind in (KICKASS, TCP):
+            count = sum(1 for k in kinds.values() if k == kind)
+            if count == 0:
+                continue
+            try:
+                out[kind] = self._tokens(client, kind, count)
+            except KickassError as exc:
+                return f"not run: no flow tokens from agent {client.agent.name}: {exc.message}"
+        return out
 
     def _run_period(
         self,
@@ -529,6 +571,7 @@ class TrialRunner:
         trial_id: str,
         ka_send: str | None,
         fl: list[Flow],
+        kinds: dict[int, str],
         tokens: Tokens,
         *,
         begun: float,
@@ -550,27 +593,58 @@ class TrialRunner:
                     {"period": period.index, "destination": period.destination, "error": tokens}
                 )
             for f in fl:
-                self._record(
-                    trial_id, local_index, period, f, {"completed": False, "error": tokens}, started
-                )
+                why = {"completed": False, "error": tokens}
+                self._record(trial_id, local_index, period, f, kinds[f.index], why, started)
             return
-        toks, port = tokens
-        addr = (client.agent.host, port)
-        if period.protocol == KICKASS:
-            results = self._kickass_period(
-                fl, toks, addr, ka_send, trial_id, period, begun, deadline
-            )
-        else:
-            results = self._tcp_period(fl, toks, addr, period, begun, deadline)
+        # Each kind of flow gets its tokens in the order of its flows.
+        mine: dict[str, list[Flow]] = {KICKASS: [], TCP: []}
         for f in fl:
-            rec = results.get(f.index) or {
+            mine[kinds[f.index]].append(f)
+        results: dict[int, dict[str, Any] | str] = {}
+        tcp_part: Future[dict[int, dict[str, Any] | str]] | None = None
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tcp-part") as pool:
+            if mine[TCP]:
+                toks, port = tokens[TCP]
+                tcp_part = pool.submit(
+                    self._tcp_period,
+                    mine[TCP],
+                    toks,
+                    (client.agent.host, port),
+                    period,
+                    begun,
+                    deadline,
+                )
+            if mine[KICKASS]:
+                toks, port = tokens[KICKASS]
+                results.update(
+                    self._kickass_period(
+                        mine[KICKASS],
+                        toks,
+                        (client.agent.host, port),
+                        ka_send,
+                        trial_id,
+                        period,
+                        begun,
+                        deadline,
+                    )
+                )
+            if tcp_part is not None:
+                results.update(tcp_part.result())
+        offered = 0
+        for f in fl:
+            rec: dict[str, Any] | str = results.get(f.index) or {
                 "completed": False,
                 "error": NOT_RUN_STOPPED if self.stop.is_set() else "no result from the sender",
             }
-            self._record(trial_id, local_index, period, f, rec, started)
+            if rec == SKIPPED:
+                continue
+            assert isinstance(rec, dict)
+            offered += f.size_bytes
+            self._record(trial_id, local_index, period, f, kinds[f.index], rec, started)
         slot = self._slots[period.index]
         slot.deadline_s = round(deadline - self._t0, 4)
         slot.ended_s = round(time.monotonic() - self._t0, 4)
+        slot.offered_load_bps = round(offered * 8.0 / period.duration_s, 3)
 
     def _tokens(self, client: AgentClient, kind: str, count: int) -> tuple[list[bytes], int]:
         """Flow tokens, retried with doubling waits for ``agent_retry_s``: an
@@ -597,9 +671,11 @@ class TrialRunner:
         period: Period,
         begun: float,
         deadline: float,
-    ) -> dict[int, dict[str, Any]]:
+    ) -> dict[int, dict[str, Any] | str]:
         """Kernel TCP flows, each started when due (plus the arm's handicap)
-        on one of ``max_concurrent`` workers; its clock runs from when it was due."""
+        on one of ``max_concurrent`` workers; its clock runs from when it was
+        due. A closed loop runs them one after another, each its off time
+        after the previous one ended, and none after the period's end."""
         cfg = self.cfg
         handicap = period.handicap_ms / 1000.0
         cc = period.congestion_control or cfg.congestion_control
@@ -624,7 +700,20 @@ class TrialRunner:
                 r["fct_ms"] = r["fct_ms"] + (handicap + queued) * 1000.0
             return r
 
-        results: dict[int, dict[str, Any]] = {}
+        results: dict[int, dict[str, Any] | str] = {}
+        if cfg.workload.loop == "closed":
+            ends = begun + period.duration_s
+            last_end = begun
+            for f, tok in zip(fl, tokens, strict=False):
+                due = last_end + (f.off_s or 0.0)
+                if due > ends:
+                    results[f.index] = SKIPPED
+                    continue
+                if self.stop.wait(max(0.0, due + handicap - time.monotonic())):
+                    break
+                results[f.index] = one(f, tok, due + handicap)
+                last_end = time.monotonic()
+            return results
         futures: dict[int, Future[dict[str, Any]]] = {}
         with ThreadPoolExecutor(max_workers=min(cfg.max_concurrent, len(fl))) as pool:
             for f, tok in zip(fl, tokens, strict=False):
@@ -647,9 +736,11 @@ class TrialRunner:
         period: Period,
         begun: float,
         deadline: float,
-    ) -> dict[int, dict[str, Any]]:
+    ) -> dict[int, dict[str, Any] | str]:
         """ka-send runs the period's schedule with the same cap and timeout as
-        the TCP flows; it is stopped at the period's deadline."""
+        the TCP flows; it is stopped at the period's deadline. A closed loop
+        is ka-send's too: each flow after the first starts its off time after
+        the one before it ended, and none after the period's end."""
         assert ka_send is not None
         cfg = self.cfg
         handicap = period.handicap_ms / 1000.0
@@ -658,6 +749,7 @@ class TrialRunner:
             "--agent", f"{addr[0]}:{addr[1]}",
             "--schedule", "-",
             "--handshake", period.handshake or cfg.handshake,
+            "--cc", period.transport_cc or "cubic",
             "--timeout", f"{cfg.flow_timeout_s:g}",
             "--max-concurrent", str(cfg.max_concurrent),
         ]  # fmt: skip
@@ -666,22 +758,26 @@ class TrialRunner:
         spawned = time.monotonic()
         # ka-send counts start offsets from its own start: from this moment.
         lag = spawned - begun
-        lines = [
-            json.dumps(
-                {
-                    "flow_id": f"{trial_id}-{f.index}",
-                    "start_s": max(0.0, f.start_s + handicap - lag),
-                    "size_bytes": f.size_bytes,
-                    "token_hex": tok.hex(),
-                }
-            )
-            for f, tok in zip(fl, tokens, strict=False)
-        ]
+        closed = cfg.workload.loop == "closed"
+        lines = []
+        for k, (f, tok) in enumerate(zip(fl, tokens, strict=False)):
+            entry: dict[str, Any] = {
+                "flow_id": f"{trial_id}-{f.index}",
+                "start_s": max(0.0, f.start_s + handicap - lag),
+                "size_bytes": f.size_bytes,
+                "token_hex": tok.hex(),
+            }
+            if closed:
+                entry["not_after_s"] = max(0.0, period.duration_s - lag)
+                if k > 0:
+                    entry["after"] = f"{trial_id}-{fl[k - 1].index}"
+                    entry["start_s"] = f.off_s or 0.0
+            lines.append(json.dumps(entry))
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert proc.stdin is not None and proc.stdout is not None
         proc.stdin.write("\n".join(lines) + "\n")
         proc.stdin.close()
-        results: dict[int, dict[str, Any]] = {}
+        results: dict[int, dict[str, Any] | str] = {}
         # At the deadline (or when the trial is stopped) ka-send is asked to
         # stop: flows still running end "interrupted", as TCP flows end at
         # their timeout.
@@ -707,9 +803,18 @@ class TrialRunner:
                 except (ValueError, KeyError, IndexError):
                     log.warning("ka-send printed something unexpected: %.200s", line)
                     continue
+                if out.get("skipped") is True:
+                    results[index] = SKIPPED
+                    continue
                 rec = flow_record.from_transport(out.get("record") or {}, out.get("error"))
                 queued_ns = out.get("queued_ns")
-                late = max(0.0, lag - (fl[index].start_s + handicap)) if index < len(fl) else 0.0
+                # How late ka-send started for this flow's time (a closed
+                # loop's later flows are timed by ka-send itself).
+                first = fl[0].index if fl else -1
+                late = 0.0
+                if not closed or index == first:
+                    start_s = next((x.start_s for x in fl if x.index == index), lag)
+                    late = max(0.0, lag - (start_s + handicap))
                 if isinstance(queued_ns, int):
                     queued = queued_ns / 1e9 + late
                     rec["queued_ms"] = round(queued * 1000.0, 3)
@@ -733,6 +838,7 @@ class TrialRunner:
         local_index: int,
         period: Period,
         f: Flow,
+        protocol: str,
         rec: dict[str, Any],
         started: datetime,
     ) -> None:
@@ -742,15 +848,20 @@ class TrialRunner:
             "period_index": local_index,
             "pair": period.pair,
             "arm": period.arm,
-            "protocol": period.protocol,
-            "congestion_control": period.congestion_control,
+            "protocol": protocol,
+            # TCP flows: the kernel's; Kick-Ass flows: their TCP mode's.
+            "congestion_control": period.congestion_control
+            if protocol == TCP
+            else period.transport_cc,
             "size_bytes": f.size_bytes,
             "size_packets": f.size_packets,
             # When it was due (its clock's start; the handicap is the arm's).
+            # A closed loop's flow: the earliest it could have been due (its
+            # off times so far), as its real due time depends on the others.
             "started_at": datetime.fromtimestamp(started.timestamp() + f.start_s, UTC).isoformat(),
         }
         measured = {k: v for k, v in rec.items() if k in flow_record.FIELD_NAMES}
-        if period.protocol == KICKASS:
+        if protocol == KICKASS:
             # What the transport negotiated: a flow that fell back to TCP from
             # the start ran as TCP, though its period was a Kick-Ass one.
             measured["negotiated_protocol"] = rec.get("negotiated_protocol")

@@ -1,7 +1,11 @@
 """The interleaved trial schedule: pairs of periods, one per *arm*, per destination.
 
 An arm is what one period runs: Kick-Ass (with the padded or the paper's
-handshake) or kernel TCP with a congestion control (CUBIC, Reno, BBR). Each
+handshake, and TCP mode's congestion control: ``kickass[:padded|paper][/cubic|newreno]``),
+kernel TCP with a congestion control (``tcp[:cubic|reno|bbr]``), or Kick-Ass with a
+share of the period's flows kernel TCP (``kickass@tcp50``: half of them; the same flows
+in every period of a pair, so the TCP flows' completion times with and without Kick-Ass
+beside them are paired, the paper's §III-D1 and §IV-A question). Each
 *pair* holds one period of each arm, in an order drawn per pair from the seed
 (as flent shuffles its batches), and every period of a pair replays the same
 flows (workload.pair_flows): the comparison is paired, flow by flow, and slow
@@ -27,8 +31,14 @@ KICKASS = "kickass"
 TCP = "tcp"
 PROTOCOLS = (KICKASS, TCP)
 HANDSHAKES = ("padded", "paper")
+# The kernel's, for TCP arms (any name the kernel knows is accepted).
 CONGESTION_CONTROLS = ("cubic", "reno", "bbr")
-_ARM = re.compile(r"^(kickass|tcp)(?::([a-z0-9_]+))?(?:\+(\d+(?:\.\d+)?)ms)?$")
+# Kick-Ass's TCP mode, in ka-transport (CongestionControl): cubic is the default.
+TRANSPORT_CONGESTION_CONTROLS = ("cubic", "newreno")
+_ARM = re.compile(
+    r"^(kickass|tcp)(?::([a-z0-9_]+))?(?:/([a-z0-9_]+))?(?:@tcp(\d{1,2}))?"
+    r"(?:\+(\d+(?:\.\d+)?)ms)?$"
+)
 
 
 @dataclass(frozen=True)
@@ -37,9 +47,13 @@ class Arm:
 
     name: str  # unique in the schedule: "kickass", "tcp:cubic", "tcp:cubic#2"...
     protocol: str  # kickass | tcp
-    congestion_control: str | None = None  # tcp arms
+    congestion_control: str | None = None  # tcp arms, and a kickass arm's TCP share
     handshake: str | None = None  # kickass arms
     handicap_ms: float = 0.0
+    # kickass arms: TCP mode's congestion control in the transport.
+    transport_cc: str | None = None
+    # kickass arms: the share of the period's flows run as kernel TCP instead.
+    tcp_share: float = 0.0
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)
@@ -48,34 +62,54 @@ class Arm:
 def parse_arms(
     specs: list[str], *, congestion_control: str = "cubic", handshake: str = "padded"
 ) -> tuple[Arm, ...]:
-    """Arms from specs: ``kickass[:padded|paper]``, ``tcp[:cubic|reno|bbr]``,
-    each optionally ``+<ms>ms`` (a handicap). ``congestion_control`` and
-    ``handshake`` fill in what a spec leaves out. Repeated specs get ``#2``..."""
+    """Arms from specs: ``kickass[:padded|paper][/cubic|newreno][@tcpNN]``,
+    ``tcp[:cubic|reno|bbr]``, each optionally ``+<ms>ms`` (a handicap).
+    ``congestion_control`` and ``handshake`` fill in what a spec leaves out
+    (the kernel's congestion control also runs a Kick-Ass arm's TCP share).
+    The default transport congestion control (cubic) is left out of names,
+    so ``kickass`` names what it always named. Repeated specs get ``#2``..."""
     arms: list[Arm] = []
     seen: dict[str, int] = {}
     for spec in specs:
         m = _ARM.match(spec.strip())
         if m is None:
             raise ValueError(
-                f"bad arm {spec!r}: kickass[:padded|paper] or tcp[:cubic|reno|bbr], "
-                "optionally +<ms>ms"
+                f"bad arm {spec!r}: kickass[:padded|paper][/cubic|newreno][@tcpNN] or "
+                "tcp[:cubic|reno|bbr], optionally +<ms>ms"
             )
-        protocol, option, handicap = m.group(1), m.group(2), float(m.group(3) or 0)
+        protocol, option, tcc, share, handicap = m.groups()
+        handicap_ms = float(handicap or 0)
         if protocol == KICKASS:
             hs = option or handshake
             if hs not in HANDSHAKES:
                 raise ValueError(f"bad arm {spec!r}: a Kick-Ass handshake is one of {HANDSHAKES}")
-            base, cc = KICKASS if hs == "padded" else f"{KICKASS}:{hs}", None
+            if tcc is not None and tcc not in TRANSPORT_CONGESTION_CONTROLS:
+                raise ValueError(
+                    f"bad arm {spec!r}: Kick-Ass's TCP mode runs one of "
+                    f"{TRANSPORT_CONGESTION_CONTROLS}"
+                )
+            tcp_share = int(share) / 100 if share else 0.0
+            if share and not 0 < tcp_share < 1:
+                raise ValueError(f"bad arm {spec!r}: @tcpNN is a share from 1 to 99 percent")
+            base = KICKASS if hs == "padded" else f"{KICKASS}:{hs}"
+            if tcc and tcc != TRANSPORT_CONGESTION_CONTROLS[0]:
+                base += f"/{tcc}"
+            if share:
+                base += f"@tcp{int(share)}"
+            cc = congestion_control if share else None
+            transport_cc = tcc or TRANSPORT_CONGESTION_CONTROLS[0]
         else:
-            cc, hs = option or congestion_control, None
+            if tcc is not None or share is not None:
+                raise ValueError(f"bad arm {spec!r}: /cc and @tcpNN are for Kick-Ass arms")
+            cc, hs, transport_cc, tcp_share = option or congestion_control, None, None, 0.0
             if not re.fullmatch(r"[a-z][a-z0-9_]{0,31}", cc):
                 raise ValueError(f"bad arm {spec!r}: not a congestion control name")
             base = f"{TCP}:{cc}"
-        if handicap:
-            base += f"+{handicap:g}ms"
+        if handicap_ms:
+            base += f"+{handicap_ms:g}ms"
         seen[base] = seen.get(base, 0) + 1
         name = base if seen[base] == 1 else f"{base}#{seen[base]}"
-        arms.append(Arm(name, protocol, cc, hs, handicap))
+        arms.append(Arm(name, protocol, cc, hs, handicap_ms, transport_cc, tcp_share))
     if not arms:
         raise ValueError("need at least one arm")
     return tuple(arms)
@@ -108,6 +142,8 @@ class Period:
     congestion_control: str | None = None
     handshake: str | None = None
     handicap_ms: float = 0.0
+    transport_cc: str | None = None
+    tcp_share: float = 0.0
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)
@@ -157,6 +193,8 @@ def interleaved(
                         arm.congestion_control,
                         arm.handshake,
                         arm.handicap_ms,
+                        arm.transport_cc,
+                        arm.tcp_share,
                     )
                 )
                 t += period_s + gap_s

@@ -52,6 +52,8 @@ class WorkloadSetting(_Model):
     # The paper's 1..2000 taken literally (the Pareto scale at the minimum,
     # so short flows occur) instead of the mean of 100 (workload.py).
     literal_range: bool = False
+    # "open" or "closed" (the paper's on-off senders: workload.py).
+    loop: Literal["open", "closed"] = "open"
 
 
 class ScheduleSettings(_Model):
@@ -92,12 +94,23 @@ class ScheduleSettings(_Model):
     ) -> tuple[Arm, ...]:
         try:
             if self.arms is not None:
-                return parse_arms(
+                arms = parse_arms(
                     self.arms, congestion_control=congestion_control, handshake=handshake
                 )
-            return default_arms(tuple(self.protocols), congestion_control, handshake)
+            else:
+                arms = default_arms(tuple(self.protocols), congestion_control, handshake)
         except ValueError as exc:
             raise KickassError(f"trial settings: arms: {exc}") from None
+        mixed = [a.name for a in arms if a.tcp_share]
+        if mixed and self.workload.loop == "closed":
+            # A sender's next flow would wait for the end of a flow of the
+            # other protocol, which the other sender process runs.
+            raise KickassError(
+                f"trial settings: arms: {', '.join(mixed)} mixes protocols in one period, "
+                "which a closed loop cannot",
+                hint="use an open loop (--loop open) for arms with @tcpNN",
+            )
+        return arms
 
     def workload_obj(self) -> Workload:
         w = self.workload
@@ -109,6 +122,7 @@ class ScheduleSettings(_Model):
                     shape=w.shape,
                     mean_gap_s=w.mean_gap_s,
                     seed=w.seed,
+                    loop=w.loop,
                 )
             return Workload(
                 min_packets=w.min_packets,
@@ -117,6 +131,7 @@ class ScheduleSettings(_Model):
                 mean_packets=w.mean_packets,
                 mean_gap_s=w.mean_gap_s,
                 seed=w.seed,
+                loop=w.loop,
             )
         except ValueError as exc:
             raise KickassError(f"bad workload: {exc}") from None

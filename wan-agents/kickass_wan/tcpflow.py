@@ -20,6 +20,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -33,8 +34,9 @@ _HEADER = struct.Struct(f"!4s{TOKEN_LEN}sQ")
 _CONFIRM = struct.Struct("!Q")
 MAX_FLOW_BYTES = 2000 * 1500 * 16
 CHUNK = 256 * 1024
-# struct tcp_info offsets (linux/tcp.h): stable since 2.6 for these fields.
-_TCPI_RTT, _TCPI_TOTAL_RETRANS, _TCPI_MIN_RTT = 68, 100, 148
+# struct tcp_info offsets (linux/tcp.h): stable since 2.6 for these fields
+# (tcpi_bytes_acked since 4.1).
+_TCPI_RTT, _TCPI_TOTAL_RETRANS, _TCPI_BYTES_ACKED, _TCPI_MIN_RTT = 68, 100, 120, 148
 
 
 @dataclass
@@ -74,6 +76,35 @@ def _tcp_info(sock: socket.socket) -> tuple[float | None, int | None, float | No
     return rtt, retrans, min_rtt
 
 
+def _bytes_acked(sock: socket.socket) -> int | None:
+    try:
+        raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 232)
+    except OSError:
+        return None
+    return struct.unpack_from("Q", raw, _TCPI_BYTES_ACKED)[0] if len(raw) >= 128 else None
+
+
+class _Progress(threading.Thread):
+    """Every ``interval_s``, the bytes the peer acknowledged so far (TCP_INFO),
+    handed to ``report(monotonic time, bytes)``: a TCP flow's rate over time,
+    as ka-send's --progress gives a Kick-Ass flow's."""
+
+    def __init__(
+        self, sock: socket.socket, interval_s: float, report: Callable[[float, int], None]
+    ) -> None:
+        super().__init__(name="tcp-progress", daemon=True)
+        self.sock, self.interval_s, self.report = sock, interval_s, report
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        next_at = time.monotonic()
+        while not self.done.wait(max(0.0, next_at - time.monotonic())):
+            acked = _bytes_acked(self.sock)
+            if acked is not None:
+                self.report(time.monotonic(), acked)
+            next_at += self.interval_s
+
+
 # A flow still running when its time limit passed (the caller's timeout_s).
 TIMED_OUT = "not completed within its time limit"
 
@@ -85,8 +116,12 @@ def send_flow(
     congestion_control: str = "cubic",
     timeout_s: float = 60.0,
     source: str | None = None,
+    progress: Callable[[float, int], None] | None = None,
+    progress_interval_s: float = 0.1,
 ) -> TcpFlowResult:
-    """One TCP flow of ``size_bytes`` to an agent; never raises for network failures."""
+    """One TCP flow of ``size_bytes`` to an agent; never raises for network
+    failures. ``progress(monotonic time, bytes acknowledged)`` is called every
+    ``progress_interval_s`` while it runs."""
     result = TcpFlowResult("tcp", congestion_control, size_bytes, False, None, None, None, None)
     if not 0 < size_bytes <= MAX_FLOW_BYTES:
         result.error = f"flow size {size_bytes} out of range"
@@ -109,9 +144,13 @@ def send_flow(
         start = time.monotonic()
         deadline = start + timeout_s
         connected = False
+        sampler: _Progress | None = None
         try:
             sock.connect(addr)
             connected = True
+            if progress is not None:
+                sampler = _Progress(sock, progress_interval_s, progress)
+                sampler.start()
             with contextlib.suppress(OSError):
                 raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16)
                 result.cc_in_effect = raw.split(b"\0", 1)[0].decode("ascii", "replace")
@@ -129,6 +168,9 @@ def send_flow(
             got = _recv_exact(sock, _CONFIRM.size) if accepted == ACCEPTED else None
             end = time.monotonic()
         except (OSError, TimeoutError) as exc:
+            if sampler is not None:
+                sampler.done.set()
+                sampler.join()
             result.error = f"{type(exc).__name__}: {exc}"
             if connected and isinstance(exc, TimeoutError):
                 # Our own limit (the flow timeout, or the end of the period
@@ -156,6 +198,9 @@ def send_flow(
                 )
             result.srtt_ms, result.retransmissions, result.min_rtt_ms = _tcp_info(sock)
             return result
+        if sampler is not None:
+            sampler.done.set()
+            sampler.join()
         if accepted is None:
             result.error = (
                 "the agent closed the connection without accepting the flow "

@@ -197,6 +197,26 @@ def pair_flows(
     return list(flows(w, duration_s, stream=stream + SENDER_STREAM_STRIDE * sender_index))
 
 
+def tcp_share_indices(
+    w: Workload,
+    pair: int,
+    flows: list[Flow],
+    share: float,
+    sender_index: int = 0,
+    destination_index: int = 0,
+) -> frozenset[int]:
+    """Which of a pair's flows run as TCP in a period that gives ``share`` of
+    them to TCP (a Kick-Ass arm's ``@tcpNN``): drawn per flow from the seed,
+    so every period of the pair picks the same flows."""
+    if share <= 0:
+        return frozenset()
+    stream = pair + DESTINATION_STREAM_STRIDE * destination_index
+    stream += SENDER_STREAM_STRIDE * sender_index
+    return frozenset(
+        f.index for f in flows if random.Random(f"{w.seed}:tcp:{stream}:{f.index}").random() < share
+    )
+
+
 def flows(w: Workload, duration_s: float, stream: int = 0) -> Iterator[Flow]:
     """The flows one on-off sender may start within ``duration_s`` seconds.
 

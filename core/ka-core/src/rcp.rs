@@ -36,6 +36,9 @@ pub struct RcpConfig {
     pub beta: f64,
     pub initial_rate_bps: f64,
     pub min_rate_bps: f64,
+    /// The queue RCP's beta term steers to, seconds at capacity (0: an
+    /// empty queue, RCP as published).
+    pub target_queue_s: f64,
 }
 
 impl RcpConfig {
@@ -57,6 +60,7 @@ impl RcpConfig {
             beta: 0.4,
             initial_rate_bps: 0.05 * capacity_bps,
             min_rate_bps: min_encodable_rate_bps(),
+            target_queue_s: 0.0,
         }
     }
 }
@@ -97,10 +101,11 @@ impl RateController for Rcp {
         let c = self.cfg.capacity_bps / 8.0;
         if m.interval_s > 0.0 && m.rtt_s > 0.0 {
             let y = m.arrived_bytes as f64 / m.interval_s;
+            let target = self.cfg.target_queue_s * c;
             // T > d would overshoot; the seeds' form (T = d) is the limit.
             let gain = (m.interval_s / m.rtt_s).min(1.0);
-            let feedback =
-                self.cfg.alpha * (c - y) - self.cfg.beta * m.queue_bytes as f64 / m.rtt_s;
+            let feedback = self.cfg.alpha * (c - y)
+                - self.cfg.beta * (m.queue_bytes as f64 - target) / m.rtt_s;
             let next = self.rate * (1.0 + gain * feedback / c);
             self.rate = next.clamp(self.cfg.min_rate_bps / 8.0, c);
         }
@@ -192,6 +197,10 @@ mod tests {
             (4, 0.4, 0.4),
             (10, 0.1, 1.0),
             (3, 0.4, 0.226),
+            // The edge router's default (router.rs: DEFAULT_ALPHA).
+            (1, 0.8, 0.4),
+            (8, 0.8, 0.4),
+            (64, 0.8, 0.4),
         ] {
             for &rtt in &[0.01, 0.1] {
                 let (r, q) = fluid(n, alpha, beta, rtt, 300.0 * rtt + 5.0);

@@ -8,7 +8,7 @@ model modules import only ``kickass_db.base``, never this package.
 from __future__ import annotations
 
 from ..base import Base
-from . import atlas, counts, operations, quarantine, rollups, router, study, trials
+from . import atlas, counts, experiments, operations, quarantine, rollups, router, study, trials
 
 metadata = Base.metadata
 
@@ -16,6 +16,7 @@ __all__ = [
     "Base",
     "atlas",
     "counts",
+    "experiments",
     "metadata",
     "operations",
     "quarantine",

@@ -111,6 +111,12 @@ class TrialPeriodRow(Base):
     handshake: Mapped[str | None] = mapped_column(Text)
     handicap_ms: Mapped[float | None] = mapped_column(Float)
     actual_start_offset_s: Mapped[float | None] = mapped_column(Float)
+    # 0021: a Kick-Ass arm's TCP mode (ka-transport's congestion control), its
+    # share of flows run as kernel TCP, and what the period's flows offered
+    # (application bit/s of the flows that started, over its length).
+    transport_cc: Mapped[str | None] = mapped_column(Text)
+    tcp_share: Mapped[float | None] = mapped_column(Float)
+    offered_load_bps: Mapped[float | None] = mapped_column(Float)
 
 
 class FlowRow(Base):

@@ -36,10 +36,18 @@ pub struct FlowSpec {
     pub label: String,
     /// The transport's 64-bit flow id.
     pub wire_id: u64,
-    /// Start, counted from the process start.
+    /// Start, counted from the process start; with `after`, the off time
+    /// counted from when that flow ended instead.
     pub start: Nanos,
     pub size: u64,
     pub token: Vec<u8>,
+    /// Closed loop (the paper's on-off senders, III-B): start `start` after
+    /// the flow of this label ended (completed, failed or cut).
+    pub after: Option<String>,
+    /// A flow that would start later than this (counted from the process
+    /// start) is not started at all: its period ended first. It is reported
+    /// with `skipped: true`, and so are the flows after it.
+    pub not_after: Option<Nanos>,
 }
 
 #[derive(Debug, Clone)]
@@ -56,12 +64,40 @@ pub struct SendOptions {
     /// its waiting time is reported (`queued_ns`). The trial runner gives
     /// its TCP flows the same cap, so both protocols are treated alike.
     pub max_concurrent: usize,
+    /// Every this often, one progress line per running flow: the bytes
+    /// acknowledged so far and its mode (per-flow rate and mode over time,
+    /// for the congestion experiments). `None`: none.
+    pub progress_interval: Option<Nanos>,
+}
+
+/// One running flow at one instant, as printed with `--progress`.
+#[derive(Debug, Clone, Serialize)]
+pub struct Progress {
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub flow_id: String,
+    /// Since ka-send started.
+    pub t_ns: Nanos,
+    /// Payload bytes acknowledged so far (cumulatively).
+    pub acked_bytes: u64,
+    /// The flow's mode then (paper II-C): "kickass" or "tcp".
+    pub ka_mode: &'static str,
+}
+
+/// What `run` hands its printer.
+pub enum Output<'a> {
+    Flow(&'a FlowResult),
+    Progress(&'a Progress),
 }
 
 /// How one flow ended, as printed.
 #[derive(Debug, Clone, Serialize)]
 pub struct FlowResult {
     pub flow_id: String,
+    /// Never started: a closed loop's flow whose turn came after its
+    /// `not_after_s` (not a failure: its period had ended first).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub skipped: bool,
     pub record: Option<FlowRecord>,
     pub error: Option<String>,
     /// From the time the flow was due to the time it started (waiting for a
@@ -89,7 +125,9 @@ pub fn wire_flow_id(label: &str) -> u64 {
 pub const MAX_FLOW_SIZE: u64 = 1 << 40;
 
 /// Parse one schedule line
-/// `{"flow_id": str, "start_s": float, "size_bytes": int, "token_hex": str}`.
+/// `{"flow_id": str, "start_s": float, "size_bytes": int, "token_hex": str}`,
+/// with, for a closed loop, `"after": str` (start `start_s` after the flow of
+/// that id ended) and `"not_after_s": float` (start no later than this).
 pub fn parse_schedule_line(line: &str) -> std::result::Result<FlowSpec, String> {
     let v: Value = serde_json::from_str(line).map_err(|e| format!("not JSON: {e}"))?;
     let o = v.as_object().ok_or("not a JSON object")?;
@@ -115,12 +153,32 @@ pub fn parse_schedule_line(line: &str) -> std::result::Result<FlowSpec, String> 
         .and_then(Value::as_str)
         .ok_or_else(|| format!("{label}: token_hex must be a hex string"))
         .and_then(|s| parse_token(s).map_err(|e| format!("{label}: {e}")))?;
+    let after = match o.get("after") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(a)) if !a.is_empty() && a.len() <= 200 && *a != label => Some(a.clone()),
+        _ => {
+            return Err(format!(
+                "{label}: after must name another flow_id (at most 200 characters)"
+            ))
+        }
+    };
+    let not_after = match o.get("not_after_s") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(
+            v.as_f64()
+                .filter(|s| s.is_finite() && *s >= 0.0 && *s <= 1e6)
+                .map(|s| (s * 1e9).round() as Nanos)
+                .ok_or_else(|| format!("{label}: not_after_s must be a number of seconds >= 0"))?,
+        ),
+    };
     Ok(FlowSpec {
         wire_id: wire_flow_id(&label),
         label,
         start: (start_s * 1e9).round() as Nanos,
         size,
         token,
+        after,
+        not_after,
     })
 }
 
@@ -154,7 +212,13 @@ pub struct Runner {
     opts: SendOptions,
     epoch: Nanos,
     pending: Vec<FlowSpec>,
+    /// Closed-loop flows waiting for the flow they follow to end.
+    waiting: Vec<FlowSpec>,
+    /// Flows that ended (for closed-loop flows that name one later).
+    ended: std::collections::HashMap<String, Nanos>,
     running: Vec<Running>,
+    next_progress: Option<Nanos>,
+    progress: Vec<Progress>,
     results: Vec<FlowResult>,
     labels: HashSet<String>,
     clock: RttIndicatorClock,
@@ -170,7 +234,11 @@ impl Runner {
             opts,
             epoch: sys::now(),
             pending: Vec::new(),
+            waiting: Vec::new(),
+            ended: std::collections::HashMap::new(),
             running: Vec::new(),
+            next_progress: None,
+            progress: Vec::new(),
             results: Vec::new(),
             labels: HashSet::new(),
             clock: RttIndicatorClock::default(),
@@ -182,22 +250,102 @@ impl Runner {
     }
 
     /// Queue a flow; false if its label was used before.
-    pub fn add(&mut self, spec: FlowSpec) -> bool {
+    pub fn add(&mut self, mut spec: FlowSpec) -> bool {
         if !self.labels.insert(spec.label.clone()) {
             return false;
+        }
+        if let Some(prev) = &spec.after {
+            match self.ended.get(prev) {
+                // Its predecessor already ended: the off time runs from then.
+                Some(&t) => spec.start += t.saturating_sub(self.epoch),
+                None => {
+                    self.waiting.push(spec);
+                    return true;
+                }
+            }
+        }
+        self.schedule(spec);
+        true
+    }
+
+    /// Into the start queue, or reported skipped when it would start after
+    /// its `not_after`.
+    fn schedule(&mut self, spec: FlowSpec) {
+        if spec.not_after.is_some_and(|t| spec.start > t) {
+            self.skip(spec);
+            return;
         }
         // Kept sorted by start, latest first (pop the earliest).
         let pos = self.pending.partition_point(|p| p.start > spec.start);
         self.pending.insert(pos, spec);
-        true
+    }
+
+    fn skip(&mut self, spec: FlowSpec) {
+        self.results.push(FlowResult {
+            skipped: true,
+            flow_id: spec.label.clone(),
+            record: None,
+            error: Some("not started: its period ended first".into()),
+            queued_ns: None,
+        });
+        // Nothing follows a flow that never ran, in a closed loop.
+        self.flow_ended(&spec.label, Nanos::MAX);
+    }
+
+    /// A flow ended at `now` (completed, failed, cut or skipped): start the
+    /// closed-loop flows that follow it, their off time from now.
+    fn flow_ended(&mut self, label: &str, now: Nanos) {
+        self.ended.insert(label.to_string(), now);
+        let (mine, rest): (Vec<FlowSpec>, Vec<FlowSpec>) = std::mem::take(&mut self.waiting)
+            .into_iter()
+            .partition(|w| w.after.as_deref() == Some(label));
+        self.waiting = rest;
+        for mut spec in mine {
+            if now == Nanos::MAX {
+                self.skip(spec);
+            } else {
+                spec.start += now.saturating_sub(self.epoch);
+                self.schedule(spec);
+            }
+        }
     }
 
     pub fn idle(&self) -> bool {
-        self.pending.is_empty() && self.running.is_empty()
+        self.pending.is_empty() && self.running.is_empty() && self.waiting.is_empty()
     }
 
     pub fn take_results(&mut self) -> Vec<FlowResult> {
         std::mem::take(&mut self.results)
+    }
+
+    pub fn take_progress(&mut self) -> Vec<Progress> {
+        std::mem::take(&mut self.progress)
+    }
+
+    /// A progress line per running flow, when one is due.
+    fn sample_progress(&mut self, now: Nanos) {
+        let Some(every) = self.opts.progress_interval else {
+            return;
+        };
+        let due = *self.next_progress.get_or_insert(self.epoch);
+        if now < due {
+            return;
+        }
+        for r in self.running.iter().filter(|r| !r.reported) {
+            self.progress.push(Progress {
+                kind: "progress",
+                flow_id: r.label.clone(),
+                t_ns: now.saturating_sub(self.epoch),
+                acked_bytes: r.conn.snd_una(),
+                ka_mode: r.conn.ka_mode().as_str(),
+            });
+        }
+        // The next one on the grid, never in the past.
+        let mut next = due.saturating_add(every);
+        if next <= now {
+            next = now.saturating_add(every);
+        }
+        self.next_progress = Some(next);
     }
 
     /// Descriptors to poll, in the order `on_readable` expects.
@@ -214,6 +362,7 @@ impl Runner {
     /// Start what is due (within the concurrency cap), fail what waited past
     /// its deadline, run timers and send what may be sent.
     pub fn service(&mut self, now: Nanos) {
+        let before = self.results.len();
         while let Some(p) = self.pending.last() {
             let due = self.epoch + p.start;
             if due > now {
@@ -222,6 +371,7 @@ impl Runner {
             if now >= due.saturating_add(self.opts.timeout) {
                 let spec = self.pending.pop().expect("checked");
                 self.results.push(FlowResult {
+                    skipped: false,
                     flow_id: spec.label,
                     record: None,
                     error: Some(format!(
@@ -244,7 +394,38 @@ impl Runner {
         for i in 0..self.running.len() {
             self.service_flow(i, now);
         }
+        self.sample_progress(now);
         self.running.retain(|r| !r.finished);
+        // Closed loops: what ended now starts its successors' off time.
+        let ended: Vec<String> = self.results[before..]
+            .iter()
+            .filter(|r| !r.skipped)
+            .map(|r| r.flow_id.clone())
+            .collect();
+        for label in ended {
+            self.flow_ended(&label, now);
+        }
+    }
+
+    /// The schedule has ended: a closed-loop flow that names a flow the
+    /// schedule never had can never start.
+    pub fn input_ended(&mut self) {
+        let (orphans, rest): (Vec<FlowSpec>, Vec<FlowSpec>) = std::mem::take(&mut self.waiting)
+            .into_iter()
+            .partition(|w| w.after.as_ref().is_some_and(|a| !self.labels.contains(a)));
+        self.waiting = rest;
+        for spec in orphans {
+            self.results.push(FlowResult {
+                skipped: false,
+                error: Some(format!(
+                    "not started: it follows {:?}, which the schedule does not have",
+                    spec.after.as_deref().unwrap_or("")
+                )),
+                flow_id: spec.label,
+                record: None,
+                queued_ns: None,
+            });
+        }
     }
 
     /// The endpoint's RTT indicator, when due, from whichever running flow
@@ -301,6 +482,7 @@ impl Runner {
                 finished: false,
             }),
             Err(e) => self.results.push(FlowResult {
+                skipped: false,
                 flow_id: spec.label,
                 record: None,
                 error: Some(e.msg),
@@ -325,6 +507,7 @@ impl Runner {
                     if !r.reported {
                         r.reported = true;
                         self.results.push(FlowResult {
+                            skipped: false,
                             flow_id: r.label.clone(),
                             record: Some(r.conn.record()),
                             error: None,
@@ -337,6 +520,7 @@ impl Runner {
                     if !r.reported {
                         r.reported = true;
                         self.results.push(FlowResult {
+                            skipped: false,
                             flow_id: r.label.clone(),
                             record: Some(r.conn.record()),
                             error: Some(e.to_string()),
@@ -359,6 +543,7 @@ impl Runner {
             );
             rec.error = Some(msg.clone());
             self.results.push(FlowResult {
+                skipped: false,
                 flow_id: r.label.clone(),
                 record: Some(rec),
                 error: Some(msg),
@@ -377,6 +562,9 @@ impl Runner {
         let live = self.running.iter().filter(|r| !r.finished).map(|r| &r.conn);
         if let Some(x) = self.clock.poll_timeout(live) {
             take(x);
+        }
+        if self.opts.progress_interval.is_some() && !self.running.is_empty() {
+            take(self.next_progress.unwrap_or(self.epoch));
         }
         if let Some(p) = self.pending.last() {
             let due = self.epoch + p.start;
@@ -437,6 +625,7 @@ impl Runner {
                 let mut rec = r.conn.record();
                 rec.error = Some(why.to_string());
                 self.results.push(FlowResult {
+                    skipped: false,
                     flow_id: r.label,
                     record: Some(rec),
                     error: Some(why.to_string()),
@@ -444,8 +633,10 @@ impl Runner {
                 });
             }
         }
-        for p in self.pending.drain(..).rev() {
+        let waiting: Vec<FlowSpec> = self.waiting.drain(..).collect();
+        for p in self.pending.drain(..).rev().chain(waiting) {
             self.results.push(FlowResult {
+                skipped: false,
                 flow_id: p.label,
                 record: None,
                 error: Some(format!("not started: {why}")),
@@ -489,7 +680,7 @@ pub struct Summary {
 pub fn run(
     opts: SendOptions,
     source: Source,
-    mut print: impl FnMut(&FlowResult),
+    mut print: impl FnMut(Output<'_>),
     mut warn: impl FnMut(&str),
 ) -> Result<Summary> {
     sys::tight_timer_slack();
@@ -512,19 +703,22 @@ pub fn run(
     loop {
         let now = sys::now();
         runner.service(now);
+        for p in runner.take_progress() {
+            print(Output::Progress(&p));
+        }
         for r in runner.take_results() {
             summary.flows += 1;
             if r.completed() {
                 summary.completed += 1;
             }
-            print(&r);
+            print(Output::Flow(&r));
         }
         if sys::stop_requested() {
             runner.abort("interrupted");
             summary.interrupted = true;
             for r in runner.take_results() {
                 summary.flows += 1;
-                print(&r);
+                print(Output::Flow(&r));
             }
             break;
         }
@@ -570,6 +764,7 @@ pub fn run(
                 }
                 if eof {
                     input = None;
+                    runner.input_ended();
                 }
             }
         }
@@ -709,6 +904,7 @@ mod tests {
             timeout: 1,
             linger: 1,
             max_concurrent: 256,
+            progress_interval: None,
         });
         for (l, s) in [("b", 5), ("a", 1), ("c", 9)] {
             assert!(r.add(FlowSpec {
@@ -717,6 +913,8 @@ mod tests {
                 start: s,
                 size: 1,
                 token: vec![1],
+                after: None,
+                not_after: None,
             }));
         }
         assert!(!r.add(FlowSpec {
@@ -725,6 +923,8 @@ mod tests {
             start: 0,
             size: 1,
             token: vec![1],
+            after: None,
+            not_after: None,
         }));
         let order: Vec<&str> = r.pending.iter().rev().map(|p| p.label.as_str()).collect();
         assert_eq!(order, vec!["a", "b", "c"]);
@@ -742,6 +942,7 @@ mod tests {
             timeout: 5_000_000,
             linger: 1,
             max_concurrent: 1,
+            progress_interval: None,
         });
         for l in ["first", "second"] {
             assert!(r.add(FlowSpec {
@@ -750,6 +951,8 @@ mod tests {
                 start: 0,
                 size: 1000,
                 token: vec![1],
+                after: None,
+                not_after: None,
             }));
         }
         let t0 = r.epoch;
@@ -778,5 +981,97 @@ mod tests {
             .as_deref()
             .unwrap()
             .contains("never started"));
+    }
+
+    fn spec(label: &str, start: Nanos, after: Option<&str>, not_after: Option<Nanos>) -> FlowSpec {
+        FlowSpec {
+            label: label.into(),
+            wire_id: wire_flow_id(label),
+            start,
+            size: 1000,
+            token: vec![1],
+            after: after.map(String::from),
+            not_after,
+        }
+    }
+
+    #[test]
+    fn a_closed_loop_flow_starts_its_off_time_after_the_one_it_follows() {
+        const MS: Nanos = 1_000_000;
+        let mut r = Runner::new(SendOptions {
+            // The discard port: a started flow ends only at its timeout.
+            agent: "127.0.0.1:9".parse().unwrap(),
+            bind: Ipv4Addr::LOCALHOST,
+            cfg: Config::default(),
+            timeout: 5 * MS,
+            linger: 1,
+            max_concurrent: 8,
+            progress_interval: None,
+        });
+        assert!(r.add(spec("a", 0, None, None)));
+        assert!(r.add(spec("b", 2 * MS, Some("a"), Some(100 * MS))));
+        assert!(r.add(spec("c", 500 * MS, Some("b"), Some(100 * MS))));
+        assert!(r.add(spec("d", 1, Some("c"), Some(100 * MS))));
+        let t0 = r.epoch;
+        r.service(t0 + MS);
+        assert_eq!((r.running.len(), r.waiting.len()), (1, 3), "b waits for a");
+        // a times out at 5 ms: b is due 2 ms after that.
+        r.service(t0 + 6 * MS);
+        assert_eq!(
+            r.pending.last().map(|p| (p.label.as_str(), p.start)),
+            Some(("b", 8 * MS))
+        );
+        assert!(!r.idle());
+        r.service(t0 + 8 * MS);
+        assert_eq!(r.running.len(), 1);
+        // b ends at 13 ms: c would start at 513 ms, after its 100 ms limit:
+        // skipped, and d after it.
+        r.service(t0 + 14 * MS);
+        let results = r.take_results();
+        let got: Vec<(&str, bool)> = results
+            .iter()
+            .map(|x| (x.flow_id.as_str(), x.skipped))
+            .collect();
+        assert_eq!(
+            got,
+            vec![("a", false), ("b", false), ("c", true), ("d", true)]
+        );
+        assert!(r.idle());
+        let line = serde_json::to_string(&results[2]).unwrap();
+        assert!(line.contains("\"skipped\":true"), "{line}");
+        assert!(!serde_json::to_string(&results[0])
+            .unwrap()
+            .contains("skipped"));
+    }
+
+    #[test]
+    fn closed_loop_schedule_lines() {
+        let ok = parse_schedule_line(
+            r#"{"flow_id": "t-2", "start_s": 0.5, "size_bytes": 9, "token_hex": "0a", "after": "t-1", "not_after_s": 90}"#,
+        )
+        .unwrap();
+        assert_eq!(ok.after.as_deref(), Some("t-1"));
+        assert_eq!(ok.not_after, Some(90_000_000_000));
+        for bad in [
+            r#"{"flow_id": "x", "start_s": 0, "size_bytes": 1, "token_hex": "00", "after": "x"}"#,
+            r#"{"flow_id": "x", "start_s": 0, "size_bytes": 1, "token_hex": "00", "after": 3}"#,
+            r#"{"flow_id": "x", "start_s": 0, "size_bytes": 1, "token_hex": "00", "not_after_s": -1}"#,
+        ] {
+            assert!(parse_schedule_line(bad).is_err(), "{bad}");
+        }
+        let mut r = Runner::new(SendOptions {
+            agent: "127.0.0.1:9".parse().unwrap(),
+            bind: Ipv4Addr::LOCALHOST,
+            cfg: Config::default(),
+            timeout: 1,
+            linger: 1,
+            max_concurrent: 8,
+            progress_interval: None,
+        });
+        assert!(r.add(spec("b", 0, Some("nobody"), None)));
+        r.input_ended();
+        let res = r.take_results();
+        assert!(res[0].error.as_deref().unwrap().contains("does not have"));
+        assert!(r.idle());
     }
 }

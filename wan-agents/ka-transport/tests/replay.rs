@@ -303,6 +303,84 @@ struct Replay {
     tcp: Summary,
     speedup: f64,
     matched: usize,
+    /// What no rate allocator can beat: the same flows as ideal processor
+    /// sharing of the link's payload capacity, with no feedback delay (two
+    /// RTTs per flow for the handshake and the last ACK), and the speedup
+    /// over the TCP arm it would have.
+    ideal_speedup: f64,
+}
+
+/// Ideal processor sharing of the payload capacity (1440 of every 1520
+/// bytes), open or closed loop as the scenario says: each flow's completion
+/// time, plus two RTTs. `None` where the flow would not have started (a
+/// closed loop's turn after the period) or would pass its deadline.
+fn ideal_fcts(sc: &Scenario, pair: usize) -> Vec<Option<Nanos>> {
+    let c = sc.capacity_bps / 8.0 * 1440.0 / 1520.0; // payload bytes/s
+    let end = (sc.period + AFTER_PERIOD) as f64 / 1e9;
+    let period = sc.period as f64 / 1e9;
+    let rtt = sc.rtt as f64 / 1e9;
+    // (sender, index in its list) -> fct
+    let senders = &sc.pairs[pair];
+    let mut out: Vec<Vec<Option<Nanos>>> = senders.iter().map(|f| vec![None; f.len()]).collect();
+    // Active flows: (sender, index, bytes left, data starts at, due at).
+    let mut active: Vec<(usize, usize, f64, f64)> = Vec::new();
+    // The next flow of each sender and when it is due (closed loop: after
+    // the last one ended), or every flow at its start (open loop).
+    let mut next: Vec<(usize, f64)> = senders
+        .iter()
+        .map(|f| (0, f.first().map_or(f64::INFINITY, |x| x.0 as f64 / 1e9)))
+        .collect();
+    let mut t = 0.0f64;
+    loop {
+        // Due flows start (their data after the handshake's RTT).
+        let mut any = false;
+        for (e, flows) in senders.iter().enumerate() {
+            while next[e].0 < flows.len() && next[e].1 <= t + 1e-9 {
+                let k = next[e].0;
+                if next[e].1 > period {
+                    next[e] = (flows.len(), f64::INFINITY);
+                    break;
+                }
+                active.push((e, k, flows[k].1 as f64, next[e].1));
+                next[e].0 += 1;
+                next[e].1 = if sc.closed_loop {
+                    f64::INFINITY
+                } else {
+                    flows.get(k + 1).map_or(f64::INFINITY, |x| x.0 as f64 / 1e9)
+                };
+                any = true;
+            }
+        }
+        let _ = any;
+        let n = active.len() as f64;
+        let next_due = next.iter().map(|x| x.1).fold(f64::INFINITY, f64::min);
+        let next_done = active
+            .iter()
+            .map(|a| t + a.2 / (c / n))
+            .fold(f64::INFINITY, f64::min);
+        let step = next_due.min(next_done).min(end).max(t);
+        if active.is_empty() && next_due.is_infinite() || step >= end {
+            break;
+        }
+        for a in active.iter_mut() {
+            a.2 -= (step - t) * c / n;
+        }
+        t = step;
+        let (done, rest): (Vec<_>, Vec<_>) = active.into_iter().partition(|a| a.2 <= 1e-3);
+        active = rest;
+        for (e, k, _, due) in done {
+            let fct = t - due + 2.0 * rtt;
+            if t + rtt <= end && fct <= FLOW_TIMEOUT as f64 / 1e9 {
+                out[e][k] = Some((fct * 1e9) as Nanos);
+            }
+            if sc.closed_loop {
+                if let Some(f) = senders[e].get(k + 1) {
+                    next[e] = (k + 1, t + rtt + f.0 as f64 / 1e9);
+                }
+            }
+        }
+    }
+    out.into_iter().flatten().collect()
 }
 
 fn replay(name: &str, pairs: &[usize]) -> Replay {
@@ -324,11 +402,21 @@ fn replay(name: &str, pairs: &[usize]) -> Replay {
         ));
     }
     let (speedup, matched) = matched_speedup(&ka, &tcp);
+    let mut logs = Vec::new();
+    for (i, &p) in pairs.iter().enumerate() {
+        for (ideal, t) in ideal_fcts(&sc, p).into_iter().zip(&tcp[i].flows) {
+            if let (Some(a), Some(b)) = (ideal, t.fct) {
+                logs.push((b as f64).ln() - (a as f64).ln());
+            }
+        }
+    }
+    let ideal_speedup = (logs.iter().sum::<f64>() / logs.len().max(1) as f64).exp();
     let r = Replay {
         ka: summarize(&sc, &ka),
         tcp: summarize(&sc, &tcp),
         speedup,
         matched,
+        ideal_speedup,
     };
     for (arm, s) in [(Arm::KickAss, &r.ka), (Arm::TransportCubic, &r.tcp)] {
         println!(
@@ -349,10 +437,12 @@ fn replay(name: &str, pairs: &[usize]) -> Replay {
         );
     }
     println!(
-        "{name} pairs {pairs:?}: Kick-Ass {:.3}x {} on {} matched flows",
+        "{name} pairs {pairs:?}: Kick-Ass {:.3}x {} on {} matched flows; ideal processor \
+         sharing {:.3}x",
         r.speedup,
         Arm::TransportCubic.name(),
-        r.matched
+        r.matched,
+        r.ideal_speedup
     );
     r
 }

@@ -58,8 +58,8 @@ struct Cli {
     /// SCHED_FIFO priority of the router (0 = ordinary scheduling)
     #[arg(long, default_value_t = 0)]
     rt_priority: i32,
-    /// RCP alpha (spare-capacity gain); the paper's FCT study uses 0.1
-    #[arg(long, default_value_t = 0.4)]
+    /// RCP alpha (spare-capacity gain; ns-2's is 0.4); the paper's FCT study uses 0.1
+    #[arg(long, default_value_t = ka_core::router::DEFAULT_ALPHA)]
     alpha: f64,
     /// RCP beta (queue-drain gain); the paper's FCT study uses 1.0
     #[arg(long, default_value_t = 0.4)]

@@ -7,9 +7,10 @@ use std::process::ExitCode;
 
 use clap::{Parser, ValueEnum};
 use ka_agent::send_shell::{
-    parse_token, print_json, run, FlowSpec, SendOptions, Source, MAX_FLOW_SIZE,
+    parse_token, print_json, run, FlowSpec, Output, SendOptions, Source, MAX_FLOW_SIZE,
 };
 use ka_agent::sys;
+use ka_core::units::parse_duration_ns;
 use ka_transport::{Config, CongestionControl, HandshakeMode};
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -31,7 +32,10 @@ enum HandshakeArg {
 ///             "token_hex"} from stdin, starts each flow start_s seconds
 ///             after ka-send started (when fewer than --max-concurrent run),
 ///             and prints {"flow_id", "record", "error", "queued_ns"} per
-///             flow as it ends.
+///             flow as it ends. Closed loop (the paper's on-off senders):
+///             "after": FLOW_ID starts the flow start_s after that flow
+///             ended, and "not_after_s": S skips it (and what follows it,
+///             printed with "skipped": true) when that is later than S.
 ///
 /// Exit status: 0 every flow completed, 1 otherwise, 2 usage errors.
 #[derive(Debug, Parser)]
@@ -72,6 +76,11 @@ struct Cli {
     /// Flow id on the wire (single flow) [default: random]
     #[arg(long)]
     flow_id: Option<u64>,
+    /// Every DUR (e.g. 100ms), one line per running flow:
+    /// {"type": "progress", "flow_id", "t_ns", "acked_bytes", "ka_mode"}
+    /// (per-flow rate and mode over time)
+    #[arg(long, value_parser = parse_duration_ns, value_name = "DUR")]
+    progress: Option<u64>,
 }
 
 fn usage(msg: &str) -> ExitCode {
@@ -130,6 +139,8 @@ fn main() -> ExitCode {
                 start: 0,
                 size,
                 token,
+                after: None,
+                not_after: None,
             })
         }
         _ => return usage("give --token and --size for one flow, or --schedule - for many"),
@@ -146,13 +157,24 @@ fn main() -> ExitCode {
         timeout: (cli.timeout * 1e9) as u64,
         linger: 3_000_000_000,
         max_concurrent: cli.max_concurrent as usize,
+        progress_interval: cli.progress.filter(|&p| p > 0),
     };
     let mut out = std::io::stdout().lock();
     let mut stdout_ok = true;
     let result = run(
         opts,
         source,
-        |r| {
+        |o| {
+            let r = match o {
+                Output::Flow(r) => r,
+                Output::Progress(p) => {
+                    if !print_json(&mut out, p) && stdout_ok {
+                        stdout_ok = false;
+                        eprintln!("ka-send: error: cannot write to stdout");
+                    }
+                    return;
+                }
+            };
             let ok = if single {
                 match &r.record {
                     Some(rec) => print_json(&mut out, rec),

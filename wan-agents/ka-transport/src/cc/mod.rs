@@ -112,10 +112,19 @@ impl CongestionControl {
     }
 
     /// The controller, with `smss` payload bytes per full segment of
-    /// `datagram_len` IP bytes and an initial window of `initial_window`.
-    pub fn build(self, smss: u64, datagram_len: u64, initial_window: u64) -> Box<dyn Controller> {
+    /// `datagram_len` IP bytes, an initial window of `initial_window`, for a
+    /// sender that paces (`paced`) or not.
+    pub fn build(
+        self,
+        smss: u64,
+        datagram_len: u64,
+        initial_window: u64,
+        paced: bool,
+    ) -> Box<dyn Controller> {
         match self {
-            CongestionControl::Cubic => Box::new(Cubic::new(smss, datagram_len, initial_window)),
+            CongestionControl::Cubic => {
+                Box::new(Cubic::new(smss, datagram_len, initial_window).paced(paced))
+            }
             CongestionControl::NewReno => {
                 Box::new(NewReno::new(smss, datagram_len, initial_window))
             }
@@ -200,7 +209,7 @@ mod tests {
     fn names_round_trip() {
         for c in CongestionControl::ALL {
             assert_eq!(c.as_str().parse::<CongestionControl>(), Ok(c));
-            assert_eq!(c.build(1440, 1500, 14_400).name(), c.as_str());
+            assert_eq!(c.build(1440, 1500, 14_400, false).name(), c.as_str());
         }
         assert!("bbr".parse::<CongestionControl>().is_err());
         assert_eq!(CongestionControl::default(), CongestionControl::Cubic);

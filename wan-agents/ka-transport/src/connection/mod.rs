@@ -83,8 +83,10 @@ pub struct Config {
     pub start_fraction: f64,
     pub pacing_burst: Nanos,
     /// Pace TCP mode too (at 2x/1.2x cwnd/SRTT, as Linux with `fq`).
-    /// `false` sends whatever the window allows at once, like classic TCP.
-    /// Kick-Ass mode is always paced: the rate is the whole point.
+    /// `false` (the default) sends whatever the window allows at once, as
+    /// the Linux CUBIC the trials compare with and share links with does
+    /// without `fq` (paced, our flows lost share beside it). Kick-Ass mode is
+    /// always paced: the rate is the whole point.
     pub pace_tcp_mode: bool,
     /// HANDSHAKE transmissions before giving up (each waits twice as long).
     pub max_handshake_attempts: u32,
@@ -111,7 +113,7 @@ impl Default for Config {
             cc: CongestionControl::Cubic,
             start_fraction: DEFAULT_START_FRACTION,
             pacing_burst: DEFAULT_BURST_INTERVAL,
-            pace_tcp_mode: true,
+            pace_tcp_mode: false,
             max_handshake_attempts: 6,
             max_consecutive_rtos: 15,
             idle_timeout: 15_000_000_000,
@@ -365,6 +367,8 @@ pub struct Connection {
     last_rate: Option<f64>,
     last_rate_at: Option<Nanos>,
     first_data_ack_at: Option<Nanos>,
+    /// TCP mode: when the last segment left with DF clear (a rate probe).
+    rate_probe_at: Option<Nanos>,
 
     fin_attempts: u32,
     fin_deadline: Option<Nanos>,
@@ -444,7 +448,7 @@ impl Connection {
             rtt: RttEstimator::new(cfg.min_rto, cfg.initial_rto, cfg.max_rto),
             pacer: Pacer::new(cfg.pacing_burst, FULL_PACKET_LEN),
             ka: ExplicitRate::new(SMSS, FULL_DATAGRAM, iw).with_start_fraction(cfg.start_fraction),
-            tcp: cfg.cc.build(SMSS, FULL_DATAGRAM, iw),
+            tcp: cfg.cc.build(SMSS, FULL_DATAGRAM, iw, cfg.pace_tcp_mode),
             mode: if cfg.kickass {
                 Mode::KickAss
             } else {
@@ -453,6 +457,7 @@ impl Connection {
             last_rate: None,
             last_rate_at: None,
             first_data_ack_at: None,
+            rate_probe_at: None,
             fin_attempts: 0,
             fin_deadline: None,
             fin_due: false,

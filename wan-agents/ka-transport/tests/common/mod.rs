@@ -72,6 +72,7 @@ pub fn router_config(
             "on" => rc.tcp_mode_on = x,
             "off" => rc.tcp_mode_off = x,
             "buffer" => rc.buffer = ka_core::units::Limit::Bytes(x as usize),
+            "target" => rc.target_queue_ms = x,
             _ => panic!("KA_REPLAY_ROUTER: unknown {k}"),
         }
     }
