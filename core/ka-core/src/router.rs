@@ -34,6 +34,13 @@ pub const DEFAULT_UNMARKABLE_SHARE: f64 = 0.05;
 /// transport's CUBIC, capacity unused while flows wait 10% -> 8%, queue p99
 /// 76 -> 67 ms), still stable in RCP's fluid model (`rcp.rs` tests).
 pub const DEFAULT_ALPHA: f64 = 0.8;
+/// Slots of the router's memory of Kick-Ass flows (`Router::ka_flows`):
+/// 8 KiB; two flows share a slot with probability about n/4096.
+pub const KA_FLOW_SLOTS: usize = 4096;
+/// How long a flow that sent a markable packet stays a Kick-Ass flow: at
+/// least four times d, and never under this (a flow in TCP mode sends its
+/// one markable probe per smoothed RTT, queueing included).
+pub const KA_FLOW_MEMORY_MIN_NS: Nanos = 200_000_000;
 /// See `RouterConfig::tcp_mode_hold_rtts` and the note in `mode.rs`.
 pub const DEFAULT_TCP_MODE_HOLD_RTTS: f64 = 5.0;
 
@@ -70,8 +77,9 @@ pub struct RouterConfig {
     pub tcp_mode_off: f64,
     /// ...at once when at least this share of the bytes that arrived over
     /// the last d could never be marked (DF set or not full size, RTT
-    /// indicators aside: traffic that is not Kick-Ass's own), the paper's
-    /// rule;
+    /// indicators aside) and came from flows that sent no markable packet
+    /// lately (`KA_FLOW_MEMORY_MIN_NS`): traffic that is not Kick-Ass's
+    /// own, the paper's rule;
     pub unmarkable_share: f64,
     /// ...else once the queue has stayed above `tcp_mode_on` for this many
     /// average RTTs d: Kick-Ass's own arrivals overshoot for about one
@@ -156,8 +164,9 @@ pub struct Sample {
     /// d, the average of the RTT indicators (or the default).
     pub rtt_ms: f64,
     /// The share of the arriving bytes no router could mark (DF set, not
-    /// full size; RTT indicators aside), averaged over about d: traffic that
-    /// is not Kick-Ass's own.
+    /// full size; RTT indicators aside) from flows that sent no markable
+    /// packet lately, averaged over about d: traffic that is not Kick-Ass's
+    /// own.
     pub unmarkable_share: f64,
     pub interval_ms: f64,
     pub mode_switches: u64,
@@ -196,9 +205,36 @@ pub struct Router {
     tcp_for_unmarkable: bool,
     /// Since when the queue has been below `tcp_mode_off` in such a TCP mode.
     below_since: Option<Nanos>,
+    /// When each flow (a hash of addresses, protocol and ports) last sent a
+    /// packet the router could mark, plus one (0: never). A Kick-Ass
+    /// endpoint in TCP mode sets DF on all but one segment per RTT (so
+    /// that a legacy bottleneck further on sees whole packets); without
+    /// this memory its own segments would read as traffic that is not
+    /// Kick-Ass's and hold the router in TCP mode for good.
+    ka_flows: Vec<Nanos>,
     interval_sent: u64,
     leading_fragment_len: Option<usize>,
     counters: Counters,
+}
+
+/// The slot of a packet's flow in `Router::ka_flows`: addresses, protocol
+/// and, for TCP and UDP, the ports. `None` for a non-leading fragment (its
+/// ports are not in it).
+fn flow_slot(p: &Packet<&[u8]>) -> Option<usize> {
+    if p.frag_offset() > 0 {
+        return None;
+    }
+    let payload = p.payload();
+    let ports = match p.protocol() {
+        6 | 17 if payload.len() >= 4 => {
+            u32::from_be_bytes([payload[0], payload[1], payload[2], payload[3]])
+        }
+        _ => 0,
+    };
+    let key = (u64::from(u32::from(p.src_addr())) << 32 | u64::from(u32::from(p.dst_addr())))
+        ^ (u64::from(ports)).rotate_left(17)
+        ^ u64::from(p.protocol()) << 56;
+    Some((SplitMix64::new(key).next_u64() % KA_FLOW_SLOTS as u64) as usize)
 }
 
 impl Router {
@@ -227,6 +263,7 @@ impl Router {
             rate_before_episode: None,
             tcp_for_unmarkable: false,
             below_since: None,
+            ka_flows: vec![0; KA_FLOW_SLOTS],
             interval_sent: 0,
             leading_fragment_len: None,
             counters: Counters::default(),
@@ -316,11 +353,21 @@ impl Router {
                         self.rtt.on_sample(ms);
                         self.counters.rtt_indicators += 1;
                     }
-                } else if matches!(
-                    fragment::classify(&packet, Some(encoding::MIN_LEADING_FRAGMENT_LEN)),
-                    Verdict::Pass(Pass::DontFragment | Pass::NotFullSize)
-                ) {
-                    self.interval_unmarkable += len as u64;
+                } else {
+                    let slot = flow_slot(&p);
+                    match fragment::classify(&packet, Some(encoding::MIN_LEADING_FRAGMENT_LEN)) {
+                        Verdict::Cut { .. } => {
+                            if let Some(i) = slot {
+                                self.ka_flows[i] = now.saturating_add(1);
+                            }
+                        }
+                        Verdict::Pass(Pass::DontFragment | Pass::NotFullSize)
+                            if !slot.is_some_and(|i| self.recently_markable(now, i)) =>
+                        {
+                            self.interval_unmarkable += len as u64;
+                        }
+                        Verdict::Pass(_) => {}
+                    }
                 }
                 len
             }
@@ -401,6 +448,12 @@ impl Router {
             }
         }
         tcp
+    }
+
+    fn recently_markable(&self, now: Nanos, slot: usize) -> bool {
+        let seen = self.ka_flows[slot];
+        let memory = ((4.0 * self.rtt.rtt_ms() * 1e6) as Nanos).max(KA_FLOW_MEMORY_MIN_NS);
+        seen != 0 && now.saturating_sub(seen - 1) <= memory
     }
 
     /// The share of the arrivals no router could mark, averaged over about d.

@@ -472,13 +472,51 @@ fn offered(
     streams: &[(f64, bool)],
     samples: &mut Vec<Sample>,
 ) {
+    let streams: Vec<(u16, f64, Df)> = streams
+        .iter()
+        .enumerate()
+        .map(|(i, &(bps, df))| (i as u16, bps, if df { Df::Set } else { Df::Clear }))
+        .collect();
+    offered_flows(r, now, to, &streams, samples)
+}
+
+/// How a stream of `offered_flows` sets DF.
+#[derive(Clone, Copy)]
+enum Df {
+    Clear,
+    Set,
+    /// Set but on one packet per this long: a Kick-Ass endpoint in TCP mode.
+    SetButOnePer(Nanos),
+}
+
+/// `offered` with each stream's flow (its source port) and DF policy given.
+fn offered_flows(
+    r: &mut Router,
+    now: &mut Nanos,
+    to: Nanos,
+    streams: &[(u16, f64, Df)],
+    samples: &mut Vec<Sample>,
+) {
     let mut next: Vec<Nanos> = vec![*now; streams.len()];
+    let mut probed: Vec<Option<Nanos>> = vec![None; streams.len()];
     let mut next_indicator = *now;
     let mut seq = 0u32;
     while *now < to {
-        for (i, &(bps, df)) in streams.iter().enumerate() {
+        for (i, &(flow, bps, df)) in streams.iter().enumerate() {
             while next[i] <= *now {
-                let _ = r.on_packet(*now, packet(i as u16, seq, 1500, df));
+                let set = match df {
+                    Df::Clear => false,
+                    Df::Set => true,
+                    Df::SetButOnePer(every) => {
+                        if probed[i].is_none_or(|t| *now >= t + every) {
+                            probed[i] = Some(*now);
+                            false
+                        } else {
+                            true
+                        }
+                    }
+                };
+                let _ = r.on_packet(*now, packet(flow, seq, 1500, set));
                 seq += 1;
                 next[i] += (1500.0 * 8.0 / bps * 1e9) as Nanos;
             }
@@ -608,4 +646,59 @@ fn kickass_traffic_above_the_threshold_waits_for_the_hold() {
         "waited {waited} s, d {d}"
     );
     assert!(crossing.unmarkable_share < 0.05);
+}
+
+/// Kick-Ass endpoints in TCP mode set DF on all but one segment per RTT
+/// (wan-agents' transport): the router remembers their flows as its own, so
+/// once the traffic that was not Kick-Ass's leaves, the mode ends within a
+/// few RTTs even though the queue stays up. A flow that never sends a
+/// markable packet is still traffic that is not Kick-Ass's own.
+#[test]
+fn kickass_flows_in_tcp_mode_are_not_taken_for_legacy_traffic() {
+    let mut r = Router::new(RouterConfig::with_capacity(10e6), 0);
+    let (mut now, mut samples) = (0, Vec::new());
+    offered_flows(
+        &mut r,
+        &mut now,
+        2 * SEC,
+        &[(1, 8e6, Df::Clear)],
+        &mut samples,
+    );
+    // A legacy flow joins: TCP mode; the Kick-Ass flow goes to TCP mode too.
+    let t0 = now;
+    let both = [(1, 8e6, Df::SetButOnePer(100 * MS)), (2, 6e6, Df::Set)];
+    offered_flows(&mut r, &mut now, t0 + 2 * SEC, &both, &mut samples);
+    assert_eq!(r.mode(), Mode::Tcp);
+    let legacy_share = samples.last().expect("samples").unmarkable_share;
+    assert!(legacy_share > 0.3, "{legacy_share}");
+    // The legacy flow leaves; the Kick-Ass flow (still in TCP mode, still
+    // more than the link) keeps the queue above half the buffer.
+    let t1 = now;
+    let own = [(1, 12e6, Df::SetButOnePer(100 * MS))];
+    offered_flows(&mut r, &mut now, t1 + 2 * SEC, &own, &mut samples);
+    let back = samples
+        .iter()
+        .find(|s| s.t * 1e9 >= t1 as f64 && s.marking_mode == "kickass")
+        .expect("back in Kick-Ass mode");
+    assert!(
+        back.t - t1 as f64 / 1e9 <= 0.5,
+        "{} s",
+        back.t - t1 as f64 / 1e9
+    );
+    assert!(back.unmarkable_share < 0.05, "{}", back.unmarkable_share);
+    // The same with the flow never probing: traffic the router cannot tell
+    // from legacy TCP, and TCP mode stays.
+    let mut r = Router::new(RouterConfig::with_capacity(10e6), 0);
+    let (mut now, mut samples) = (0, Vec::new());
+    offered_flows(
+        &mut r,
+        &mut now,
+        2 * SEC,
+        &[(3, 12e6, Df::Set)],
+        &mut samples,
+    );
+    assert!(samples
+        .iter()
+        .filter(|s| s.t > 1.0)
+        .all(|s| s.marking_mode == "tcp"));
 }
