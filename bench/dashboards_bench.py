@@ -160,20 +160,25 @@ def seed_study(conn: psycopg.Connection, s: Scale) -> None:
     )
 
 
-def insert_probes(conn: psycopg.Connection, first: int, last: int, per_session: int) -> None:
+def insert_probes(
+    conn: psycopg.Connection, first: int, last: int, per_session: int, partitioned: bool = False
+) -> None:
+    """Probe rows of sessions ``first``..``last``; ``partitioned``: at 0022 or
+    later, where each row carries its session's created_at (its partition key)."""
     half = per_session // 2
+    key, value = (", session_created_at", ", created_at") if partitioned else ("", "")
     conn.execute(
         f"""INSERT INTO probe_outcomes (session_pk, seq, phase, ip_len, sent_at, outcome,
-               acked_at, rtt_ms, ack_count, received_len, observed_frag_size)
+               acked_at, rtt_ms, ack_count, received_len, observed_frag_size{key})
            SELECT id, seq, phase, ip_len, sent_at, outcome,
                   CASE WHEN outcome = 'acked' THEN sent_at + make_interval(secs => rtt / 1000) END,
                   CASE WHEN outcome = 'acked' THEN rtt END,
                   CASE WHEN outcome = 'acked' THEN 1 ELSE 0 END,
                   CASE WHEN outcome = 'acked' THEN ip_len - 28 END,
                   CASE WHEN outcome = 'acked' AND phase = 'split'
-                       THEN greatest(ip_len, 1520 - ip_len) END
+                       THEN greatest(ip_len, 1520 - ip_len) END{value}
            FROM (
-               SELECT s.id, g.seq,
+               SELECT s.id, s.created_at, g.seq,
                       CASE WHEN g.seq < {half} THEN 'whole' ELSE 'split' END AS phase,
                       CASE WHEN g.seq < {half} THEN 44 + 8 * (g.seq % 183)
                            ELSE 44 + 8 * ((g.seq - {half}) % 182) END AS ip_len,
@@ -391,7 +396,7 @@ def seed(url: str, s: Scale, timings: dict[str, float]) -> None:
 def counts(url: str) -> dict[str, int]:
     tables = ("sessions", "probe_outcomes", "trials", "flows", "router_runs", "router_telemetry",
               "router_telemetry_1s", "router_telemetry_1m", "atlas_results", "atlas_outcomes",
-              "item_runs", "mv_session_summary", "mv_probe_daily", "mv_atlas_probe_drop",
+              "item_runs", "unit_counts", "unit_counts_daily", "mv_atlas_probe_drop",
               "mv_flow_hourly", "trial_speedups")  # fmt: skip
     with psycopg.connect(db.libpq_url(url)) as conn:
         out = {}
@@ -668,7 +673,9 @@ def add_new_data(url: str, s: Scale) -> dict[str, int]:
                    RETURNING id"""
             )
         ]
-        insert_probes(conn, min(ids), max(ids), s.per_session)
+        insert_probes(conn, min(ids), max(ids), s.per_session, partitioned=True)
+        # Finished: their durable counts, as StudyStore.finish_session stores them (0020).
+        conn.execute("SELECT count(*) FROM write_unit_counts(%s)", (ids,))
         conn.execute("ANALYZE sessions")
     return {"router_samples_10ms": 360_000, "sessions": 5, "probe_rows": 5 * s.per_session}
 

@@ -41,12 +41,13 @@ import sys
 import tempfile
 import time
 import uuid
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import kickass_db as db
 import psycopg
+from kickass_db import partitions
 
 VERSION = 1
 VIEW = "v_whole_drop"
@@ -70,9 +71,9 @@ FROM generate_series(%(first)s::bigint, %(last)s::bigint) AS i
 # One probe per (session, ip_len); every 50th lost (NULL acked_at, rtt, received_len),
 # a quarter of the sessions without IP_RECVFRAGSIZE (NULL observed_frag_size).
 _PROBES = """
-INSERT INTO probe_outcomes (session_pk, seq, phase, ip_len, sent_at, outcome, acked_at, rtt_ms,
-                            ack_count, received_len, observed_frag_size)
-SELECT s.id, k, 'whole', 500 + k, s.started_at + k * interval '2 ms',
+INSERT INTO probe_outcomes (session_pk, session_created_at, seq, phase, ip_len, sent_at, outcome,
+                            acked_at, rtt_ms, ack_count, received_len, observed_frag_size)
+SELECT s.id, s.created_at, k, 'whole', 500 + k, s.started_at + k * interval '2 ms',
        CASE WHEN s.lost THEN 'lost' ELSE 'acked' END,
        CASE WHEN s.lost THEN NULL ELSE s.started_at + k * interval '2 ms' + interval '40 ms' END,
        CASE WHEN s.lost THEN NULL ELSE 20 + ((s.i * 31 + k * 17) %% 1000) / 8.0 END,
@@ -80,9 +81,9 @@ SELECT s.id, k, 'whole', 500 + k, s.started_at + k * interval '2 ms',
        CASE WHEN s.lost THEN NULL ELSE 472 + k END,
        CASE WHEN s.i %% 4 = 0 THEN NULL ELSE 0 END
 FROM (
-    SELECT x.id, x.started_at, x.i, k, (x.i * 7919 + k * 104729) %% 50 = 0 AS lost
+    SELECT x.id, x.created_at, x.started_at, x.i, k, (x.i * 7919 + k * 104729) %% 50 = 0 AS lost
     FROM (
-        SELECT id, started_at, ('x' || session_id)::bit(64)::bigint AS i
+        SELECT id, created_at, started_at, ('x' || session_id)::bit(64)::bigint AS i
         FROM sessions
         WHERE server_version = 'export-bench'
           AND session_id BETWEEN lpad(to_hex(%(first)s::bigint), 16, '0')
@@ -132,6 +133,8 @@ def seed_probe_rows(database_url: str, n: int, start: int = 0) -> None:
     first = start // SIZES_PER_SESSION
     last = (start + n - 1) // SIZES_PER_SESSION
     params = {"t0": T0, "first": first, "last": last, "sizes": SIZES_PER_SESSION, "end": start + n}
+    t0 = datetime.fromisoformat(T0)
+    _days(database_url, "probe_outcomes", t0 + first * MINUTE, t0 + last * MINUTE)
     with psycopg.connect(db.libpq_url(database_url)) as conn:
         conn.execute(_SESSIONS, params)
         conn.execute(_PROBES, params)
@@ -141,10 +144,21 @@ def seed_probe_rows(database_url: str, n: int, start: int = 0) -> None:
 
 def seed_telemetry_rows(database_url: str, n: int, run: int = 1) -> None:
     """``n`` one-second samples of one router run (``v_router_telemetry`` gains n rows)."""
+    t0 = datetime.fromisoformat(T0)
+    _days(database_url, "router_telemetry", t0, t0 + n * SECOND)
     with psycopg.connect(db.libpq_url(database_url)) as conn:
         conn.execute(_RUN, {"run": run, "t0": T0})
         conn.execute(_TELEMETRY, {"run": run, "t0": T0, "n": n})
     _vacuum(database_url, "router_runs", "router_telemetry")
+
+
+MINUTE, SECOND = timedelta(minutes=1), timedelta(seconds=1)
+
+
+def _days(database_url: str, table: str, first: datetime, last: datetime) -> None:
+    """The partitions (migration 0022) of the days the seeded rows fall on."""
+    with partitions.Partitions(database_url) as p:
+        p.ensure_days(table, partitions.day_of(first), partitions.day_of(last))
 
 
 def _vacuum(database_url: str, *tables: str) -> None:

@@ -4,6 +4,9 @@
     kickass db downgrade REV     back to REV ("base" = empty database)
     kickass db current           the revision the database is at
     kickass db history           every migration, newest first
+    kickass db partitions [list] the raw tables' day partitions (0022): days, days ahead
+    kickass db partitions ahead [--days N]          today's and N days ahead (7)
+    kickass db partitions add TABLE FIRST [LAST]    past days (an old capture's, say)
 
 The URL comes from --database-url, else KICKASS_DATABASE_URL.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 from collections.abc import Callable, Iterator
+from datetime import date
 
 from alembic import command
 from alembic.runtime.migration import MigrationContext
@@ -22,7 +26,7 @@ from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError
 
 from . import engine as db
-from . import migrations
+from . import migrations, partitions
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -65,6 +69,27 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p = sub.add_parser("history", help="list the migrations")
     url_option(p)  # accepted for symmetry; history reads only the scripts
     p.set_defaults(func=cmd_history)
+
+    p = sub.add_parser(
+        "partitions",
+        help="the raw tables' day partitions: list, make ahead, add past days",
+        description="probe_outcomes and router_telemetry hold one partition per UTC day "
+        "(migration 0022); a write for a day without one is refused. The housekeeping item "
+        "makes them ahead; `add` makes past days, e.g. before ingesting an old capture.",
+    )
+    url_option(p)
+    p.set_defaults(func=cmd_partitions, partitions_command="list", days=partitions.AHEAD)
+    psub = p.add_subparsers(dest="partitions_command", metavar="ACTION")
+    q = psub.add_parser("list", help="per table: its days and how many are ahead of today")
+    url_option(q)
+    q = psub.add_parser("ahead", help="make today's and the next days' partitions")
+    q.add_argument("--days", type=int, default=partitions.AHEAD, help="days ahead (default 7)")
+    url_option(q)
+    q = psub.add_parser("add", help="make the partitions of the days FIRST..LAST")
+    q.add_argument("table", choices=sorted(partitions.PARTITIONED))
+    q.add_argument("first", type=_day, help="YYYY-MM-DD (UTC)")
+    q.add_argument("last", type=_day, nargs="?", help="YYYY-MM-DD (default: FIRST)")
+    url_option(q)
 
 
 def cmd_upgrade(args: argparse.Namespace) -> int:
@@ -111,6 +136,46 @@ def cmd_history(_args: argparse.Namespace) -> int:
     with _alembic_errors():
         command.history(migrations.alembic_config(), indicate_current=False)
     return 0
+
+
+MAX_ADD_DAYS = 3660  # ten years of days at once is a mistake, not a backfill
+
+
+def _day(text: str) -> date:
+    try:
+        return date.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a day (YYYY-MM-DD): {text!r}") from None
+
+
+def cmd_partitions(args: argparse.Namespace) -> int:
+    url = db.resolve_database_url(args.database_url)
+    with partitions.Partitions(url) as store:
+        db.check_connection(store.engine)
+        if args.partitions_command == "ahead":
+            if not 0 <= args.days <= MAX_ADD_DAYS:
+                raise KickassError(f"--days must be 0..{MAX_ADD_DAYS}, got {args.days}")
+            for table, made in store.ensure_ahead(args.days).items():
+                print(_made(table, made))
+        elif args.partitions_command == "add":
+            last = args.last or args.first
+            if last < args.first or (last - args.first).days >= MAX_ADD_DAYS:
+                raise KickassError(
+                    f"{args.first}..{last} is not a range of at most {MAX_ADD_DAYS} days"
+                )
+            print(_made(args.table, store.ensure_days(args.table, args.first, last)))
+        for table, st in store.status().items():
+            print(
+                f"{table}: {st['partitions']} partitions ({st['first_day']} .. {st['last_day']}), "
+                f"today {'made' if st['today'] else 'MISSING'}, {st['days_ahead']} days ahead"
+            )
+    return 0
+
+
+def _made(table: str, days: list[date]) -> str:
+    return f"{table}: {len(days)} partition{'' if len(days) == 1 else 's'} made " + " ".join(
+        map(str, days)
+    )
 
 
 @contextlib.contextmanager

@@ -38,6 +38,7 @@ from sqlalchemy import Connection, text
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.pool import NullPool
 
+from . import partitions
 from .engine import describe_url
 from .models.operations import CLAIM_REFUSALS
 from .retry import DatabaseUnavailable, unavailable
@@ -587,6 +588,11 @@ class ScheduleStore(StoreBase):
                 )
             }
         )
+
+    def partitions_ahead(self) -> dict[str, int]:
+        """Per raw table partitioned by day (migration 0022), how many days
+        after today have a partition (``kickass schedule status`` warns)."""
+        return self.run(partitions.ahead)
 
     def outcome_counts(self, items: Sequence[str] | None) -> list[dict[str, Any]]:
         """Runs per item (None: every item), kind and outcome, with the newest

@@ -16,12 +16,14 @@ here is idempotent, so re-sending a batch is always safe.
 from __future__ import annotations
 
 import hmac
+import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from datetime import datetime
+from datetime import UTC, date, datetime, timedelta
 from typing import Any, cast
 
+import psycopg
 from kickass_core.errors import KickassError
 from kickass_core.plan import PHASES
 from kickass_core.states import FINAL_STATES, LIVE_STATES, OUTCOMES
@@ -46,12 +48,16 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.exc import DBAPIError
 
 from . import engine as db
+from . import partitions
 from .migrations import head_revision
 from .models.study import SESSION_ID_PATTERN, ClientRow, SessionRow
 from .retry import DatabaseUnavailable
 from .tx import StoreBase
+
+log = logging.getLogger("kickass.db")
 
 _SESSION_ID_RE = re.compile(SESSION_ID_PATTERN.replace("$", r"\Z"))
 
@@ -86,19 +92,21 @@ class ProbeOutcome:
 
 # One statement for a whole batch: arrays in, rows out. executemany would
 # cost a round trip (or a statement) per few rows; thousands of outcomes per
-# session make that the engine's bottleneck. The session row is share-locked:
+# session make that the engine's bottleneck. Each row carries its session's
+# created_at, the partition key (migration 0022): a day with no partition is
+# an error, which the writer sets aside (failed-*). The session row is share-locked:
 # a batch and the session's finish never interleave, so the counts the finish
 # stores include every row (and a batch for a final session rewrites them).
 _UPSERT_OUTCOMES = text(f"""
 WITH s AS (
-    SELECT id, state IN {tuple(FINAL_STATES)} AS final FROM sessions
+    SELECT id, created_at, state IN {tuple(FINAL_STATES)} AS final FROM sessions
     WHERE session_id = :session_id FOR SHARE
 ), written AS (
     INSERT INTO probe_outcomes (
-        session_pk, seq, phase, ip_len, sent_at, outcome, acked_at, rtt_ms, ack_count,
-        received_len, observed_frag_size, reassembly_invalid
+        session_pk, session_created_at, seq, phase, ip_len, sent_at, outcome, acked_at, rtt_ms,
+        ack_count, received_len, observed_frag_size, reassembly_invalid
     )
-    SELECT s.id, u.*
+    SELECT s.id, s.created_at, u.*
     FROM s
     CROSS JOIN unnest(
         CAST(:seq AS integer[]), CAST(:phase AS text[]), CAST(:ip_len AS smallint[]),
@@ -106,7 +114,7 @@ WITH s AS (
         CAST(:rtt_ms AS real[]), CAST(:ack_count AS smallint[]), CAST(:received_len AS integer[]),
         CAST(:observed_frag_size AS integer[]), CAST(:reassembly_invalid AS boolean[])
     ) AS u
-    ON CONFLICT (session_pk, seq) DO UPDATE SET
+    ON CONFLICT (session_pk, seq, session_created_at) DO UPDATE SET
         phase = excluded.phase,
         ip_len = excluded.ip_len,
         sent_at = excluded.sent_at,
@@ -122,6 +130,22 @@ WITH s AS (
 SELECT s.id, s.final, (SELECT count(*) FROM written) AS written FROM s
 """)
 _OUTCOME_FIELDS = tuple(f.name for f in fields(ProbeOutcome))  # the statement's arrays
+
+# New rows go in by COPY (about three times the upsert's rows/s: bench/README.md,
+# scale_bench); a batch that repeats a seq already stored (a re-sent batch, a
+# lost probe whose ack came late) fails it on the primary key, is rolled back to
+# its savepoint and upserted instead, the last word winning.
+_COPIED = ("seq", "phase", "ip_len", "sent_at", "outcome", "acked_at", "rtt_ms", "ack_count",
+           "received_len", "observed_frag_size", "reassembly_invalid")  # fmt: skip
+_BATCH_SESSION = text(f"""
+SELECT id, created_at, state IN {tuple(FINAL_STATES)} AS final FROM sessions
+WHERE session_id = :session_id FOR SHARE
+""")
+_COPY_OUTCOMES = (
+    "COPY probe_outcomes (session_pk, session_created_at, seq, phase, ip_len, sent_at, outcome, "
+    "acked_at, rtt_ms, ack_count, received_len, observed_frag_size, reassembly_invalid) "
+    "FROM STDIN"
+)
 
 _WHOLE_ROWS = text("""
 SELECT ip_len, sent, acked, late, drop_rate, rtt_ms_median, fragmented_on_arrival,
@@ -148,18 +172,20 @@ _WRITE_COUNTS = text("SELECT * FROM write_unit_counts(CAST(:pks AS bigint[]))")
 _MARK_INVALID = text("""
 UPDATE probe_outcomes o SET reassembly_invalid = true
 FROM unnest(CAST(:first AS integer[]), CAST(:end AS integer[])) AS r(first, "end")
-WHERE o.session_pk = :pk AND o.seq >= r.first AND o.seq < r."end"
+WHERE o.session_pk = :pk AND o.session_created_at = :created
+  AND o.seq >= r.first AND o.seq < r."end"
   AND o.outcome = 'lost' AND NOT o.reassembly_invalid
   AND (o.phase = 'split' OR o.ip_len >= (
         SELECT min(w.ip_len) FROM probe_outcomes w
-        WHERE w.session_pk = :pk AND w.phase = 'whole' AND w.observed_frag_size > 0))
+        WHERE w.session_pk = :pk AND w.session_created_at = :created
+          AND w.phase = 'whole' AND w.observed_frag_size > 0))
 """)
 _OBSERVE = text("""
 UPDATE probe_outcomes o SET observed_leading_len = u.lead_len, observed_fragments = u.pieces
 FROM unnest(
     CAST(:seq AS integer[]), CAST(:lead_len AS smallint[]), CAST(:pieces AS smallint[])
 ) AS u(seq, lead_len, pieces)
-WHERE o.session_pk = :pk AND o.seq = u.seq
+WHERE o.session_pk = :pk AND o.session_created_at = :created AND o.seq = u.seq
 """)
 
 
@@ -174,6 +200,8 @@ class StudyStore(StoreBase):
     def __init__(self, database_url: str | None = None, instance: str | None = None) -> None:
         super().__init__(database_url)
         self.instance = instance
+        # The UTC day whose probe_outcomes partitions this store last made sure of.
+        self._partition_day: date | None = None
 
     def ping(self) -> None:
         """Raise KickassError unless the database is reachable and its schema current."""
@@ -218,10 +246,14 @@ class StudyStore(StoreBase):
         """Insert a session in state 'created', and its client (upserted by install id).
 
         Re-creating an existing session with the same cookie hash is a no-op
-        (a retried call); with another cookie it is an error.
+        (a retried call); with another cookie it is an error. Once a day it
+        makes sure today's and tomorrow's partitions of ``probe_outcomes``
+        exist (migration 0022), so a server without the scheduled housekeeping
+        never stops storing.
         """
         _check_session_id(session_id)
         _check_aware("expires_at", expires_at)
+        self.ensure_partitions()
 
         def work(conn: Connection) -> None:
             client_values = {
@@ -274,6 +306,28 @@ class StudyStore(StoreBase):
             if existing is None or not hmac.compare_digest(existing, cookie_hash):
                 raise KickassError(f"session {session_id} already exists") from None
 
+    def ensure_partitions(self) -> None:
+        """Today's and tomorrow's partitions of ``probe_outcomes`` (by the
+        database's clock, which stamps ``created_at``), once a day. One that
+        cannot be made now (its locks not free within their timeout) is
+        tried again at the next session; meanwhile an outcome batch for a day
+        with no partition is refused by the database and set aside, not lost."""
+        day = datetime.now(UTC).date()
+        if self._partition_day == day:
+            return
+
+        def work(conn: Connection) -> None:
+            now = partitions.today(conn)
+            for d in (now, now + timedelta(days=1)):
+                partitions.ensure(conn, "probe_outcomes", d)
+
+        try:
+            self.run(work)
+        except (DatabaseUnavailable, DBAPIError) as exc:
+            log.warning("today's partition of probe_outcomes not made: %s", exc)
+            return
+        self._partition_day = day
+
     def mark_probing(
         self, session_id: str, probe_address: str, probe_port: int, rtt_ms: float | None
     ) -> bool:
@@ -293,7 +347,7 @@ class StudyStore(StoreBase):
         return self.run(lambda conn: conn.execute(stmt).rowcount > 0)
 
     def record_outcomes(self, session_id: str, outcomes: Sequence[ProbeOutcome]) -> None:
-        """Upsert a batch of outcomes in one statement; the last word on a seq wins.
+        """Store a batch of outcomes (COPY, else one upsert); the last word on a seq wins.
 
         Re-sending a batch is harmless, and a probe first recorded 'lost'
         becomes 'late' when its ack turns up after all. Raises UnknownSession
@@ -311,13 +365,21 @@ class StudyStore(StoreBase):
         params["session_id"] = session_id
 
         def work(conn: Connection) -> int:
-            row = conn.execute(_UPSERT_OUTCOMES, params).first()
+            row = conn.execute(_BATCH_SESSION, {"session_id": session_id}).first()
             if row is None:
                 return 0
-            pk, final, written = row
+            pk, created, final = row
+            try:
+                with conn.begin_nested():
+                    cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+                    with cursor.copy(_COPY_OUTCOMES) as copy:
+                        for o in latest.values():
+                            copy.write_row((pk, created, *(getattr(o, f) for f in _COPIED)))
+            except psycopg.errors.UniqueViolation:
+                conn.execute(_UPSERT_OUTCOMES, params)
             if final:  # a batch for a finished session (a replay): its counts follow
                 _write_counts(conn, [pk])
-            return int(written)
+            return len(latest)
 
         if self.run(work) == 0:
             raise UnknownSession(f"no session {session_id} to record outcomes for")
@@ -398,13 +460,18 @@ class StudyStore(StoreBase):
 
         def work(conn: Connection) -> bool:
             row = conn.execute(
-                select(_sessions.c.id, _sessions.c.state, _sessions.c.client_metadata)
+                select(
+                    _sessions.c.id,
+                    _sessions.c.created_at,
+                    _sessions.c.state,
+                    _sessions.c.client_metadata,
+                )
                 .where(_sessions.c.session_id == session_id)
                 .with_for_update()
             ).first()
             if row is None:
                 return False
-            pk, state, current = row
+            pk, created, state, current = row
             if metadata:
                 merged = dict(current or {})
                 for key, value in metadata.items():
@@ -422,6 +489,7 @@ class StudyStore(StoreBase):
                     _MARK_INVALID,
                     {
                         "pk": pk,
+                        "created": created,
                         "first": [int(a) for a, _ in invalid_ranges],
                         "end": [int(b) for _, b in invalid_ranges],
                     },
@@ -432,6 +500,7 @@ class StudyStore(StoreBase):
                     _OBSERVE,
                     {
                         "pk": pk,
+                        "created": created,
                         "seq": list(seqs),
                         "lead_len": list(leading),
                         "pieces": list(fragments),

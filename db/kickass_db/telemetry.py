@@ -16,6 +16,12 @@ refused alike) is skipped and counted with its line number and the reason;
 the others are stored. Should the database still refuse a batch, its rows
 are written one by one and only the refused ones are skipped. The command
 exits 1 when it skipped a line, after its summary.
+
+``router_telemetry`` is partitioned by the UTC day of ``recorded_at``
+(migration 0022): a line's ``ts``, else its run's start + ``t``. The ingest
+makes the partitions of its own days (the database's yesterday, today and
+tomorrow: a live router's) and refuses, by line number, a line of any other
+day without one (``kickass db partitions add`` makes past days).
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ import logging
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime, timedelta
+from functools import partial
 from typing import IO, Any
 
 from kickass_core import bounds, strictjson
@@ -36,6 +43,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import DBAPIError
 
 from . import engine as db
+from . import partitions
 from .models.router import MARKING_MODES, RouterRunRow, RouterTelemetryRow
 from .retry import DatabaseUnavailable, RetryPolicy, retry
 from .tx import StoreBase
@@ -44,6 +52,7 @@ from .tx import StoreBase
 FLUSH_POLICY = RetryPolicy(deadline=60.0)
 
 log = logging.getLogger("kickass.telemetry")
+TABLE = "router_telemetry"
 BATCH = 200
 # A sample line is about 600 bytes; the metadata line carries the options.
 MAX_LINE_BYTES = 256 * 1024
@@ -160,7 +169,9 @@ def sample_row(rec: Mapping[str, Any]) -> dict[str, Any]:
         raise LineRefused(f"marking_mode: must be one of {list(MARKING_MODES)}")
     row = {f.name: rec.get(f.name) for f in _SAMPLE}
     row["marking_mode"] = mode
-    row["recorded_at"] = _time(_check(_TS, rec.get("ts")))
+    ts = _check(_TS, rec.get("ts"))
+    # Without a wall clock of its own: the run's start + t (TelemetryIngest.flush).
+    row["recorded_at"] = None if ts is None else _time(ts)
     extra = {k: v for k, v in rec.items() if k not in _COLUMNS and k not in ("type", "mode")}
     row["extra"] = _json("extra fields", extra, EXTRA_MAX_BYTES)
     return row
@@ -206,6 +217,10 @@ class TelemetryIngest(StoreBase):
         self.samples = 0
         self.written = 0
         self.skipped: list[Skipped] = []
+        # When the run started: a sample line without "ts" is recorded at it + t.
+        self.started_at: datetime | None = None
+        # Days router_telemetry has a partition of (migration 0022), as last read.
+        self._days: set[date] | None = None
         # (line number, row): rows waiting for their batch.
         self.pending: list[tuple[int, dict[str, Any]]] = []
 
@@ -214,6 +229,7 @@ class TelemetryIngest(StoreBase):
         log.debug("line %d skipped: %s", line, reason)
 
     def _create_run(self, values: dict[str, Any]) -> None:
+        self.started_at = values["started_at"]
         self.run_id = self.run(
             lambda conn: conn.execute(
                 insert(RouterRunRow).returning(RouterRunRow.id), values
@@ -257,7 +273,12 @@ class TelemetryIngest(StoreBase):
         if self.run_id is None:
             # No metadata line (a truncated capture): still keep the samples.
             self._create_run(run_values({}, self.run_name))
+        assert self.started_at is not None
+        for _, row in self.pending:
+            if row["recorded_at"] is None:
+                row["recorded_at"] = self.started_at + timedelta(seconds=row["t"])
         try:
+            self.pending = self._partitioned(self.pending, policy)
             try:
                 self.written += self._write(self.pending, policy)
             except DBAPIError:
@@ -270,6 +291,44 @@ class TelemetryIngest(StoreBase):
                 hint="the NDJSON file still holds them: re-run `kickass telemetry ingest FILE`",
             ) from exc
         self.pending.clear()
+
+    def _partitioned(
+        self, rows: list[tuple[int, dict[str, Any]]], policy: RetryPolicy
+    ) -> list[tuple[int, dict[str, Any]]]:
+        """The rows whose day has a partition; the others are refused, each
+        line named. The ingest makes the partitions of its own days (the
+        database's yesterday, today and tomorrow: a live router's), never of
+        another day: an older day's raw samples may have been retired."""
+        needed = {partitions.day_of(r["recorded_at"]) for _, r in rows}
+        if self._days is None or not needed <= self._days:
+            self._days = retry(
+                lambda: self.run(lambda c: partitions.days(c, TABLE)), policy, what="partitions"
+            )
+            missing = needed - self._days
+            if missing:
+                today = self.run(partitions.today)
+                own = {today + timedelta(days=n) for n in (-1, 0, 1)}
+                for day in sorted(missing & own):
+                    try:
+                        self.run(partial(partitions.ensure, table=TABLE, day=day))
+                    except (DatabaseUnavailable, DBAPIError) as exc:
+                        log.warning("partition of %s for %s not made: %s", TABLE, day, exc)
+                        continue
+                    self._days.add(day)
+        kept = []
+        for number, row in rows:
+            day = partitions.day_of(row["recorded_at"])
+            if day in self._days:
+                kept.append((number, row))
+                continue
+            self.skip(
+                number,
+                f"refused: router_telemetry has no partition for {day} (UTC), the day of its "
+                f"time {row['recorded_at'].isoformat()}; `kickass db partitions add "
+                f"router_telemetry {day}` makes one",
+            )
+            self.samples -= 1
+        return kept
 
     def _write(self, rows: list[tuple[int, dict[str, Any]]], policy: RetryPolicy) -> int:
         return retry(lambda: self._insert(rows), policy, what="router telemetry write")
@@ -305,7 +364,8 @@ class TelemetryIngest(StoreBase):
         return self.summary().to_json()
 
     def summary(self) -> Summary:
-        return Summary(self.run_id, self.lines, self.samples, self.written, list(self.skipped))
+        skipped = sorted(self.skipped, key=lambda s: s.line)
+        return Summary(self.run_id, self.lines, self.samples, self.written, skipped)
 
 
 def read(stream: IO[bytes], tee: IO[bytes] | None = None) -> Iterable[bytes]:

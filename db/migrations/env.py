@@ -12,6 +12,7 @@ from logging.config import fileConfig
 from alembic import context
 from kickass_db import make_engine, resolve_database_url, sqlalchemy_url
 from kickass_db.models import Base
+from kickass_db.partitions import is_partition
 from sqlalchemy import Connection
 
 config = context.config
@@ -19,6 +20,12 @@ if config.config_file_name is not None and config.get_section("loggers") is not 
     fileConfig(config.config_file_name, disable_existing_loggers=False)
 
 target_metadata = Base.metadata
+
+
+def include_name(name: str | None, type_: str, parent_names: object) -> bool:
+    """The day partitions (migration 0022) are made at run time, not by the
+    models: autogenerate compares the partitioned tables, not each day."""
+    return not (type_ == "table" and name is not None and is_partition(name))
 
 
 def _url() -> str:
@@ -30,6 +37,7 @@ def run_migrations_offline() -> None:
     context.configure(
         url=sqlalchemy_url(_url()),
         target_metadata=target_metadata,
+        include_name=include_name,
         literal_binds=True,
         dialect_opts={"paramstyle": "named"},
     )
@@ -38,7 +46,9 @@ def run_migrations_offline() -> None:
 
 
 def _run(connection: Connection) -> None:
-    context.configure(connection=connection, target_metadata=target_metadata)
+    context.configure(
+        connection=connection, target_metadata=target_metadata, include_name=include_name
+    )
     with context.begin_transaction():
         context.run_migrations()
 

@@ -358,12 +358,25 @@ def _dead_attempts(directory: Path, ctx: Context, store: Any) -> Callable[[str],
 
 def run_housekeeping(item: Item, ctx: Context) -> Result:
     from kickass_db.journal import pending
+    from kickass_db.partitions import Partitions
     from kickass_db.study_store import StudyStore
 
     with StudyStore(ctx.database_url) as store:
         lingering = store.lingering_sessions(LINGERING_S)
+    # The raw tables' day partitions, ahead (migration 0022): a write for a
+    # day without one is refused.
+    with Partitions(ctx.database_url) as days:
+        made = days.ensure_ahead(item.partitions_ahead)
+        ahead = days.status()
     journals = {d: pending(ctx.path(d)) for d in (item.journals or [])}
     counts: dict[str, Any] = {
+        "partitions": {
+            table: {
+                "made": [d.isoformat() for d in made[table]],
+                "days_ahead": ahead[table]["days_ahead"],
+            }
+            for table in made
+        },
         "lingering_sessions": {
             r["server_instance"]: {
                 "sessions": int(r["sessions"]),

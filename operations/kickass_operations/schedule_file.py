@@ -27,7 +27,8 @@ Kinds and their settings:
 * ``export``: ``directory``, ``views``, ``format`` (csv or parquet): what
   arrived since the last export, in dated files.
 * ``housekeeping``: what the study servers left behind (sessions still live
-  past their time, per server instance); never deletes anything.
+  past their time, per server instance); makes the raw tables' day
+  partitions ``partitions_ahead`` days ahead (7); never deletes anything.
 
 Every item has ``timeout_s`` (a run still going then ends ``timeout``) and
 may name its owners in ``host``: one host (a database host's id, or a runner
@@ -154,8 +155,10 @@ class Item(_Model):
     directory: str | None = None
     views: list[str] | None = None
     format: Literal["csv", "parquet"] = "parquet"
-    # housekeeping: the study servers' journal folders readable from here
+    # housekeeping: the study servers' journal folders readable from here,
+    # and how many days of the raw tables' partitions to make ahead (0022)
     journals: list[str] | None = None
+    partitions_ahead: Annotated[int, Field(ge=2, le=366)] = 7
 
     @model_validator(mode="after")
     def _kind_settings(self) -> Item:

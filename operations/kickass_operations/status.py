@@ -9,6 +9,11 @@ silent, or nobody runs the schedule at all.
 Refused claims: how often each host's claims were refused and why (an item
 it may not run, a due time not due), the schedule's items by name and any
 other name as ``(not in the schedule)``.
+
+Partitions: the raw tables hold one partition per UTC day (migration 0022)
+and a write for a day with none is refused; the ``housekeeping`` item makes
+them ahead. Fewer than ``WARN_AHEAD`` days ahead of today is a warning: the
+housekeeping item has not run for days (or fails).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from .schedule_file import Schedule
 
 # cron runs the schedule every minute: three missed minutes is not a hiccup.
 OVERDUE_AFTER_S = 180.0
+# Fewer days of partitions ahead than this is a warning (housekeeping makes 7).
+WARN_AHEAD = 2
 
 
 @dataclass
@@ -60,10 +67,22 @@ class Status:
     upload_backlog: dict[str, int] = field(default_factory=dict)
     runs_today: dict[str, int] = field(default_factory=dict)
     refused_claims: list[dict[str, Any]] = field(default_factory=list)
+    # Per raw table: days after today that have a partition.
+    partitions_ahead: dict[str, int] = field(default_factory=dict)
 
     @property
     def overdue(self) -> list[ItemStatus]:
         return [i for i in self.items if i.overdue]
+
+    @property
+    def warnings(self) -> list[str]:
+        return [
+            f"{table} has partitions for {n} day{'' if n == 1 else 's'} ahead of today, fewer "
+            f"than {WARN_AHEAD}: a write for a day without one is refused (run the "
+            "housekeeping item, or `kickass db partitions ahead`)"
+            for table, n in sorted(self.partitions_ahead.items())
+            if n < WARN_AHEAD
+        ]
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -77,6 +96,8 @@ class Status:
             "upload_backlog": self.upload_backlog,
             "runs_today": self.runs_today,
             "refused_claims": [{k: _iso(v) for k, v in r.items()} for r in self.refused_claims],
+            "partitions_ahead": self.partitions_ahead,
+            "warnings": self.warnings,
         }
 
 
@@ -163,6 +184,7 @@ def collect(schedule: Schedule, store: Any, now: datetime | None = None) -> Stat
         upload_backlog=backlog,
         runs_today=runs_today,
         refused_claims=store.refusals(names),
+        partitions_ahead=store.partitions_ahead(),
     )
 
 
@@ -184,6 +206,9 @@ def render(status: Status) -> str:
         lines.append("")
         lines.append("OVERDUE:")
         lines += [f"  {i.name}: {i.overdue}" for i in status.overdue]
+    if status.warnings:
+        lines.append("")
+        lines += [f"WARNING: {w}" for w in status.warnings]
     if status.failures:
         lines.append("")
         lines.append("recent failures:")

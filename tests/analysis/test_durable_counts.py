@@ -47,10 +47,10 @@ from support.durable import (
     final_session_ids,
     percentile_cont_median,
     raw_counts,
+    seed_issue_28,
     views,
 )
 from support.grafana import TimeRange, expand, panel_interval, panel_queries
-from support.seed import seed_atlas, seed_item_runs, seed_paired_trials, seed_router, seed_study
 
 # The seed's addresses (RFC 5737 prefixes) in two countries and three networks.
 NETWORK_TABLE = (
@@ -66,15 +66,7 @@ def seeded_template(pg_server_url: str, _migrated_template: str) -> Iterator[str
     name = f"durable_template_{secrets.token_hex(4)}"
     url = create_database(pg_server_url, name, template=_migrated_template)
     try:
-        study = StudyStore(url)
-        try:
-            seed_study(study, n_clients=14, rng=28, spread=timedelta(days=3), live=True)
-        finally:
-            study.close()
-        seed_router(url, seconds=5.0)
-        seed_atlas(url, results_per_probe=1)
-        seed_paired_trials(url, pairs=1, flows_per_period=6)
-        seed_item_runs(url)
+        seed_issue_28(url)
         yield name
     finally:
         drop_database(pg_server_url, name)
@@ -329,15 +321,31 @@ def test_nothing_a_researcher_sees_depends_on_raw_rows(seeded: str, tmp_path: Pa
         }
 
     before = everything("before")
-    finals = final_session_ids(url)
+    # Every probe_outcomes partition of final sessions dropped; from the one
+    # that also holds the session still probing, the final sessions' rows.
     with connect(url) as conn:
+        conn.autocommit = True
+        parts = conn.execute(
+            """SELECT c.relname AS name,
+                      EXISTS (SELECT 1 FROM sessions s
+                              WHERE s.state IN ('created', 'probing')
+                                AND c.relname = 'probe_outcomes_p'
+                                    || to_char(s.created_at AT TIME ZONE 'UTC', 'YYYYMMDD')
+                      ) AS live
+               FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+               WHERE i.inhparent = 'probe_outcomes'::regclass"""
+        ).fetchall()
+        for p in parts:
+            if not p["live"]:
+                conn.execute(f"ALTER TABLE probe_outcomes DETACH PARTITION {p['name']}")
+                conn.execute(f"DROP TABLE {p['name']}")
         gone = conn.execute(
-            "DELETE FROM probe_outcomes o USING sessions s "
-            "WHERE s.id = o.session_pk AND s.session_id = ANY(%s)",
-            (finals,),
+            "DELETE FROM probe_outcomes o USING sessions s WHERE s.id = o.session_pk "
+            "AND o.session_created_at = s.created_at AND s.state NOT IN ('created', 'probing')"
         ).rowcount
         left = conn.execute("SELECT count(*) AS n FROM probe_outcomes").fetchone()
-    assert gone > 1000 and left is not None and left["n"] > 0  # the live session's
+    assert sum(not p["live"] for p in parts) >= 3 and gone > 0  # three days before today's
+    assert left is not None and left["n"] > 0  # the live session's
     after = everything("after")
     assert_views_equal(before["views"], after["views"])
     assert before["app"] == after["app"]

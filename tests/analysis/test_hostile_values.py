@@ -45,6 +45,7 @@ from kickass_atlas.campaign import Campaign
 from kickass_atlas.result_files import SourceLine, import_campaign
 from kickass_atlas.store import AtlasStore
 from kickass_core import bounds, cli, flow_record, signing
+from kickass_db.partitions import Partitions, day_of
 from kickass_db.study_store import StudyStore
 from kickass_db.telemetry import TelemetryIngest
 from kickass_db.trial_store import TrialStore
@@ -277,6 +278,11 @@ def seeded_template(pg_server_url: str, _migrated_template: str) -> Iterator[str
         seed_router(url, seconds=5.0)
         seed_atlas(url, results_per_probe=1)
         seed_item_runs(url)
+        # The router's wall clock at the ends of its bounds: those days'
+        # partitions (migration 0022), as an operator makes an old day's.
+        with Partitions(url) as days:
+            for t in (flow_record.TIME_MIN, flow_record.TIME_MAX):
+                days.ensure_days("router_telemetry", day_of(t), day_of(t))
         rollups.refresh(url)
         yield name
     finally:

@@ -14,6 +14,7 @@ import psycopg
 import pytest
 from kickass_analysis.rollups import RollupStore, refresh
 from kickass_core.flow_record import flow_id
+from kickass_db.partitions import Partitions, day_of
 from kickass_db.study_store import StudyStore
 from kickass_db.trial_store import TrialStore
 from psycopg.rows import dict_row
@@ -293,6 +294,9 @@ def test_router_rollups_are_incremental_and_exact(database_url: str) -> None:
     from kickass_db.telemetry import TelemetryIngest
 
     start = 1_764_000_000.5  # a run starting half-way through a second
+    with Partitions(database_url) as p:  # an old run's day (migration 0022)
+        day = day_of(datetime.fromtimestamp(start, UTC))
+        p.ensure_days("router_telemetry", day, day)
     ingest = TelemetryIngest(database_url, "incremental")
     try:
         ingest.feed_line(json.dumps({"type": "metadata", "started_unix": start,

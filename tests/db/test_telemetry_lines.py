@@ -15,18 +15,29 @@ import os
 import random
 import subprocess
 import sys
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 from kickass_db import libpq_url
+from kickass_db.partitions import Partitions, day_of
 from kickass_db.telemetry import MAX_LINE_BYTES, TelemetryIngest
 
 KICKASS = str(Path(sys.executable).parent / "kickass")
 LINES = 10_000
 HOSTILE = 100
 START = 1.7e9
+
+
+@pytest.fixture(autouse=True)
+def _capture_days(database_url: str) -> None:
+    """The capture's days (2023) have partitions (migration 0022), made as an
+    operator ingesting an old capture makes them."""
+    with Partitions(database_url) as p:
+        day = day_of(datetime.fromtimestamp(START, UTC))
+        p.ensure_days("router_telemetry", day, day + timedelta(days=1))
 
 
 def sample(t: float, **over: Any) -> dict[str, Any]:

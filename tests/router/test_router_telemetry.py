@@ -8,10 +8,12 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import kickass_db as db
 import pytest
+from kickass_db.partitions import Partitions, day_of
 from kickass_db.telemetry import TelemetryIngest
 from kickass_testbed.edge import edge_path, ka_router
 from kickass_testbed.topology import build
@@ -81,6 +83,9 @@ def test_ingest_skips_malformed_lines(database_url: str, tmp_path: Path) -> None
         ),
         json.dumps([1, 2]),
     ]
+    with Partitions(database_url) as p:  # 2023: an old capture's day (migration 0022)
+        day = day_of(datetime.fromtimestamp(1.7e9, UTC))
+        p.ensure_days("router_telemetry", day, day)
     ing = TelemetryIngest(database_url, "file")
     summary = ing.feed(line + "\n" for line in lines)
     assert summary["written"] == 1 and summary["skipped"] == 3

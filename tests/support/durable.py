@@ -36,6 +36,33 @@ POOLED_MEDIANS = ("v_size_drop_all", "v_size_drop_by_source")
 Key = tuple[str, str, int]  # session_id, phase, ip_len
 
 
+def seed_issue_28(url: str) -> None:
+    """The issue's data: the seeded study over three days with one session
+    still probing and one expired, router runs, an Atlas campaign, paired
+    trials and scheduled runs (tests/support/seed.py)."""
+    from datetime import timedelta
+
+    from kickass_db.study_store import StudyStore
+
+    from support.seed import (
+        seed_atlas,
+        seed_item_runs,
+        seed_paired_trials,
+        seed_router,
+        seed_study,
+    )
+
+    study = StudyStore(url)
+    try:
+        seed_study(study, n_clients=14, rng=28, spread=timedelta(days=3), live=True)
+    finally:
+        study.close()
+    seed_router(url, seconds=5.0)
+    seed_atlas(url, results_per_probe=1)
+    seed_paired_trials(url, pairs=1, flows_per_period=6)
+    seed_item_runs(url)
+
+
 def connect(url: str) -> psycopg.Connection[dict[str, Any]]:
     return psycopg.connect(db.libpq_url(url), row_factory=dict_row)
 
@@ -160,9 +187,26 @@ def norm(v: Any) -> Any:
 _CLOCKED = {"v_rollup_status": "age_s", "v_item_health": "since_ok_s"}
 
 
-def views(url: str, names: Iterable[str] | None = None) -> dict[str, list[list[Any]]]:
-    """Every ``v_*`` view's rows (or ``names``), normalised and sorted; a pooled
-    median as ``("median", value)`` so callers can compare it within its bound."""
+def view_columns(url: str) -> dict[str, list[str]]:
+    """Every ``v_*`` view's columns, in order."""
+    out: dict[str, list[str]] = {}
+    with psycopg.connect(db.libpq_url(url)) as conn:
+        for view, column in conn.execute(
+            "SELECT table_name, column_name FROM information_schema.columns "
+            "WHERE table_schema = 'public' AND table_name LIKE 'v\\_%' "
+            "ORDER BY table_name, ordinal_position"
+        ):
+            out.setdefault(view, []).append(column)
+    return out
+
+
+def views(
+    url: str, names: Iterable[str] | None = None, columns: dict[str, list[str]] | None = None
+) -> dict[str, list[list[Any]]]:
+    """Every ``v_*`` view's rows (or ``names``; of ``columns`` only, where
+    given: a view gains columns, never loses them), normalised and sorted; a
+    pooled median as ``("median", value)`` so callers can compare it within
+    its bound."""
     out = {}
     with psycopg.connect(db.libpq_url(url)) as conn:
         if names is None:
@@ -174,7 +218,8 @@ def views(url: str, names: Iterable[str] | None = None) -> dict[str, list[list[A
                 )
             ]
         for name in names:
-            cur = conn.execute(f"SELECT * FROM {name}")
+            chosen = ", ".join(columns[name]) if columns and name in columns else "*"
+            cur = conn.execute(f"SELECT {chosen} FROM {name}")
             cols = [c.name for c in cur.description or ()]
             rows = []
             for r in cur.fetchall():

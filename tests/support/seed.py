@@ -41,6 +41,7 @@ from datetime import UTC, datetime, timedelta
 
 from kickass_core.plan import Probe, ProbePlan, expected_max_fragment
 from kickass_core.verdict import decide
+from kickass_db import partitions
 from kickass_db.study_store import ProbeOutcome, StudyStore
 from sqlalchemy import text
 
@@ -295,7 +296,10 @@ WHERE session_id = :session_id
 
 
 def _backdate_start(store: StudyStore, session_id: str, t0: datetime) -> None:
+    """The session created at ``t0``, its day's partition made (as an operator
+    filling in past days would: ``kickass db partitions add``)."""
     with store.engine.begin() as conn:
+        partitions.ensure(conn, "probe_outcomes", partitions.day_of(t0))
         conn.execute(
             _BACKDATE_START,
             {"session_id": session_id, "created_at": t0, "expires_at": t0 + timedelta(hours=3)},
@@ -550,6 +554,13 @@ def seed_router(
             json.dumps({"type": "exit", "ts": start + seconds, "reason": "signal",
                         "counters": counters})
         )  # fmt: skip
+        # Past days: their partitions made first, as for any old capture.
+        with partitions.Partitions(database_url) as days:
+            days.ensure_days(
+                "router_telemetry",
+                partitions.day_of(datetime.fromtimestamp(start, UTC)),
+                partitions.day_of(datetime.fromtimestamp(start + seconds, UTC)),
+            )
         ingest = TelemetryIngest(database_url, name)
         try:
             summary = ingest.feed(lines)

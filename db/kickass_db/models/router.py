@@ -55,13 +55,16 @@ class RouterTelemetryRow(Base):
         CheckConstraint(check_in("marking_mode", MARKING_MODES), name="marking_mode"),
         # t within the run's clock, rates, queue, counters (migration 0018).
         *bounds_checks("router_telemetry"),
+        # One partition per UTC day of recorded_at (migration 0022).
+        {"postgresql_partition_by": "RANGE (recorded_at)"},
     )
 
     run_id: Mapped[int] = mapped_column(
         BigInteger, ForeignKey("router_runs.id", ondelete="CASCADE"), primary_key=True
     )
     t: Mapped[float] = mapped_column(Float, primary_key=True)
-    recorded_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    # The line's wall clock (its "ts"), else the run's start + t; the partition key.
+    recorded_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), primary_key=True)
     advertised_rate_bps: Mapped[float] = mapped_column(Float)
     leading_fragment_len: Mapped[int | None] = mapped_column(SmallInteger)
     input_rate_bps: Mapped[float] = mapped_column(Float)

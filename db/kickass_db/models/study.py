@@ -121,6 +121,9 @@ class ProbeOutcomeRow(Base):
         *bounds_checks("probe_outcomes"),
         # Every per-size view groups by exactly these.
         Index(None, "session_pk", "phase", "ip_len"),
+        # One partition per UTC day of the session's creation (migration 0022):
+        # a session's rows are in one partition, a day retires whole sessions.
+        {"postgresql_partition_by": "RANGE (session_created_at)"},
     )
 
     session_pk: Mapped[int] = mapped_column(
@@ -147,3 +150,5 @@ class ProbeOutcomeRow(Base):
     # of the fragment at offset 0 and how many distinct fragments arrived.
     observed_leading_len: Mapped[int | None] = mapped_column(SmallInteger)
     observed_fragments: Mapped[int | None] = mapped_column(SmallInteger)
+    # 0022: the session's created_at, the partition key (the upsert copies it).
+    session_created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), primary_key=True)

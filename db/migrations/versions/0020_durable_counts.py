@@ -44,7 +44,10 @@ The RTT histogram has fixed log-spaced bins 1% wide (bin i holds
 1.01^i <= rtt_ms < 1.01^(i+1)); a bin stands for 2 * 1.01^(i+1) / 2.01, so
 any RTT it holds is within (1.01 - 1) / (1.01 + 1) = 0.4975% of it, and so
 is a median taken from the bins (an RTT under 1 microsecond counts as 0).
-Functions: ``rtt_bin``, ``rtt_bin_value``, ``rtt_hist_add``, ``rtt_hist_median``.
+It is kept for the whole phase, the one whose pooled median a view shows;
+the split phase's rows hold none (its counting would cost every finish
+another 20 ms or so, for no reader). Functions: ``rtt_bin``,
+``rtt_bin_value``, ``rtt_hist_add``, ``rtt_hist_median``.
 
 Views, same columns: the study views read ``unit_counts`` for final sessions
 and ``probe_outcomes`` for live ones (``v_whole_drop``, ``v_split_drop``,
@@ -118,7 +121,7 @@ def _cols(prefix: str = "", suffix: str = "", names: Sequence[str] = SIZED) -> s
 
 FUNCTIONS = f"""
 CREATE FUNCTION rtt_bin(rtt_ms double precision) RETURNS smallint
-LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
 SELECT CASE WHEN rtt_ms < 0.001 THEN {ZERO_BIN}
             ELSE floor(ln(rtt_ms) / ln({GAMMA}::double precision))::smallint END
 $$;
@@ -167,7 +170,7 @@ COMMENT ON FUNCTION rtt_hist_median(smallint[], bigint[]) IS
 _PER_SIZE_COUNTS = ",\n        ".join(
     f"count(*) FILTER (WHERE {cond}) AS {name}" for name, cond in COUNTERS.items()
 )
-# A session's rows; ``{join}`` keeps them to the session's own (0021: its partition).
+# A session's rows; 0022 adds its partition to the condition.
 _SESSION_ROWS = "o.session_pk = s.id"
 
 
@@ -198,33 +201,61 @@ def write_unit_counts(session_rows: str = _SESSION_ROWS) -> str:
 CREATE FUNCTION write_unit_counts(pks bigint[])
 RETURNS TABLE (session_pk bigint, phase text, sent integer, delivered integer,
                reassembly_invalid integer, late integer)
-LANGUAGE sql VOLATILE AS $$
+LANGUAGE plpgsql VOLATILE AS $$
+#variable_conflict use_column
+BEGIN
+-- PL/pgSQL, not SQL: its plan is kept between calls (planning a statement
+-- this size costs about as much as a tenth of executing it).
+RETURN QUERY
 WITH s AS (
-    SELECT s.id, s.session_id, (s.created_at AT TIME ZONE 'UTC')::date AS day,
+    SELECT s.id, s.session_id, s.created_at, (s.created_at AT TIME ZONE 'UTC')::date AS day,
            client_key(s.source_address) AS client_key
     FROM sessions s WHERE s.id = ANY(pks)
-), o AS (
-    SELECT s.id AS pk, x.* FROM s CROSS JOIN LATERAL (
-        SELECT o.phase, o.ip_len, o.outcome, o.rtt_ms, o.reassembly_invalid,
-               o.observed_frag_size, o.observed_fragments, o.observed_leading_len
-        FROM probe_outcomes o WHERE {session_rows}) x
+), counted AS (
+    -- Per session, grouped inside its own rows (hashed: no sort of them).
+    SELECT s.id AS pk, c.*
+    FROM s CROSS JOIN LATERAL (
+        SELECT o.phase, o.ip_len,
+            {_PER_SIZE_COUNTS},
+            sum(o.rtt_ms::double precision) FILTER (WHERE o.outcome = 'acked') AS rtt_ms_sum,
+            count(o.rtt_ms) FILTER (WHERE o.outcome = 'acked') AS rtt_ms_n,
+            array_agg(o.rtt_ms) FILTER (
+                WHERE o.phase = 'whole' AND o.outcome = 'acked' AND o.rtt_ms IS NOT NULL) AS rtts
+        FROM probe_outcomes o WHERE {session_rows}
+        GROUP BY o.phase, o.ip_len
+    ) c
+), sized AS MATERIALIZED (
+    -- The whole phase's RTTs sorted, each size on its own (a hundred, say),
+    -- and their histogram (rtt_bin: how many acked probes per bin).
+    SELECT c.pk, c.phase, c.ip_len, {_cols("c.", names=(*COUNTERS, "rtt_ms_sum", "rtt_ms_n"))},
+           r.rtts, h.bins, h.counts
+    FROM counted c
+    CROSS JOIN LATERAL (SELECT array_agg(v ORDER BY v) AS rtts FROM unnest(c.rtts) v) r
+    CROSS JOIN LATERAL (
+        SELECT array_agg(bin ORDER BY bin) AS bins, array_agg(n ORDER BY bin) AS counts
+        FROM (SELECT rtt_bin(v) AS bin, count(*)::integer AS n FROM unnest(r.rtts) v
+              GROUP BY 1) b
+    ) h
 ), per_size AS (
-    SELECT o.pk, o.phase, o.ip_len,
-        {_PER_SIZE_COUNTS},
-        sum(o.rtt_ms::double precision) FILTER (WHERE o.outcome = 'acked') AS rtt_ms_sum,
-        count(o.rtt_ms) FILTER (WHERE o.outcome = 'acked') AS rtt_ms_n,
-        CASE WHEN o.phase = 'whole' THEN percentile_cont(0.5) WITHIN GROUP (ORDER BY o.rtt_ms)
-             FILTER (WHERE o.outcome = 'acked') END AS rtt_ms_median
-    FROM o GROUP BY o.pk, o.phase, o.ip_len
-), hist AS (
-    SELECT pk, phase, ip_len, bin, count(*)::integer AS n
-    FROM (SELECT o.pk, o.phase, o.ip_len, rtt_bin(o.rtt_ms) AS bin FROM o
-          WHERE o.outcome = 'acked' AND o.rtt_ms IS NOT NULL) x
-    GROUP BY 1, 2, 3, 4
+    -- The exact median of the whole phase's sizes, as percentile_cont(0.5)
+    -- computes it: the two middle values, interpolated (first + (second -
+    -- first) * fraction) in double precision.
+    SELECT c.pk, c.phase, c.ip_len, {_cols("c.", names=(*COUNTERS, "rtt_ms_sum", "rtt_ms_n"))},
+        c.rtts[m.lo]::double precision
+            + (c.rtts[m.hi]::double precision - c.rtts[m.lo]::double precision) * m.fraction
+            AS rtt_ms_median
+    FROM sized c
+    CROSS JOIN LATERAL (
+        SELECT floor(q)::integer + 1 AS lo, ceil(q)::integer + 1 AS hi, q - floor(q) AS fraction
+        FROM (SELECT 0.5::double precision * (cardinality(c.rtts) - 1) AS q) x
+    ) m
 ), hist_phase AS (
-    SELECT pk, phase, array_agg(ip_len ORDER BY ip_len, bin) AS ip_lens,
-           array_agg(bin ORDER BY ip_len, bin) AS bins, array_agg(n ORDER BY ip_len, bin) AS counts
-    FROM hist GROUP BY pk, phase
+    -- The histogram per phase, flat: (IP length, bin, count) in parallel arrays.
+    SELECT c.pk, c.phase, array_agg(c.ip_len ORDER BY c.ip_len, x.bin) AS ip_lens,
+           array_agg(x.bin ORDER BY c.ip_len, x.bin) AS bins,
+           array_agg(x.n ORDER BY c.ip_len, x.bin) AS counts
+    FROM sized c CROSS JOIN LATERAL unnest(c.bins, c.counts) x(bin, n)
+    GROUP BY c.pk, c.phase
 ), new AS (
     SELECT s.id AS pk, s.session_id AS unit, ph.phase, s.day, s.client_key,
         coalesce(array_agg(p.ip_len ORDER BY p.ip_len) FILTER (WHERE p.ip_len IS NOT NULL),
@@ -285,7 +316,8 @@ WITH s AS (
         ON h.pk = s.id AND h.phase = c.phase
        AND NOT EXISTS (SELECT 1 FROM old WHERE old.unit = c.unit)
 )
-SELECT n.pk, n.phase, n.sent, n.acked + n.late, n.reassembly_invalid, n.late FROM new n
+SELECT n.pk, n.phase, n.sent, n.acked + n.late, n.reassembly_invalid, n.late FROM new n;
+END
 $$
 """
 
@@ -663,7 +695,7 @@ def replace_study_views(
     """Drop the study views and what stands on them (``matviews`` too), make
     ``views`` and the rollup views (``rollup``: their CREATE statements), and
     the dependants again as they were. Used by this revision's upgrade and by
-    0021's."""
+    0022's."""
     for name in (*ON_TOP, *DEPENDANTS):
         op.execute(f"DROP VIEW {name}")
     for name in matviews:

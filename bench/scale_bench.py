@@ -1,0 +1,348 @@
+"""Benchmark of issue 28's parts 1 and 2: durable counts and day partitions (not a test).
+
+Figures, each from one run on this machine (JSON on stdout, bench/README.md):
+
+  durable_counts (e)  bytes per full-plan session (36,600 probes) in
+                      ``unit_counts`` (heap, TOAST and index:
+                      pg_total_relation_size over the sessions), against the
+                      raw rows' bytes; what ``finish_session`` gains at p50
+                      and p95 (finish_session with its counts against the
+                      same UPDATE alone, sessions interleaved); the
+                      refresh's fold of those sessions.
+  ingest (b)          the store's write path (``record_outcomes``: COPY of a
+                      batch, an upsert when it repeats a stored seq; batches
+                      of 280 rows as the engine flushes) into the partitioned
+                      ``probe_outcomes``, against the same code into an
+                      unpartitioned copy of the table and against one COPY of
+                      a session's rows into the partitioned table,
+                      interleaved round by round; rows/s, the ratios, and the
+                      full-plan sessions a day the store's path sustains.
+  pruning             EXPLAIN (ANALYZE) of the API's read of one session over
+                      30 daily partitions: partitions executed, never executed.
+
+An embedded PostgreSQL (or KICKASS_DATABASE_URL: a server where this may
+CREATE DATABASE). ``--quick`` runs fewer sessions. The full scale of the
+issue (100 M probe rows, a million sessions of durable counts, a year of
+daily rollups, Spark at 100 M rows) is not run here: see bench/README.md.
+
+Usage: nice -n 19 .venv/bin/python bench/scale_bench.py [--quick] > scale.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import secrets
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import kickass_db as db
+import psycopg
+from kickass_core.plan import ProbePlan, expected_max_fragment
+from kickass_core.states import LIVE_STATES
+from kickass_db import partitions, study_store
+from kickass_db.study_store import ProbeOutcome, StudyStore
+from kickass_testbed.pg import create_database, drop_database, embedded_postgres
+from sqlalchemy import text, update
+
+BATCH = 280  # outcomes per engine flush (0.5 s at about 560 probes/s)
+FULL_PLAN = ProbePlan.build()  # the paper's: 184 whole sizes, 182 splits, 100 repetitions
+SECONDS_PER_DAY = 86_400
+
+
+def outcomes(plan: ProbePlan, rng: random.Random, t0: datetime) -> list[ProbeOutcome]:
+    """A plausible clean path: 1% loss (splits lose either piece), a Linux
+    client's IP_RECVFRAGSIZE, RTTs around its base."""
+    base = rng.uniform(10.0, 200.0)
+    out = []
+    for seq in range(plan.total_probes):
+        probe = plan.probe(seq)
+        sent = t0 + timedelta(milliseconds=2 * seq)
+        loss = 0.01 if probe.phase == "whole" else 1 - 0.99**2
+        if rng.random() < loss:
+            out.append(ProbeOutcome(seq, probe.phase, probe.ip_len, sent, "lost"))
+            continue
+        rtt = round(base * rng.uniform(1.0, 1.25), 3)
+        frag = 0 if probe.phase == "whole" else expected_max_fragment(probe.ip_len)
+        out.append(
+            ProbeOutcome(seq, probe.phase, probe.ip_len, sent, "acked",
+                         acked_at=sent + timedelta(milliseconds=rtt), rtt_ms=rtt, ack_count=1,
+                         received_len=probe.udp_payload_len, observed_frag_size=frag)
+        )  # fmt: skip
+    return out
+
+
+def new_session(store: StudyStore, rng: random.Random) -> str:
+    sid = secrets.token_hex(8)
+    store.create_session(
+        session_id=sid, cookie_hash=secrets.token_bytes(32), plan=FULL_PLAN.to_json(),
+        source_address=f"198.51.{rng.randrange(256)}.{rng.randrange(1, 255)}",
+        expires_at=datetime.now(UTC) + timedelta(hours=3), server_version="bench",
+    )  # fmt: skip
+    return sid
+
+
+def record(store: StudyStore, sid: str, rows: list[ProbeOutcome]) -> None:
+    for start in range(0, len(rows), BATCH):
+        store.record_outcomes(sid, rows[start : start + BATCH])
+
+
+def pct(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+
+
+# -- e: durable counts --------------------------------------------------------------------
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _backend(store: StudyStore) -> int:
+    return int(store.run(lambda conn: conn.execute(text("SELECT pg_backend_pid()")).scalar_one()))
+
+
+def _cpu_s(pid: int) -> float:
+    """User and system CPU seconds of a process (the server's backend: same machine)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def _scalar(conn: Any, stmt: Any) -> Any:
+    return conn.execute(stmt).scalar_one()
+
+
+def durable_counts(url: str, sessions: int, rng: random.Random) -> dict[str, Any]:
+    from kickass_db.study_store import _sessions
+
+    store = StudyStore(url)
+
+    with_counts: list[float] = []
+    update_only: list[float] = []
+    cpu_ms: list[float] = []
+    try:
+        for i in range(sessions):
+            sid = new_session(store, rng)
+            record(store, sid, outcomes(FULL_PLAN, rng, datetime.now(UTC)))
+            pid = _backend(store)
+            c0, t0 = _cpu_s(pid), time.perf_counter()
+            if i % 2 == 0:
+                assert store.finish_session(sid, "complete", "fragments-ok", "bench")
+                with_counts.append(time.perf_counter() - t0)
+                if _backend(store) == pid:  # the pool's one connection: its CPU time
+                    cpu_ms.append((_cpu_s(pid) - c0) * 1000)
+            else:
+                # finish_session's UPDATE alone: what it cost before 0020.
+                stmt = (
+                    update(_sessions)
+                    .where(_sessions.c.session_id == sid, _sessions.c.state.in_(LIVE_STATES))
+                    .values(state="complete", verdict="fragments-ok", verdict_reason="bench",
+                            finished_at=datetime.now(UTC))
+                    .returning(_sessions.c.id)
+                )  # fmt: skip
+                store.run(partial(_scalar, stmt=stmt))
+                update_only.append(time.perf_counter() - t0)
+        counted = len(with_counts)
+        with store.engine.connect() as conn:
+            sizes = conn.execute(
+                text(
+                    "SELECT pg_total_relation_size('unit_counts') AS counts, "
+                    "pg_relation_size('unit_counts') AS heap, "
+                    "pg_indexes_size('unit_counts') AS idx, "
+                    "(SELECT count(*) FROM unit_counts) AS rows, "
+                    "(SELECT sum(pg_total_relation_size(inhrelid)) FROM pg_inherits "
+                    " WHERE inhparent = 'probe_outcomes'::regclass) AS raw, "
+                    "(SELECT count(*) FROM probe_outcomes) AS raw_rows"
+                )
+            ).one()
+        t0 = time.perf_counter()
+        with store.engine.begin() as conn:
+            folded = conn.execute(text("SELECT fold_unit_count_changes()")).scalar_one()
+        fold_s = time.perf_counter() - t0
+    finally:
+        store.close()
+    ms = [x * 1000 for x in with_counts]
+    base = [x * 1000 for x in update_only]
+    return {
+        "sessions_counted": counted,
+        "bytes_per_session": sizes.counts / counted,
+        "heap_bytes_per_session": sizes.heap / counted,
+        "index_bytes_per_session": sizes.idx / counted,
+        "raw_bytes_per_session": sizes.raw / sessions,
+        "unit_counts_rows": sizes.rows,
+        "finish_ms": {"p50": pct(ms, 50), "p95": pct(ms, 95)},
+        "update_only_ms": {"p50": pct(base, 50), "p95": pct(base, 95)},
+        "finish_gains_ms": {"p50": pct(ms, 50) - pct(base, 50), "p95": pct(ms, 95) - pct(base, 95)},
+        # The backend's CPU time of a finish with its counts: what it costs on
+        # an idle core (the wall times above include waiting for one).
+        "finish_backend_cpu_ms": {"p50": pct(cpu_ms, 50), "p95": pct(cpu_ms, 95), "n": len(cpu_ms)},
+        "fold": {"changes": folded, "seconds": fold_s, "ms_per_session": fold_s * 1000 / counted},
+    }
+
+
+# -- b: ingest ----------------------------------------------------------------------------
+
+_FLAT = """
+CREATE TABLE bench_flat (LIKE probe_outcomes INCLUDING DEFAULTS INCLUDING CONSTRAINTS);
+ALTER TABLE bench_flat ADD PRIMARY KEY (session_pk, seq, session_created_at);
+CREATE INDEX ON bench_flat (session_pk, phase, ip_len);
+"""
+_COLUMNS = ("session_pk", "session_created_at", "seq", "phase", "ip_len", "sent_at", "outcome",
+            "acked_at", "rtt_ms", "ack_count", "received_len", "observed_frag_size",
+            "reassembly_invalid")  # fmt: skip
+
+
+@contextmanager
+def unpartitioned() -> Iterator[None]:
+    """StudyStore.record_outcomes, unchanged, writing to ``bench_flat``."""
+    saved = study_store._COPY_OUTCOMES, study_store._UPSERT_OUTCOMES
+    study_store._COPY_OUTCOMES = saved[0].replace("probe_outcomes", "bench_flat")
+    study_store._UPSERT_OUTCOMES = text(
+        str(saved[1])
+        .replace("INSERT INTO probe_outcomes", "INSERT INTO bench_flat")
+        .replace("probe_outcomes.reassembly_invalid", "bench_flat.reassembly_invalid")
+    )
+    try:
+        yield
+    finally:
+        study_store._COPY_OUTCOMES, study_store._UPSERT_OUTCOMES = saved
+
+
+def ingest(url: str, rounds: int, rng: random.Random) -> dict[str, Any]:
+    store = StudyStore(url)
+    times: dict[str, list[float]] = {"store": [], "unpartitioned": [], "copy": []}
+    rows_done: dict[str, int] = dict.fromkeys(times, 0)
+    try:
+        with store.engine.begin() as conn:
+            conn.exec_driver_sql(_FLAT)
+        conninfo = db.libpq_url(url)
+        for _ in range(rounds):
+            order = list(times)
+            rng.shuffle(order)
+            for how in order:
+                sid = new_session(store, rng)
+                rows = outcomes(FULL_PLAN, rng, datetime.now(UTC))
+                t0 = time.perf_counter()
+                if how == "store":
+                    record(store, sid, rows)
+                elif how == "unpartitioned":
+                    with unpartitioned():
+                        record(store, sid, rows)
+                else:
+                    _copy(conninfo, sid, rows)
+                times[how].append(time.perf_counter() - t0)
+                rows_done[how] += len(rows)
+    finally:
+        store.close()
+    # Per round the three ran one after the other: the ratios of each round
+    # (the machine's load moves between rounds more than within one), and
+    # their median.
+    per_round = [{k: FULL_PLAN.total_probes / times[k][r] for k in times} for r in range(rounds)]
+    rate = {k: rows_done[k] / sum(v) for k, v in times.items()}
+    return {
+        "rounds": rounds,
+        "rows_per_s": rate,
+        "rows_per_s_per_round": per_round,
+        "store_vs_unpartitioned": statistics.median(
+            r["store"] / r["unpartitioned"] for r in per_round
+        ),
+        "store_vs_copy": statistics.median(r["store"] / r["copy"] for r in per_round),
+        "full_plan_sessions_per_day": rate["store"] * SECONDS_PER_DAY / FULL_PLAN.total_probes,
+    }
+
+
+def _copy(conninfo: str, sid: str, rows: list[ProbeOutcome]) -> None:
+    with psycopg.connect(conninfo) as conn:
+        pk, created = conn.execute(
+            "SELECT id, created_at FROM sessions WHERE session_id = %s", (sid,)
+        ).fetchone() or (None, None)
+        with conn.cursor().copy(f"COPY probe_outcomes ({', '.join(_COLUMNS)}) FROM STDIN") as cp:
+            for o in rows:
+                cp.write_row((pk, created, o.seq, o.phase, o.ip_len, o.sent_at, o.outcome,
+                              o.acked_at, o.rtt_ms, o.ack_count, o.received_len,
+                              o.observed_frag_size, o.reassembly_invalid))  # fmt: skip
+
+
+# -- pruning --------------------------------------------------------------------------------
+
+
+def pruning(url: str, rng: random.Random) -> dict[str, Any]:
+    from kickass_db.study_store import _WHOLE_ROWS
+
+    store = StudyStore(url)
+    try:
+        today = datetime.now(UTC).date()
+        with partitions.Partitions(url) as p:
+            p.ensure_days("probe_outcomes", today - timedelta(days=22), today)
+        sid = new_session(store, rng)
+        store.mark_probing(sid, "198.51.100.1", 40000, 20.0)
+        record(store, sid, outcomes(FULL_PLAN, rng, datetime.now(UTC))[:5000])
+    finally:
+        store.close()
+    with psycopg.connect(db.libpq_url(url)) as conn:
+        n = conn.execute(
+            "SELECT count(*) FROM pg_inherits WHERE inhparent = 'probe_outcomes'::regclass"
+        ).fetchone()
+        sql = str(_WHOLE_ROWS).replace(":session_id", "%s")
+        (plan,) = conn.execute(f"EXPLAIN (ANALYZE, FORMAT JSON) {sql}", (sid,)).fetchone() or ()
+    executed, never = 0, 0
+
+    def walk(node: dict[str, Any]) -> None:
+        nonlocal executed, never
+        if node.get("Relation Name", "").startswith("probe_outcomes_p"):
+            if node.get("Actual Loops", 0):
+                executed += 1
+            else:
+                never += 1
+        for child in node.get("Plans", []):
+            walk(child)
+
+    walk(plan[0]["Plan"])
+    return {"partitions": n[0] if n else None, "executed": executed, "never_executed": never,
+            "execution_ms": plan[0]["Execution Time"]}  # fmt: skip
+
+
+@contextmanager
+def database() -> Iterator[str]:
+    server = os.environ.get("KICKASS_DATABASE_URL")
+    with embedded_postgres() if not server else _given(server) as url:
+        name = f"scale_bench_{secrets.token_hex(4)}"
+        target = create_database(url, name)
+        try:
+            db.upgrade(target)
+            yield target
+        finally:
+            drop_database(url, name)
+
+
+@contextmanager
+def _given(url: str) -> Iterator[str]:
+    yield url
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer sessions")
+    args = parser.parse_args()
+    rng = random.Random(28)
+    sessions, rounds = (20, 2) if args.quick else (80, 9)
+    out: dict[str, Any] = {"quick": args.quick, "load": os.getloadavg()}
+    with database() as url:
+        out["durable_counts"] = durable_counts(url, sessions, rng)
+        out["ingest"] = ingest(url, rounds, rng)
+        out["pruning"] = pruning(url, rng)
+    out["load_after"] = os.getloadavg()
+    json.dump(out, sys.stdout, indent=2, default=str)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
