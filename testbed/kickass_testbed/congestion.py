@@ -65,11 +65,18 @@ class CongestionSpec:
     duration_s: float = 28.0
     interval_s: float = 0.1
     router_args: list[str] = field(default_factory=list)
+    # "droptail": ka-router marks nothing, so the Kick-Ass flows run in TCP
+    # mode throughout (the TCP-mode floor).
+    router_mode: str = "kickass"
     tcp_cc: str = "cubic"
+    # TCP mode's controller in ka-send (`--cc`).
+    kickass_cc: str = "cubic"
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}")
+        if self.router_mode not in ("kickass", "droptail"):
+            raise ValueError("router_mode is kickass or droptail")
         if not all(0 <= a < b <= self.duration_s for a, b in self.epochs):
             raise ValueError("every epoch lies inside the run")
 
@@ -98,6 +105,13 @@ class CongestionOutcome:
     router: list[tuple[float, str, float, int]]
     router_run_name: str
     alone: dict[str, float | None]
+    # Each driver's last line: per flow its end (error, retransmissions;
+    # ka-send's records: RTOs, fast retransmits) and, for the TCP flows,
+    # the kernel's loss-recovery counters of their namespace.
+    drivers: list[dict[str, Any]] = field(default_factory=list)
+    # Per flow: (t, window bytes, bytes in flight) every interval (TCP_INFO
+    # for the kernel's flows, ka-send's progress for Kick-Ass flows).
+    windows: dict[str, list[tuple[float, int | None, int | None]]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -202,6 +216,7 @@ def run_congestion(
         bottleneck=capacity if legacy else None,
         bottleneck_queue=f"{bdp_bytes}b",
         router_args=list(spec.router_args),
+        mode=spec.router_mode,
         cross=1 if legacy else 0,
     )
     secret = secrets.token_hex(32)
@@ -222,6 +237,7 @@ def run_congestion(
             "--agent", agent, "--flows", str(spec.kickass_flows), "--size", str(size),
             "--interval", str(spec.interval_s), "--stagger", "0.1",
             "--duration", str(spec.duration_s), "--ka-send", str(rust_binary("ka-send")),
+            "--cc", spec.kickass_cc,
         ]  # fmt: skip
         tcp_cmd = [
             py, "-m", "kickass_testbed.congestion_driver", "tcp",
@@ -287,4 +303,19 @@ def run_congestion(
     rates = _rates(progress, t0, spec.interval_s)
     protocols = {p["flow"]: p["protocol"] for p in progress}
     epochs, alone = figures(spec, rates, protocols, router)
-    return CongestionOutcome(asdict(spec), epochs, rates, protocols, router, run_name, alone)
+    windows: dict[str, list[tuple[float, int | None, int | None]]] = defaultdict(list)
+    for rec in sorted(progress, key=lambda r: r["t"]):
+        windows[rec["flow"]].append(
+            (round(rec["t"] - t0, 4), rec.get("cwnd_bytes"), rec.get("flight_bytes"))
+        )
+    return CongestionOutcome(
+        asdict(spec),
+        epochs,
+        rates,
+        protocols,
+        router,
+        run_name,
+        alone,
+        drivers=done,
+        windows=dict(windows),
+    )

@@ -23,10 +23,11 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from kickass_wan.runner import AgentClient, AgentRef
-from kickass_wan.tcpflow import send_flow
+from kickass_wan.tcpflow import TcpProgress, send_flow
 
 _print_lock = threading.Lock()
 
@@ -59,7 +60,8 @@ def run_kickass(args: argparse.Namespace) -> int:
         args.ka_send,
         "--agent", f"{host}:{port}",
         "--schedule", "-",
-        "--timeout", f"{args.duration + 5:g}",
+        # Each flow gives up at the run's end and prints its record.
+        "--timeout", f"{args.duration:g}",
         "--progress", f"{int(args.interval * 1000)}ms",
         "--cc", args.cc,
     ]  # fmt: skip
@@ -75,7 +77,7 @@ def run_kickass(args: argparse.Namespace) -> int:
         }
         proc.stdin.write(json.dumps(line) + "\n")
     proc.stdin.close()
-    timer = threading.Timer(args.duration, proc.terminate)
+    timer = threading.Timer(args.duration + args.flows * args.stagger + 5, proc.terminate)
     timer.start()
     ended: dict[str, Any] = {}
     try:
@@ -93,6 +95,8 @@ def run_kickass(args: argparse.Namespace) -> int:
                         "t": spawned + out["t_ns"] / 1e9,
                         "acked_bytes": out["acked_bytes"],
                         "ka_mode": out["ka_mode"] == "kickass",
+                        "cwnd_bytes": out.get("cwnd_bytes"),
+                        "flight_bytes": out.get("flight_bytes"),
                     }
                 )
             elif "flow_id" in out:
@@ -101,12 +105,39 @@ def run_kickass(args: argparse.Namespace) -> int:
                     "error": out.get("error"),
                     "mode_switches": rec.get("mode_switch_count"),
                     "ka_mode_fraction": rec.get("ka_mode_fraction"),
+                    **{
+                        k: rec.get(k)
+                        for k in (
+                            "retransmissions",
+                            "rto_count",
+                            "fast_retransmits",
+                            "datagrams_sent",
+                        )
+                    },
                 }
     finally:
         timer.cancel()
         proc.wait(30)
     emit({"type": "done", "protocol": "kickass", "flows": ended})
     return 0
+
+
+# The kernel's loss-recovery counters of this namespace (its TCP flows are
+# the driver's alone): how the TCP flows met their losses.
+_TCP_EXT = ("TCPTimeouts", "TCPLossProbes", "TCPLossProbeRecovery", "TCPSackRecovery",
+            "TCPLostRetransmit", "TCPSpuriousRTOs")  # fmt: skip
+
+
+def _tcp_ext() -> dict[str, int]:
+    try:
+        lines = Path("/proc/net/netstat").read_text().splitlines()
+    except OSError:
+        return {}
+    for names, values in zip(lines[::2], lines[1::2], strict=False):
+        if names.startswith("TcpExt:"):
+            row = dict(zip(names.split()[1:], values.split()[1:], strict=False))
+            return {k: int(row[k]) for k in _TCP_EXT if k in row}
+    return {}
 
 
 def run_tcp(args: argparse.Namespace) -> int:
@@ -124,15 +155,17 @@ def run_tcp(args: argparse.Namespace) -> int:
         if wait > 0:
             time.sleep(wait)
 
-        def progress(at: float, acked: int) -> None:
+        def progress(p: TcpProgress) -> None:
             emit(
                 {
                     "type": "progress",
                     "flow": label,
                     "protocol": "tcp",
-                    "t": wall0 + (at - t0),
-                    "acked_bytes": acked,
+                    "t": wall0 + (p.at - t0),
+                    "acked_bytes": p.acked_bytes,
                     "ka_mode": False,
+                    "cwnd_bytes": p.cwnd_bytes,
+                    "flight_bytes": p.unacked_bytes,
                 }
             )
 
@@ -145,7 +178,11 @@ def run_tcp(args: argparse.Namespace) -> int:
             progress=progress,
             progress_interval_s=args.interval,
         )
-        results[label] = {"error": r.error, "completed": r.completed}
+        results[label] = {
+            "error": r.error,
+            "completed": r.completed,
+            "retransmissions": r.retransmissions,
+        }
 
     threads = []
     k = 0
@@ -160,7 +197,7 @@ def run_tcp(args: argparse.Namespace) -> int:
             threads.append(th)
     for th in threads:
         th.join()
-    emit({"type": "done", "protocol": "tcp", "flows": results})
+    emit({"type": "done", "protocol": "tcp", "flows": results, "netstat": _tcp_ext()})
     return 0
 
 

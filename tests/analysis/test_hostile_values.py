@@ -105,7 +105,8 @@ FLOW_FIELDS = [f for f in flow_record.FIELDS if f.kind in ("int", "float", "time
 PERIOD_KEYS = {  # the API's names of trial_periods' columns
     "period_index": "index", "pair": "pair", "start_offset_s": "start_s",
     "duration_s": "duration_s", "handicap_ms": "handicap_ms",
-    "actual_start_offset_s": "actual_start_s",
+    "actual_start_offset_s": "actual_start_s", "tcp_share": "tcp_share",
+    "offered_load_bps": "offered_load_bps",
 }  # fmt: skip
 SAMPLE_FIELDS = [*bounds.numbers(bounds.ROUTER_TELEMETRY), bounds.wall_clock("ts")]
 RUN_FIELDS = [bounds.ROUTER_RUNS[0], bounds.wall_clock("started_unix")]

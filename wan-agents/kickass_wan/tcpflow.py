@@ -37,6 +37,7 @@ CHUNK = 256 * 1024
 # struct tcp_info offsets (linux/tcp.h): stable since 2.6 for these fields
 # (tcpi_bytes_acked since 4.1).
 _TCPI_RTT, _TCPI_TOTAL_RETRANS, _TCPI_BYTES_ACKED, _TCPI_MIN_RTT = 68, 100, 120, 148
+_TCPI_SND_MSS, _TCPI_UNACKED, _TCPI_SND_CWND = 16, 24, 80
 
 
 @dataclass
@@ -76,21 +77,38 @@ def _tcp_info(sock: socket.socket) -> tuple[float | None, int | None, float | No
     return rtt, retrans, min_rtt
 
 
-def _bytes_acked(sock: socket.socket) -> int | None:
+@dataclass
+class TcpProgress:
+    """A TCP flow at one instant (TCP_INFO)."""
+
+    at: float  # monotonic seconds
+    acked_bytes: int
+    cwnd_bytes: int
+    # Segments sent and not yet acknowledged (tcpi_unacked), in bytes.
+    unacked_bytes: int
+
+
+def _progress(sock: socket.socket) -> TcpProgress | None:
     try:
         raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 232)
     except OSError:
         return None
-    return struct.unpack_from("Q", raw, _TCPI_BYTES_ACKED)[0] if len(raw) >= 128 else None
+    if len(raw) < 128:
+        return None
+    mss = struct.unpack_from("I", raw, _TCPI_SND_MSS)[0]
+    unacked = struct.unpack_from("I", raw, _TCPI_UNACKED)[0]
+    cwnd = struct.unpack_from("I", raw, _TCPI_SND_CWND)[0]
+    acked = struct.unpack_from("Q", raw, _TCPI_BYTES_ACKED)[0]
+    return TcpProgress(time.monotonic(), acked, cwnd * mss, unacked * mss)
 
 
 class _Progress(threading.Thread):
-    """Every ``interval_s``, the bytes the peer acknowledged so far (TCP_INFO),
-    handed to ``report(monotonic time, bytes)``: a TCP flow's rate over time,
-    as ka-send's --progress gives a Kick-Ass flow's."""
+    """Every ``interval_s``, the bytes the peer acknowledged so far and the
+    window (TCP_INFO), handed to ``report``: a TCP flow's rate over time, as
+    ka-send's --progress gives a Kick-Ass flow's."""
 
     def __init__(
-        self, sock: socket.socket, interval_s: float, report: Callable[[float, int], None]
+        self, sock: socket.socket, interval_s: float, report: Callable[[TcpProgress], None]
     ) -> None:
         super().__init__(name="tcp-progress", daemon=True)
         self.sock, self.interval_s, self.report = sock, interval_s, report
@@ -99,9 +117,9 @@ class _Progress(threading.Thread):
     def run(self) -> None:
         next_at = time.monotonic()
         while not self.done.wait(max(0.0, next_at - time.monotonic())):
-            acked = _bytes_acked(self.sock)
-            if acked is not None:
-                self.report(time.monotonic(), acked)
+            sample = _progress(self.sock)
+            if sample is not None:
+                self.report(sample)
             next_at += self.interval_s
 
 
@@ -116,11 +134,11 @@ def send_flow(
     congestion_control: str = "cubic",
     timeout_s: float = 60.0,
     source: str | None = None,
-    progress: Callable[[float, int], None] | None = None,
+    progress: Callable[[TcpProgress], None] | None = None,
     progress_interval_s: float = 0.1,
 ) -> TcpFlowResult:
     """One TCP flow of ``size_bytes`` to an agent; never raises for network
-    failures. ``progress(monotonic time, bytes acknowledged)`` is called every
+    failures. ``progress(TcpProgress)`` is called every
     ``progress_interval_s`` while it runs."""
     result = TcpFlowResult("tcp", congestion_control, size_bytes, False, None, None, None, None)
     if not 0 < size_bytes <= MAX_FLOW_BYTES:

@@ -197,7 +197,7 @@ mod tests {
             (4, 0.4, 0.4),
             (10, 0.1, 1.0),
             (3, 0.4, 0.226),
-            // The edge router's default (router.rs: DEFAULT_ALPHA).
+            // Twice ns-2's alpha (see router.rs: DEFAULT_ALPHA).
             (1, 0.8, 0.4),
             (8, 0.8, 0.4),
             (64, 0.8, 0.4),

@@ -82,6 +82,10 @@ pub struct Progress {
     pub acked_bytes: u64,
     /// The flow's mode then (paper II-C): "kickass" or "tcp".
     pub ka_mode: &'static str,
+    /// The window in force then (bytes: TCP mode's cwnd, or Kick-Ass
+    /// mode's rate x SRTT), and the bytes in flight.
+    pub cwnd_bytes: u64,
+    pub flight_bytes: u64,
 }
 
 /// What `run` hands its printer.
@@ -199,6 +203,8 @@ struct Running {
     conn: Connection,
     sock: Fd,
     df: Option<bool>,
+    /// A DF-set datagram was refused for the path MTU (`send_on`).
+    df_refused: bool,
     queued: Nanos,
     deadline: Nanos,
     reported: bool,
@@ -338,6 +344,8 @@ impl Runner {
                 t_ns: now.saturating_sub(self.epoch),
                 acked_bytes: r.conn.snd_una(),
                 ka_mode: r.conn.ka_mode().as_str(),
+                cwnd_bytes: r.conn.window(),
+                flight_bytes: r.conn.flight_size(),
             });
         }
         // The next one on the grid, never in the past.
@@ -475,6 +483,7 @@ impl Runner {
                 conn,
                 sock,
                 df: None,
+                df_refused: false,
                 queued: now - due,
                 deadline: due.saturating_add(self.opts.timeout),
                 reported: false,
@@ -650,13 +659,36 @@ impl Runner {
 /// for (switched only when it changes). False when the send failed: a full
 /// buffer or a pending ICMP error is a lost datagram, which the core's loss
 /// recovery deals with.
+///
+/// DF set is the core's preference, not a requirement: a datagram the path
+/// cannot carry whole (the kernel learned a path MTU below it from an ICMP
+/// "fragmentation needed" and refuses it with EMSGSIZE) leaves with DF
+/// clear, fragmented. Without this a flow in TCP mode (DF set on all but one
+/// datagram per SRTT) behind a link with a smaller MTU moved one datagram
+/// per round trip.
 fn send_on(r: &mut Running, bytes: &[u8], dont_fragment: bool) -> bool {
     let mut ok = true;
     if r.df != Some(dont_fragment) {
         ok &= sys::set_dont_fragment(r.sock.0, dont_fragment).is_ok();
         r.df = Some(dont_fragment);
     }
-    ok & sys::send(r.sock.0, bytes).is_ok()
+    match sys::send(r.sock.0, bytes) {
+        Ok(()) => ok,
+        Err(e) if dont_fragment && e.raw_os_error() == Some(libc::EMSGSIZE) => {
+            if !r.df_refused {
+                r.df_refused = true;
+                eprintln!(
+                    "ka-send: warning: flow {}: the path MTU is below {} bytes; datagrams \
+                     that should leave with DF set leave fragmented",
+                    r.label,
+                    bytes.len() + 28
+                );
+            }
+            r.df = Some(false);
+            sys::set_dont_fragment(r.sock.0, false).is_ok() && sys::send(r.sock.0, bytes).is_ok()
+        }
+        Err(_) => false,
+    }
 }
 
 /// Where flows come from.
