@@ -194,6 +194,12 @@ def test_the_schedule_service_runs_the_schedule_unattended(resolved: dict[str, A
     mounts = {m.split(":")[1]: m.split(":")[0] for m in sched["volumes"]}
     assert Path(mounts["/etc/kickass/schedule.toml"]) == ROOT / "docker" / "schedule.toml"
     assert mounts["/var/lib/kickass/journal"] == "server-journal"
+    # The server knows the same schedule (who may claim what): without it
+    # every runner's claim is refused (403 no-schedule).
+    server = services["server"]
+    server_mounts = {m.split(":")[1]: m.split(":")[0] for m in server["volumes"]}
+    assert server_mounts["/etc/kickass/schedule.toml"] == mounts["/etc/kickass/schedule.toml"]
+    assert server["environment"]["KICKASS_SCHEDULE_FILE"] == "/etc/kickass/schedule.toml"
     # Metrics published on loopback only.
     (port,) = sched["ports"]
     host_ip = port.get("host_ip") if isinstance(port, dict) else port.split(":")[0]
