@@ -433,7 +433,8 @@ class ClaimBody(Strict):
     kind: Literal["trials"]
     due_at: AwareTime
     definition_hash: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{1,64}$")] | None = None
-    # The runner's own dead-run limit (its heartbeat comes at most every stale_s / 2).
+    # Accepted from runners that still send it and ignored: whether a run is
+    # stale is the server's call, from the schedule (schedule_api.py).
     stale_s: Annotated[float, Field(ge=2, le=86_400, allow_inf_nan=False)] = 45.0
 
 
