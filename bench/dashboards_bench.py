@@ -566,12 +566,13 @@ def time_report(url: str, repeats: int) -> list[dict[str, Any]]:
     transaction, as the report runs) and the section's HTML and figures, the
     median of ``repeats`` runs after a warm-up; unfiltered (the rollups) and
     over the last 7 days (the study by day rollup, the trials from the flows)."""
-    from kickass_analysis import report
+    from kickass_analysis import experiments_section, report
 
     builders = {
         "study": report.study_section,
         "trials": report.trials_section,
         "router": report.router_section,
+        "experiments": experiments_section.section,
         "health": report.health_section,
     }
     results = []

@@ -526,6 +526,114 @@ def router(name: str, title: str, runs: Sequence[RunSeries]) -> Figure | None:
         return _svg(fig, name, title, marks)
 
 
+# -- the congestion experiments --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shading:
+    """Time intervals to shade (the router in TCP mode), tagged as one series."""
+
+    series: str
+    label: str
+    intervals: Sequence[tuple[float, float]]
+
+
+def congestion(
+    name: str,
+    title: str,
+    flows: Mapping[str, Sequence[tuple[Sequence[float], Sequence[float]]]],
+    totals: Mapping[str, tuple[Sequence[float], Sequence[float]]],
+    kickass_mode: tuple[Sequence[float], Sequence[float]],
+    *,
+    capacity_bps: float,
+    shading: Shading,
+    epochs: Sequence[tuple[float, float]] = (),
+) -> Figure | None:
+    """A congestion experiment as the paper draws it (Fig. 5, Fig. 7): every
+    flow's rate over time, one colour per protocol (``flows``: protocol ->
+    (t, bit/s) per flow; each flow one line, tagged with its protocol); the
+    protocols' total rates against the capacity (``totals``); the share of
+    Kick-Ass flows in Kick-Ass mode; the shading's intervals on every panel
+    (tagged once each), the TCP flows' epochs as dotted lines."""
+    drawn = {p: [f for f in fs if len(f[0])] for p, fs in flows.items()}
+    drawn = {p: fs for p, fs in drawn.items() if fs}
+    if not drawn:
+        return None
+    marks: dict[str, int] = {}
+    names = {"kickass": "Kick-Ass", "tcp": "TCP"}
+    with _figure(height=6.0, nrows=3, sharex=True, height_ratios=(3, 2, 1.2)) as (fig, axes):
+        rate_ax, total_ax, mode_ax = (axes[i][0] for i in range(3))
+        for i, (protocol, fs) in enumerate(drawn.items()):
+            colour = COLOURS.get(protocol, PALETTE[i % len(PALETTE)])
+            for j, (t, rate) in enumerate(fs):
+                rate_ax.plot(
+                    t,
+                    [r / 1e6 for r in rate],
+                    color=colour,
+                    linewidth=0.7,
+                    alpha=0.75,
+                    label=f"{names.get(protocol, protocol)} flows ({len(fs)})" if j == 0 else None,
+                    gid=mark_gid(protocol),
+                )
+            marks[slug(protocol)] = len(fs)
+        for i, (label, (t, rate)) in enumerate(totals.items()):
+            if not len(t):
+                continue
+            series = f"total {label}"
+            total_ax.plot(
+                t,
+                [r / 1e6 for r in rate],
+                color=COLOURS.get(label, PALETTE[i % len(PALETTE)]),
+                linewidth=1.0,
+                label=f"{names.get(label, label)}: all flows",
+                gid=mark_gid(series),
+            )
+            marks[slug(series)] = 1
+        total_ax.axhline(
+            capacity_bps / 1e6,
+            color=COLOURS["paper"],
+            linestyle="--",
+            linewidth=0.8,
+            label=f"capacity {capacity_bps / 1e6:g} Mbit/s",
+        )
+        if len(kickass_mode[0]):
+            mode_ax.plot(
+                kickass_mode[0],
+                kickass_mode[1],
+                color=COLOURS["kickass"],
+                linewidth=1.0,
+                gid=mark_gid("kickass-mode"),
+            )
+            marks["kickass-mode"] = 1
+        for k, ax in enumerate((rate_ax, total_ax, mode_ax)):
+            for n, (a, b) in enumerate(shading.intervals):
+                ax.axvspan(
+                    a,
+                    b,
+                    color="#999999",
+                    alpha=0.25,
+                    linewidth=0,
+                    label=shading.label if k == 0 and n == 0 else None,
+                    gid=mark_gid(shading.series) if k == 0 else None,
+                )
+            for a, b in epochs:
+                for x in (a, b):
+                    ax.axvline(x, color="#555555", linestyle=":", linewidth=0.8)
+        if shading.intervals:
+            marks[slug(shading.series)] = len(shading.intervals)
+        rate_ax.set_ylabel("rate per flow (Mbit/s)", fontsize=8)
+        rate_ax.set_ylim(bottom=0)
+        total_ax.set_ylabel("total (Mbit/s)", fontsize=8)
+        total_ax.set_ylim(bottom=0)
+        mode_ax.set_ylabel("Kick-Ass flows in\nKick-Ass mode", fontsize=8)
+        mode_ax.set_ylim(-0.05, 1.05)
+        mode_ax.set_xlabel("time since the flows started (s); dotted: TCP flows on and off")
+        rate_ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
+        total_ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
+        fig.suptitle(title)
+        return _svg(fig, name, title, marks)
+
+
 # -- schedule health ------------------------------------------------------------------------
 
 

@@ -2,7 +2,7 @@
 
     write_report(database_url, path, campaign=None, since=None) -> ReportResult
 
-Four sections, each a few figures (inline SVG, ``figures``) and tables, every
+Five sections, each a few figures (inline SVG, ``figures``) and tables, every
 number from ``kickass_analysis.stats`` (so it agrees with the notebooks, the
 dashboards' rollups and the volunteer's page), the paper's numbers beside
 ours:
@@ -20,6 +20,9 @@ ours:
   mode; the paper's 1.2-4x beside it;
 - **the router**: advertised rate, leading-fragment length, queue and mode
   over time;
+- **the congestion experiments** (paper §III-D, ``experiments_section``):
+  per run every flow's rate over time, the router's TCP mode shaded, fairness,
+  utilisation and switch times beside the paper's words;
 - **schedule health**: scheduled item runs by outcome and the failures with
   their reasons (``v_item_runs``), the Atlas measurements' status.
 
@@ -66,10 +69,11 @@ from typing import Any
 import kickass_db as db
 from kickass_core.errors import KickassError
 from kickass_core.states import FINAL_STATES
+from kickass_db.experiment_store import ExperimentRun
 from kickass_db.tx import StoreBase
 from sqlalchemy import Connection, text
 
-from . import __version__, figures, rollups, stats
+from . import __version__, experiments_section, figures, rollups, stats
 from .figures import Figure
 from .networks import NetworkTable
 
@@ -303,6 +307,8 @@ class ReportData:
     fallbacks: list[dict[str, Any]] = field(default_factory=list)  # per capacity and arm
     router_runs: list[dict[str, Any]] = field(default_factory=list)
     router_series: list[figures.RunSeries] = field(default_factory=list)
+    experiment_runs: list[ExperimentRun] = field(default_factory=list)
+    experiments: list[experiments_section.Experiment] = field(default_factory=list)  # drawn
     item_outcomes: list[dict[str, Any]] = field(default_factory=list)
     item_failures: list[dict[str, Any]] = field(default_factory=list)
     atlas_measurements: list[dict[str, Any]] = field(default_factory=list)
@@ -467,6 +473,7 @@ READERS = {
     "study": read_study,
     "trials": read_trials,
     "router": read_router,
+    "experiments": experiments_section.read,
     "health": read_health,
 }
 
@@ -1071,7 +1078,13 @@ def render(
     """The report's HTML, which sections have data, the figures' marks, the headline numbers."""
     sections = []
     summary: dict[str, Any] = {}
-    for build in (study_section, trials_section, router_section, health_section):
+    for build in (
+        study_section,
+        trials_section,
+        router_section,
+        experiments_section.section,
+        health_section,
+    ):
         sec, numbers = build(data)
         sections.append(sec)
         summary.update(numbers)

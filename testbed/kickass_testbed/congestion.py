@@ -34,6 +34,7 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,9 @@ class CongestionOutcome:
     # Per flow: (t, window bytes, bytes in flight) every interval (TCP_INFO
     # for the kernel's flows, ka-send's progress for Kick-Ass flows).
     windows: dict[str, list[tuple[float, int | None, int | None]]] = field(default_factory=dict)
+    # When the flows started (t = 0 of rates and router), ISO 8601 in UTC:
+    # what the experiment's stored run and its router telemetry are aligned by.
+    started_at: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -318,4 +322,5 @@ def run_congestion(
         alone,
         drivers=done,
         windows=dict(windows),
+        started_at=datetime.fromtimestamp(t0, UTC).isoformat(),
     )

@@ -29,11 +29,13 @@ from kickass_analysis.rollups import RollupStore
 from kickass_atlas.campaign import Campaign, PlannedMeasurement
 from kickass_atlas.store import AtlasStore, OutcomeRow, ResultRow
 from kickass_core.flow_record import flow_id
+from kickass_db.experiment_store import ExperimentStore
 from kickass_db.study_store import StudyStore
 from kickass_db.telemetry import TelemetryIngest
 from kickass_db.trial_store import TrialStore
 from sqlalchemy import text
 from support import chromium
+from support.experiments import synthetic_outcome
 from support.seed import default_plan, seed_study_detailed, seed_trials
 
 pytestmark = pytest.mark.skipif(not chromium.available(), reason="needs chromium")
@@ -290,6 +292,10 @@ def seeded(database_url: str, store: StudyStore) -> dict[str, Any]:
     seed_atlas(database_url)
     seed_router(database_url)
     seed_item_runs(database_url)
+    # A congestion experiment, its router telemetry not stored (the router
+    # figure is the two runs above): shaded by the flows' own mode.
+    with ExperimentStore(database_url) as experiments:
+        experiments.store(synthetic_outcome("a", router_run_name=None))
     return {"sessions": sessions}
 
 
@@ -371,6 +377,19 @@ def expected_marks(database_url: str) -> dict[str, dict[str, int]]:
         outcomes[outcome].add(item)
     out["item-runs"] = {k: len(v) for k, v in outcomes.items()}
     out["atlas-status"] = {"ongoing": 1, "stopped": 1}
+    for run in view(database_url, "SELECT run_id FROM v_experiment_runs"):
+        flows = view(
+            database_url,
+            "SELECT protocol, count(DISTINCT flow) AS n FROM v_experiment_rates "
+            f"WHERE run_id = {run['run_id']} GROUP BY protocol",
+        )
+        out[f"experiment-{run['run_id']}"] = {
+            **{f["protocol"]: f["n"] for f in flows},
+            "total-kickass": 1,
+            "total-tcp": 1,
+            "kickass-mode": 1,
+            "flows-tcp-mode": 1,  # one TCP epoch
+        }
     return out
 
 
@@ -396,7 +415,13 @@ def test_report_renders_every_figure_from_the_seed(
     out = tmp_path / "report.html"
     result = write_report(database_url, out, network_table=table)
     assert result.path == out.resolve() and result.bytes == out.stat().st_size
-    assert result.sections == {"study": True, "trials": True, "router": True, "health": True}
+    assert result.sections == {
+        "study": True,
+        "trials": True,
+        "router": True,
+        "experiments": True,
+        "health": True,
+    }
     page = out.read_text()
     _no_remote_references(page)
     assert "no data yet" not in page
@@ -558,10 +583,16 @@ def test_report_filters_and_cli(database_url: str, seeded: dict[str, Any], tmp_p
 def test_an_empty_database_says_no_data_yet(database_url: str, tmp_path: Path) -> None:
     out = tmp_path / "empty.html"
     result = write_report(database_url, out)
-    assert result.sections == {"study": False, "trials": False, "router": False, "health": False}
+    assert result.sections == {
+        "study": False,
+        "trials": False,
+        "router": False,
+        "experiments": False,
+        "health": False,
+    }
     assert result.figures == {}
     page = out.read_text()
-    assert page.count("no data yet") == 4 and "<svg" not in page
+    assert page.count("no data yet") == 5 and "<svg" not in page
     _no_remote_references(page)
     shown = chromium.render(out.as_uri(), evaluate={"marks": chromium.COUNT_MARKS})
     assert shown.errors == [] and shown.values["marks"] == {}
