@@ -118,8 +118,9 @@ class CongestionOutcome:
     started_at: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        return d
+        """Plain JSON (tuples as lists), as the experiment store takes it."""
+        out: dict[str, Any] = json.loads(json.dumps(asdict(self), default=str))
+        return out
 
 
 def jain(xs: list[float]) -> float | None:
@@ -171,8 +172,13 @@ def figures(
         ka = [r for f, r in live.items() if protocols[f] == "kickass"]
         tcp = [r for f, r in live.items() if protocols[f] == "tcp"]
         wire = sum(r * WIRE_PER_PAYLOAD[protocols[f]] for f, r in live.items())
-        on = next((t for t, mode, *_ in router if t >= a and mode == "tcp"), None)
-        off = next((t for t, mode, *_ in router if t >= b and mode == "kickass"), None)
+        # Only a TCP mode the epoch caused, and only its end.
+        on = next((t for t, mode, *_ in router if a <= t < b and mode == "tcp"), None)
+        off = (
+            None
+            if on is None
+            else next((t for t, mode, *_ in router if t >= b and mode == "kickass"), None)
+        )
         out.append(
             EpochFigures(
                 a,
