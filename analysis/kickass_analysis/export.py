@@ -373,10 +373,7 @@ def _export(
     name: str | None,
     tag: str | None,
 ) -> ExportResult:
-    conn.exec_driver_sql("SET LOCAL client_encoding TO 'UTF8'")
-    # The text both formats carry: ISO dates (Arrow parses them), floats shortest-exact.
-    conn.exec_driver_sql("SET LOCAL DateStyle TO 'ISO, MDY'")
-    conn.exec_driver_sql("SET LOCAL extra_float_digits TO 1")
+    text_settings(conn)
     views = _views(conn)
     if view not in views:
         raise KickassError(
@@ -388,7 +385,7 @@ def _export(
         view, {c.name for c in columns}, filters, lambda column: _views_with(conn, column)
     )
     exported_at: datetime = conn.execute(text("SELECT transaction_timestamp()")).scalar_one()
-    revision = _alembic_revision(conn)
+    revision = alembic_revision(conn)
     raw = conn.connection.driver_connection
     assert isinstance(raw, psycopg.Connection)
     select: sql.Composed = sql.SQL("SELECT {} FROM {} AS v{}").format(
@@ -416,7 +413,7 @@ def _export(
                 f"{final} already exists",
                 hint="an export of the same view and filters in the same second: run it again",
             )
-    meter = _Meter(progress)
+    meter = Meter(progress)
     tag = tag or str(os.getpid())
     data_tmp = publish.partial_path(data_path, tag)
     schema_tmp = publish.partial_path(schema_path, tag)
@@ -425,8 +422,8 @@ def _export(
             with open(data_tmp, "xb") as out:
                 rows, digest = _write_csv(raw, select, out, meter)
         else:
-            rows = _write_parquet(raw, select, view, columns, data_tmp, meter)
-            digest = _sha256(data_tmp)
+            rows = write_parquet(raw, select, view, columns, data_tmp, meter)
+            digest = sha256_file(data_tmp)
         size = data_tmp.stat().st_size
         seconds = time.monotonic() - t0
         meter.done(rows)
@@ -484,6 +481,14 @@ def _export(
     )
 
 
+def text_settings(conn: Connection) -> None:
+    """The text COPY carries, whatever the server's defaults (this transaction only)."""
+    conn.exec_driver_sql("SET LOCAL client_encoding TO 'UTF8'")
+    # ISO dates (Arrow parses them), floats shortest-exact.
+    conn.exec_driver_sql("SET LOCAL DateStyle TO 'ISO, MDY'")
+    conn.exec_driver_sql("SET LOCAL extra_float_digits TO 1")
+
+
 _VIEWS = text(r"""
 SELECT viewname FROM pg_views
 WHERE schemaname = 'public' AND viewname LIKE 'v\_%'
@@ -523,7 +528,7 @@ def _columns(conn: Connection, view: str) -> list[Column]:
     ]
 
 
-def _alembic_revision(conn: Connection) -> str | None:
+def alembic_revision(conn: Connection) -> str | None:
     """The database's revision; None when there is none or the role may not read it
     (the views-only reader role)."""
     readable = conn.execute(
@@ -656,7 +661,7 @@ def _copy(
     raw: psycopg.Connection[Any],
     statement: sql.Composed,
     sink: Callable[[bytearray], None],
-    meter: _Meter,
+    meter: Meter,
     header: bool,
 ) -> int:
     """Runs ``statement`` (a COPY ... TO STDOUT) and hands its output to ``sink`` in
@@ -692,7 +697,7 @@ def _copy(
 
 
 def _copy_out(
-    pgconn: pq.abc.PGconn, sink: Callable[[bytearray], None], meter: _Meter, skip: int
+    pgconn: pq.abc.PGconn, sink: Callable[[bytearray], None], meter: Meter, skip: int
 ) -> int:
     """The COPY's rows to ``sink`` until its end; returns the rows (less ``skip`` header lines).
 
@@ -775,7 +780,7 @@ def _drain(pgconn: pq.abc.PGconn, deadline: float) -> None:
 
 
 def _write_csv(
-    raw: psycopg.Connection[Any], select: sql.Composed, out: IO[bytes], meter: _Meter
+    raw: psycopg.Connection[Any], select: sql.Composed, out: IO[bytes], meter: Meter
 ) -> tuple[int, str]:
     digest = hashlib.sha256()
     copy_sql = sql.SQL("COPY ({}) TO STDOUT (FORMAT csv, HEADER true, FORCE_QUOTE *)").format(
@@ -793,23 +798,29 @@ def _write_csv(
 # -- Parquet: COPY's CSV through Arrow's parser into row groups -----------------------------
 
 
-def _write_parquet(
+def write_parquet(
     raw: psycopg.Connection[Any],
     select: sql.Composed,
     view: str,
     columns: Sequence[Column],
     path: Path,
-    meter: _Meter,
+    meter: Meter,
+    *,
+    row_group_rows: int | None = None,
 ) -> int:
+    """``select``'s rows (COPY ... TO STDOUT) into a Parquet file at ``path``;
+    returns the rows. Row groups of about ``ROW_GROUP_BYTES`` of Arrow data,
+    or with ``row_group_rows`` of at least that many rows each (but the last):
+    the archive's, which readers split work by."""
     import pyarrow as pa  # type: ignore[import-untyped]  # lazily: `kickass` starts fast
 
-    schema = pa.schema([(c.name, _arrow(pa, c.arrow_type)) for c in columns])
+    schema = pa.schema([(c.name, pa_type(pa, c.arrow_type)) for c in columns])
     # Plain CSV: NULL is an unquoted empty field, an empty string a quoted one
     # (PostgreSQL quotes a value equal to the NULL string); no header, the
     # names are given.
     copy_sql = sql.SQL("COPY ({}) TO STDOUT (FORMAT csv)").format(select)
     stream = _BlockStream(COPY_BLOCKS_AHEAD)
-    converter = _Converter(stream, schema, path)
+    converter = _Converter(stream, schema, path, row_group_rows)
     converter.start()
     try:
         sent = _copy(raw, copy_sql, stream.put, meter, header=False)
@@ -926,11 +937,14 @@ class _Converter(threading.Thread):
     ROW_GROUP_BYTES. Its exception, if any, is left in ``error`` (and the stream
     aborted, so the COPY stops)."""
 
-    def __init__(self, stream: _BlockStream, schema: Any, path: Path) -> None:
+    def __init__(
+        self, stream: _BlockStream, schema: Any, path: Path, row_group_rows: int | None = None
+    ) -> None:
         super().__init__(name="kickass-export-parquet", daemon=True)
         self._stream = stream
         self._schema = schema
         self._path = path
+        self._row_group_rows = row_group_rows
         self.rows = 0
         self.error: BaseException | None = None
 
@@ -974,14 +988,19 @@ class _Converter(threading.Thread):
                 ),
             )
             pending: list[Any] = []  # RecordBatches of the row group being filled
-            pending_bytes = 0
+            pending_bytes = pending_rows = 0
             for batch in reader:
                 pending.append(batch)
                 pending_bytes += batch.nbytes
+                pending_rows += batch.num_rows
                 self.rows += batch.num_rows
-                if pending_bytes >= ROW_GROUP_BYTES:
+                if (
+                    pending_rows >= self._row_group_rows
+                    if self._row_group_rows
+                    else pending_bytes >= ROW_GROUP_BYTES
+                ):
                     _write_row_group(pa, writer, pending)
-                    pending, pending_bytes = [], 0
+                    pending, pending_bytes, pending_rows = [], 0, 0
             if pending:
                 _write_row_group(pa, writer, pending)
 
@@ -991,7 +1010,7 @@ def _write_row_group(pa: Any, writer: Any, batches: list[Any]) -> None:
     writer.write_table(table, row_group_size=table.num_rows)
 
 
-def _arrow(pa: Any, name: str) -> Any:
+def pa_type(pa: Any, name: str) -> Any:
     return {
         "int64": pa.int64(),
         "double": pa.float64(),
@@ -1045,7 +1064,7 @@ def _published(view: str, fmt: str, data_path: Path, schema_path: Path) -> Expor
     )
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):
@@ -1053,7 +1072,7 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-class _Meter:
+class Meter:
     """Calls ``progress(rows, seconds)`` at most every PROGRESS_EVERY_S seconds."""
 
     def __init__(self, progress: Progress | None) -> None:

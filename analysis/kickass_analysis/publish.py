@@ -13,12 +13,20 @@ finds the file already published (``publish`` answers False) instead of
 publishing a copy beside it. A killed attempt leaves at most its partial
 files; ``sweep`` removes those of attempts the caller knows are dead (the
 scheduled export does so when it takes over a run).
+
+A folder of files that must appear together (an archived day: its Parquet
+files and its manifest) is published the same way as one: written as a
+hidden partial folder, every file and the folder forced to disk, then
+renamed to its final name (``publish_dir``), so no file is ever under a
+final name without the manifest that describes it.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,6 +86,26 @@ def publish(partial: Path, final: Path, *, replace: bool = False) -> bool:
     return True
 
 
+def publish_dir(partial: Path, final: Path) -> bool:
+    """The folder ``partial`` (complete: its files written and closed) under its
+    final name at once: True once done; False if a folder is already there
+    (nothing is replaced; the partial folder stays for the caller to remove)."""
+    for path in partial.iterdir():
+        fsync_file(path)
+    fsync_dir(partial)
+    if final.exists():
+        return False
+    try:
+        # A rename onto an empty folder would replace it; onto anything else it fails.
+        os.rename(partial, final)
+    except OSError as exc:
+        if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+            return False
+        raise
+    fsync_dir(final.parent)
+    return True
+
+
 @dataclass
 class Swept:
     """The partial files a sweep removed."""
@@ -90,8 +118,8 @@ class Swept:
 
 
 def sweep(directory: Path, dead: Callable[[str], bool]) -> Swept:
-    """Remove the partial files of ``directory`` whose tag ``dead(tag)`` says
-    belongs to an attempt that will never finish them."""
+    """Remove the partial files (and partial folders) of ``directory`` whose
+    tag ``dead(tag)`` says belongs to an attempt that will never finish them."""
     out = Swept()
     try:
         entries = list(directory.iterdir())
@@ -102,8 +130,12 @@ def sweep(directory: Path, dead: Callable[[str], bool]) -> Swept:
         if found is None or not dead(found[1]):
             continue
         try:
-            size = path.lstat().st_size
-            path.unlink()
+            if path.is_dir() and not path.is_symlink():
+                size = sum(f.lstat().st_size for f in path.rglob("*"))
+                shutil.rmtree(path)
+            else:
+                size = path.lstat().st_size
+                path.unlink()
         except FileNotFoundError:
             continue  # another sweep had it
         out.files.append(path.name)

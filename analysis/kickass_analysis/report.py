@@ -239,16 +239,33 @@ WHERE run_id = :run_id AND t >= :raw_from AND t >= :t_since
     seconds=_ROLLED.format(res="1s"),
     since_at=_SINCE.format(col="at"),
 )
-# Where a run's samples begin and end: the raw samples (kept after the
-# rollups), found by walking the (run_id, t) index from either end.
+# Where a run's samples begin and end: its raw samples, found by walking the
+# (run_id, t) index from either end, while their days are kept raw
+# (v_router_telemetry is a window: kickass archive retires older days); an end
+# whose raw samples are gone (its 1 s rollup starts before, or ends after,
+# the raw samples' own second) is that rollup's first or last second.
 _ROUTER_BOUNDS = """
-SELECT CAST(:base AS timestamptz) + make_interval(secs => (
-           SELECT t FROM v_router_telemetry WHERE run_id = :run_id AND t >= :t_since
-           ORDER BY t LIMIT 1)) AS first_at,
-       CAST(:base AS timestamptz) + make_interval(secs => (
-           SELECT t FROM v_router_telemetry WHERE run_id = :run_id AND t >= :t_since
-           ORDER BY t DESC LIMIT 1)) AS last_at
-"""
+SELECT CASE WHEN raw.first_at IS NULL OR rolled.first_at < date_trunc('second', raw.first_at)
+            THEN rolled.first_at ELSE raw.first_at END AS first_at,
+       CASE WHEN raw.last_at IS NULL OR rolled.last_at > date_trunc('second', raw.last_at)
+            THEN rolled.last_at ELSE raw.last_at END AS last_at,
+       raw.first_at IS NOT NULL
+           AND coalesce(rolled.first_at >= date_trunc('second', raw.first_at), true) AS raw_whole,
+       raw.last_at AS raw_last_at
+FROM (
+    SELECT CAST(:base AS timestamptz) + make_interval(secs => (
+               SELECT t FROM v_router_telemetry WHERE run_id = :run_id AND t >= :t_since
+               ORDER BY t LIMIT 1)) AS first_at,
+           CAST(:base AS timestamptz) + make_interval(secs => (
+               SELECT t FROM v_router_telemetry WHERE run_id = :run_id AND t >= :t_since
+               ORDER BY t DESC LIMIT 1)) AS last_at
+) raw, (
+    SELECT (SELECT at FROM v_router_telemetry_1s WHERE run_id = :run_id AND {since_at}
+            ORDER BY at LIMIT 1) AS first_at,
+           (SELECT at FROM v_router_telemetry_1s WHERE run_id = :run_id AND {since_at}
+            ORDER BY at DESC LIMIT 1) AS last_at
+) rolled
+""".format(since_at=_SINCE.format(col="at"))
 _ROUTER_SUMS = """
        count(*) AS spans, sum(samples)::bigint AS samples, sum(ar) AS ar, sum(lf) AS lf,
        sum(lfn)::bigint AS lfn, sum(q) AS q, sum(ka)::bigint AS ka, sum(tcp)::bigint AS tcp
@@ -419,6 +436,13 @@ def read_router(conn: Connection, data: ReportData, networks: NetworkTable | Non
         bounds = _rows(conn, _ROUTER_BOUNDS, q)[0]
         if bounds["first_at"] is None:
             continue
+        raw_whole, raw_last = bounds.pop("raw_whole"), bounds.pop("raw_last_at")
+        q["raw_whole"] = raw_whole
+        if last_second is not None and (raw_last is None or raw_last < last_second):
+            # The raw samples of its last rolled-up second are retired: that
+            # second is read from the rollup too.
+            q["last_second"] = last_second + timedelta(seconds=1)
+            q["raw_from"] = (q["last_second"] - base).total_seconds()
         runs.append({**run, **bounds, "params": q})
     runs.sort(key=lambda r: (r["last_at"], r["run_id"]), reverse=True)
     for n, run in enumerate(runs):
@@ -427,11 +451,13 @@ def read_router(conn: Connection, data: ReportData, networks: NetworkTable | Non
         width = span_s / (figures.MAX_POINTS - 1) if span_s > 0 else 1.0
         q = {**run.pop("params"), "t0": first, "width": width}
         # The coarsest rollup still finer than a figure's bucket (a short run
-        # is drawn from its raw samples, however recently refreshed).
+        # is drawn from its raw samples, however recently refreshed, while
+        # they are all kept raw).
         if width < 60:
             q["last_minute"] = None
-        if width < 1:
+        if width < 1 and q.pop("raw_whole"):
             q["last_second"], q["raw_from"] = None, -math.inf
+        q.pop("raw_whole", None)
         buckets = _rows(conn, _ROUTER_BUCKETS, q)
         totals = {
             k: sum(b[k] or 0 for b in buckets)

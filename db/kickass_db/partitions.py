@@ -9,6 +9,9 @@ scheduled ``housekeeping``; ``StudyStore.create_session`` and the telemetry
 ingest make their own day's (``ensure_current``). The DDL is the SQL function
 ``ensure_day_partition`` of 0022: ``LIKE`` the parent, then ``ATTACH
 PARTITION`` (SHARE UPDATE EXCLUSIVE on the parent: readers and writers go on).
+A day that is archived and retired (0023, ``kickass_analysis.archive``) is
+never made again: ``ensure_day_partition`` refuses it (``RETIRED_SQLSTATE``),
+and only ``kickass archive restore`` puts it back.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ from datetime import UTC, date, datetime, timedelta
 from functools import partial
 from typing import Any
 
+from kickass_core.errors import KickassError
 from sqlalchemy import Connection, text
+from sqlalchemy.exc import DBAPIError
 
 from .tx import StoreBase
 
@@ -28,6 +33,8 @@ AHEAD = 7  # days made ahead by housekeeping
 # How long making a partition may wait for its locks (ATTACH also locks the
 # table its foreign key names against writers while it checks the key).
 LOCK_TIMEOUT = "5s"
+# ensure_day_partition's error for a retired day (migration 0023).
+RETIRED_SQLSTATE = "KA028"
 
 _NAME = re.compile(r"^(?P<table>" + "|".join(PARTITIONED) + r")_p(?P<day>\d{8})$")
 
@@ -38,6 +45,21 @@ JOIN pg_class c ON c.oid = i.inhrelid
 WHERE i.inhparent = CAST(:table AS regclass)
 """)
 _TODAY = text("SELECT (now() AT TIME ZONE 'UTC')::date")
+
+
+class DayRetired(KickassError):
+    """The day is archived and retired: its partition is not made again."""
+
+
+def retired_error(exc: DBAPIError) -> DayRetired | None:
+    """``exc`` as DayRetired when it is ensure_day_partition's refusal of a retired day."""
+    if getattr(exc.orig, "sqlstate", None) != RETIRED_SQLSTATE:
+        return None
+    diag = getattr(exc.orig, "diag", None)
+    return DayRetired(
+        str(getattr(diag, "message_primary", None) or exc.orig),
+        hint=getattr(diag, "message_hint", None),
+    )
 
 
 def partition_name(table: str, day: date) -> str:
@@ -107,8 +129,14 @@ class Partitions(StoreBase):
         made = []
         day = first
         while day <= last:
-            if self.run(partial(ensure, table=table, day=day)):
-                made.append(day)
+            try:
+                if self.run(partial(ensure, table=table, day=day)):
+                    made.append(day)
+            except DBAPIError as exc:
+                retired = retired_error(exc)
+                if retired is None:
+                    raise
+                raise retired from None
             day += timedelta(days=1)
         return made
 

@@ -72,6 +72,20 @@ class UnknownSession(KickassError):
     """The session id is not in the database."""
 
 
+class SessionRetired(KickassError):
+    """The session's raw rows are archived and retired, or being retired
+    (migration 0023): a late report or batch cannot change its counts."""
+
+    def __init__(self, session_id: str, day: date) -> None:
+        super().__init__(
+            f"session {session_id} is archived: its day ({day}) of probe_outcomes is retired, "
+            "so a late write cannot change its counts",
+            hint=f"kickass archive restore probe_outcomes {day} puts its raw rows back",
+        )
+        self.session_id = session_id
+        self.day = day
+
+
 @dataclass
 class ProbeOutcome:
     seq: int
@@ -165,6 +179,11 @@ FROM v_split_drop WHERE session_id = :session_id ORDER BY leading_ip_len
 # verdict is decided from: valid sent, delivered (a late acknowledgement counts
 # as delivered: kickass_core.verdict), invalid, late.
 _WRITE_COUNTS = text("SELECT * FROM write_unit_counts(CAST(:pks AS bigint[]))")
+
+# Whether a retire has claimed the day (migration 0023): a late write for a
+# final session takes the day's lock shared first, so it either lands before
+# the claim (and is archived) or is refused after it, never lost between.
+_CLAIMED = text("SELECT archive_claimed('probe_outcomes', CAST(:day AS date))")
 
 # A lost probe in one of the client's ranges of refused fragments becomes
 # invalid: a split always, a whole packet only from the smallest size the
@@ -351,7 +370,9 @@ class StudyStore(StoreBase):
 
         Re-sending a batch is harmless, and a probe first recorded 'lost'
         becomes 'late' when its ack turns up after all. Raises UnknownSession
-        rather than dropping data for a session the database does not have.
+        rather than dropping data for a session the database does not have,
+        and SessionRetired for a final session whose day is archived (the
+        writer sets either aside in its journal's ``failed-*``).
         """
         if not outcomes:
             return
@@ -369,6 +390,8 @@ class StudyStore(StoreBase):
             if row is None:
                 return 0
             pk, created, final = row
+            if final:
+                _refuse_if_retired(conn, session_id, created)
             try:
                 with conn.begin_nested():
                     cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
@@ -455,7 +478,8 @@ class StudyStore(StoreBase):
         (seqs, leading fragment IP lengths, fragment counts). When a final
         session gains invalid probes its verdict is decided again from the
         valid ones, and the counts of a final session are stored again, in
-        the same transaction. Idempotent. False if the session is unknown.
+        the same transaction. Idempotent. False if the session is unknown;
+        SessionRetired (nothing changed) if its raw rows are archived.
         """
 
         def work(conn: Connection) -> bool:
@@ -472,6 +496,8 @@ class StudyStore(StoreBase):
             if row is None:
                 return False
             pk, created, state, current = row
+            if state in FINAL_STATES:
+                _refuse_if_retired(conn, session_id, created)
             if metadata:
                 merged = dict(current or {})
                 for key, value in metadata.items():
@@ -689,6 +715,12 @@ def _with_server(meta: Any, reassembly: dict[str, Any]) -> Any:
 
 
 PhaseCounts = dict[str, tuple[int, int, int, int]]
+
+
+def _refuse_if_retired(conn: Connection, session_id: str, created: datetime) -> None:
+    day = partitions.day_of(created)
+    if conn.execute(_CLAIMED, {"day": day}).scalar_one():
+        raise SessionRetired(session_id, day)
 
 
 def _write_counts(conn: Connection, pks: list[int]) -> dict[int, PhaseCounts]:

@@ -400,6 +400,26 @@ def run_housekeeping(item: Item, ctx: Context) -> Result:
     refused = sum(j["failed_records"] for j in journals.values())
     if refused:
         findings.append(f"{refused} records the database refused are set aside (failed-*)")
+    if item.archive is None:
+        return Result(OK, "; ".join(findings) or None, counts)
+    # The raw days past keeping: archived, verified, detached, dropped; a
+    # killed run's unfinished days finished (kickass_analysis.archive).
+    from kickass_analysis import archive
+
+    retired = archive.retire(
+        ctx.database_url,
+        ctx.path(item.archive),
+        item.keep_raw_days,
+        tag=partial_tag(ctx.run_id, ctx.attempt),
+        progress=lambda step, data: ctx.progress("archive", {"step": step, **data}),
+        stop=ctx.stop.is_set,
+    )
+    counts["archive"] = retired.counts()
+    for d in retired.blocked:
+        findings.append(f"{d.table} {d.day} kept: " + "; ".join(d.reasons[:3]))
+    if retired.failed:
+        failed = [f"{d.table} {d.day}: " + "; ".join(d.reasons) for d in retired.failed]
+        return Result(FAILED, "; ".join(findings + failed), counts)
     return Result(OK, "; ".join(findings) or None, counts)
 
 

@@ -28,7 +28,10 @@ Kinds and their settings:
   arrived since the last export, in dated files.
 * ``housekeeping``: what the study servers left behind (sessions still live
   past their time, per server instance); makes the raw tables' day
-  partitions ``partitions_ahead`` days ahead (7); never deletes anything.
+  partitions ``partitions_ahead`` days ahead (7); with ``archive`` (a
+  folder), retires the raw days older than ``keep_raw_days`` (per table:
+  probe_outcomes 30, router_telemetry 7) into it as verified Parquet
+  (``kickass_analysis.archive``). Without ``archive`` it deletes nothing.
 
 Every item has ``timeout_s`` (a run still going then ends ``timeout``) and
 may name its owners in ``host``: one host (a database host's id, or a runner
@@ -68,6 +71,8 @@ MAX_OWNERS = 64  # a Monday: weekday fields start there
 KINDS = ("atlas", "trials", "refresh", "export", "housekeeping")
 # Kinds that need the database (and run only where it is reachable).
 DATABASE_KINDS = ("atlas", "refresh", "export", "housekeeping")
+# The tables housekeeping retires into the archive (kickass_db.models.archive).
+RAW_TABLES = ("probe_outcomes", "router_telemetry")
 
 
 # croniter expands an expression on every construction (a third of a
@@ -159,6 +164,11 @@ class Item(_Model):
     # and how many days of the raw tables' partitions to make ahead (0022)
     journals: list[str] | None = None
     partitions_ahead: Annotated[int, Field(ge=2, le=366)] = 7
+    # housekeeping: where the raw days past keeping go (None: nothing is
+    # retired), and how many days each raw table keeps (the archive's
+    # defaults for a table not named: probe_outcomes 30, router_telemetry 7)
+    archive: str | None = None
+    keep_raw_days: dict[str, Annotated[int, Field(ge=1, le=36_500)]] | None = None
 
     @model_validator(mode="after")
     def _kind_settings(self) -> Item:
@@ -171,6 +181,11 @@ class Item(_Model):
                 raise ValueError(
                     f"slip_s ({self.slip_s:g}) must be shorter than the time between "
                     f"due times ({gap:g} s)"
+                )
+        for table in self.keep_raw_days or {}:
+            if table not in RAW_TABLES:
+                raise ValueError(
+                    f"keep_raw_days: {table!r} is not a raw table ({', '.join(RAW_TABLES)})"
                 )
         needs = {"atlas": ("campaign",), "trials": ("trials",), "export": ("directory", "views")}
         for need in needs.get(self.kind, ()):

@@ -29,6 +29,7 @@ from flask import Blueprint, Flask, Response, current_app, jsonify, request
 from kickass_core.errors import KickassError
 from kickass_core.plan import PlanError
 from kickass_core.states import CREATED, FINAL_STATES, LIVE_STATES
+from kickass_db.study_store import SessionRetired
 
 from . import __version__, http, metrics, schedule_api, schemas, trials_api
 from .client_report import ReportError, parse_report
@@ -180,7 +181,8 @@ def report_session(session_id: str) -> Response:
     measured while its kernel refused fragments, and, when it observed
     fragments before reassembly (``--observe-fragments``), every probe's
     leading fragment. Only for a finished session; idempotent. Returns the
-    results, whose verdict may have changed (invalid probes left out)."""
+    results, whose verdict may have changed (invalid probes left out); 409
+    ``retired`` (nothing changed) once the session's raw rows are archived."""
     svc = _services()
     sid = _session_id(session_id)
     body = parse_body(
@@ -207,12 +209,17 @@ def report_session(session_id: str) -> Response:
     except ReportError as exc:
         raise ApiError(400, "bad-request", str(exc)) from None
     obs = report.observations
-    svc.store.record_client_report(
-        sid,
-        metadata=report.metadata,
-        invalid_ranges=report.invalid_ranges,
-        observations=None if obs is None else (obs.seqs, obs.leading, obs.fragments),
-    )
+    try:
+        svc.store.record_client_report(
+            sid,
+            metadata=report.metadata,
+            invalid_ranges=report.invalid_ranges,
+            observations=None if obs is None else (obs.seqs, obs.leading, obs.fragments),
+        )
+    except SessionRetired as exc:
+        # Its raw rows are in the archive (kickass archive retire): the counts
+        # stay as they are, and the client hears why its report did nothing.
+        raise ApiError(409, "retired", exc.message) from None
     res = _results(svc, sid)
     add_page_path(res, svc.store, sid, cookie)
     return jsonify(res)

@@ -8,12 +8,24 @@ model modules import only ``kickass_db.base``, never this package.
 from __future__ import annotations
 
 from ..base import Base
-from . import atlas, counts, experiments, operations, quarantine, rollups, router, study, trials
+from . import (
+    archive,
+    atlas,
+    counts,
+    experiments,
+    operations,
+    quarantine,
+    rollups,
+    router,
+    study,
+    trials,
+)
 
 metadata = Base.metadata
 
 __all__ = [
     "Base",
+    "archive",
     "atlas",
     "counts",
     "experiments",
