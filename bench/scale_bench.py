@@ -1,4 +1,4 @@
-"""Benchmark of issue 28's parts 1 and 2: durable counts and day partitions (not a test).
+"""Benchmark of issue 28's parts 1 to 3: durable counts, day partitions, retirement (not a test).
 
 Figures, each from one run on this machine (JSON on stdout, bench/README.md):
 
@@ -19,6 +19,14 @@ Figures, each from one run on this machine (JSON on stdout, bench/README.md):
                       full-plan sessions a day the store's path sustains.
   pruning             EXPLAIN (ANALYZE) of the API's read of one session over
                       30 daily partitions: partitions executed, never executed.
+  retire (c)          part 3: one past day of full-plan sessions (finished,
+                      with their counts) and a router hour at 10 ms retired by
+                      ``kickass_analysis.archive.retire`` while a reader
+                      (``v_session_rollup``) and a writer (``record_outcomes``
+                      into today's partition) each run every 20 ms: rows/s
+                      archived (written, then re-read and verified), archive
+                      bytes per row, the milliseconds of DETACH ... CONCURRENTLY
+                      and of DROP, the reader's and the writer's longest call.
 
 An embedded PostgreSQL (or KICKASS_DATABASE_URL: a server where this may
 CREATE DATABASE). ``--quick`` runs fewer sessions. The full scale of the
@@ -270,6 +278,118 @@ def _copy(conninfo: str, sid: str, rows: list[ProbeOutcome]) -> None:
                               o.observed_frag_size, o.reassembly_invalid))  # fmt: skip
 
 
+# -- c: retire one day ------------------------------------------------------------------------
+
+
+def retire(url: str, sessions: int, rng: random.Random) -> dict[str, Any]:
+    import tempfile
+    import threading
+
+    import pyarrow.parquet as pq  # type: ignore[import-untyped]
+    from kickass_analysis import archive, rollups
+
+    day = datetime.now(UTC).date() - timedelta(days=3)
+    t0 = datetime(day.year, day.month, day.day, 12, tzinfo=UTC)
+    conninfo = db.libpq_url(url)
+    with partitions.Partitions(url) as p:
+        for table in partitions.PARTITIONED:
+            p.ensure_days(table, day, day)
+    store = StudyStore(url)
+    started = time.monotonic()
+    try:
+        for _ in range(sessions):
+            sid = new_session(store, rng)
+            with psycopg.connect(conninfo, autocommit=True) as conn:
+                conn.execute("UPDATE sessions SET created_at = %s WHERE session_id = %s", (t0, sid))
+            _copy(conninfo, sid, outcomes(FULL_PLAN, rng, t0))
+            store.finish_session(sid, "complete", None, None)
+        with psycopg.connect(conninfo, autocommit=True) as conn:
+            conn.execute(
+                """INSERT INTO router_runs (run_name, router_kind, capacity_bps, options,
+                       started_at, finished_at)
+                   VALUES ('bench-retire', 'kickass', 1e8, '{}'::jsonb, %s, %s)""",
+                (t0, t0 + timedelta(hours=1)),
+            )
+            conn.execute(
+                """INSERT INTO router_telemetry (run_id, t, recorded_at, advertised_rate_bps,
+                       leading_fragment_len, input_rate_bps, output_rate_bps, queue_bytes,
+                       marking_mode, rtt_ms, drops, fragmented, extra)
+                   SELECT r.id, g / 100.0, r.started_at + make_interval(secs => g / 100.0),
+                          9.5e7 + g % 1000, 1000, 9e7, 9e7, 1500 + g % 7000,
+                          CASE WHEN g % 30000 < 15000 THEN 'kickass' ELSE 'tcp' END, 100,
+                          g / 1000, g, jsonb_build_object('flows', g % 17, 'cpu', 0.25)
+                   FROM router_runs r CROSS JOIN generate_series(0, 359999) g
+                   WHERE r.run_name = 'bench-retire'"""
+            )
+        rollups.refresh(url)
+        # Today's live session, which the writer fills while the day retires.
+        live = new_session(store, rng)
+        store.mark_probing(live, "198.51.100.2", 40000, 20.0)
+    finally:
+        store.close()
+    seeded_s = time.monotonic() - started
+    waits: dict[str, list[float]] = {"reader": [], "writer": []}
+    stop = threading.Event()
+
+    def reader() -> None:
+        with psycopg.connect(conninfo, autocommit=True) as conn:
+            while not stop.is_set():
+                t = time.monotonic()
+                conn.execute("SELECT count(*) FROM v_session_rollup").fetchone()
+                waits["reader"].append(time.monotonic() - t)
+                stop.wait(0.02)
+
+    def writer() -> None:
+        w = StudyStore(url)
+        rows = outcomes(FULL_PLAN, rng, datetime.now(UTC))
+        try:
+            n = 0
+            while not stop.is_set():
+                t = time.monotonic()
+                w.record_outcomes(live, rows[n : n + BATCH])
+                waits["writer"].append(time.monotonic() - t)
+                n = (n + BATCH) % len(rows)
+                stop.wait(0.02)
+        finally:
+            w.close()
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (reader, writer)]
+    for t in threads:
+        t.start()
+    with tempfile.TemporaryDirectory(prefix="kickass-archive-bench-") as root:
+        result = archive.retire(url, root, {"probe_outcomes": 2, "router_telemetry": 2})
+        stop.set()
+        for t in threads:
+            t.join()
+        verified = archive.verify_archive(root)
+        groups = {}
+        for table in partitions.PARTITIONED:
+            part = archive.day_dir(Path(root), table, day) / archive.part_name(0)
+            meta = pq.ParquetFile(part).metadata
+            groups[table] = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+    days = {d.table: d for d in result.days if d.day == day}
+    out: dict[str, Any] = {
+        "day": day.isoformat(),
+        "sessions": sessions,
+        "seeding_s": seeded_s,
+        "retire_s": result.seconds,
+        "verify_offline_ok": verified.ok,
+        "reader_max_ms": max(waits["reader"]) * 1000.0,
+        "writer_max_ms": max(waits["writer"]) * 1000.0,
+        "reader_calls": len(waits["reader"]),
+        "writer_calls": len(waits["writer"]),
+    }
+    for table, d in days.items():
+        out[table] = {
+            **d.to_json(),
+            "write_rows_per_s": d.rows / d.write_s if d.write_s else None,
+            "verify_rows_per_s": d.rows / d.verify_s if d.verify_s else None,
+            "bytes_per_row": d.bytes / d.rows if d.rows else None,
+            "row_groups": groups[table],
+        }
+    return out
+
+
 # -- pruning --------------------------------------------------------------------------------
 
 
@@ -330,14 +450,26 @@ def _given(url: str) -> Iterator[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer sessions")
+    parser.add_argument(
+        "--only", choices=("durable_counts", "ingest", "pruning", "retire"), action="append",
+        help="only these figures (repeat; default: all)",
+    )  # fmt: skip
     args = parser.parse_args()
     rng = random.Random(28)
     sessions, rounds = (20, 2) if args.quick else (80, 9)
+    # One day of the issue's 100 M rows is about 90 full-plan sessions (3.3 M rows).
+    retire_sessions = 10 if args.quick else 90
+    only = set(args.only or ("durable_counts", "ingest", "pruning", "retire"))
     out: dict[str, Any] = {"quick": args.quick, "load": os.getloadavg()}
     with database() as url:
-        out["durable_counts"] = durable_counts(url, sessions, rng)
-        out["ingest"] = ingest(url, rounds, rng)
-        out["pruning"] = pruning(url, rng)
+        if "durable_counts" in only:
+            out["durable_counts"] = durable_counts(url, sessions, rng)
+        if "ingest" in only:
+            out["ingest"] = ingest(url, rounds, rng)
+        if "pruning" in only:
+            out["pruning"] = pruning(url, rng)
+        if "retire" in only:
+            out["retire"] = retire(url, retire_sessions, rng)
     out["load_after"] = os.getloadavg()
     json.dump(out, sys.stdout, indent=2, default=str)
     print()
