@@ -59,6 +59,11 @@ and never a dropped day without a verified row. ``KICKASS_ARCHIVE_INJECT``
 ``verify`` needs no database: it checks every manifest and file under a
 root (a researcher's copy). ``restore`` puts a retired day back from its
 files (and, with ``recount``, writes its sessions' durable counts again).
+
+A settled Atlas campaign's outcomes go to ``ROOT/atlas_outcomes/campaign=NAME/``
+the same way (``write_campaign``; the scheduled ``atlas`` item calls it once
+the campaign is settled), and stay in the database: Atlas tables are never
+dropped. A snapshot that still holds what the database holds is kept.
 """
 
 from __future__ import annotations
@@ -71,8 +76,9 @@ import re
 import shutil
 import signal
 import time
+import urllib.parse
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import date, datetime, timedelta
 from pathlib import Path
@@ -84,6 +90,7 @@ from kickass_db import engine as db
 from kickass_db.archive_store import (
     ABSENT,
     ATTACHED,
+    CAMPAIGN_SELECT,
     CHECKS,
     DETACHED,
     PENDING,
@@ -109,7 +116,8 @@ MANIFEST = "_manifest.json"
 ROW_GROUP_ROWS = 128 * 1024
 # Days kept raw in the database, per table (the settings' defaults).
 KEEP_RAW_DAYS: dict[str, int] = {"probe_outcomes": 30, "router_telemetry": 7}
-FOLDERS = (*ARCHIVED_TABLES, SIDECAR)
+ATLAS = "atlas_outcomes"  # a settled campaign's snapshot, never dropped from the database
+FOLDERS = (*ARCHIVED_TABLES, SIDECAR, ATLAS)
 INJECT_ENV = "KICKASS_ARCHIVE_INJECT"
 INJECTION_POINTS = (
     "after-first-file", "before-manifest", "after-manifest", "after-verify", "after-detach",
@@ -119,6 +127,9 @@ PARQUET = {
     "source": "COPY (FORMAT csv) parsed by pyarrow.csv with the columns' types",
 }
 _DAY = re.compile(r"day=(\d{4}-\d{2}-\d{2})")
+_CAMPAIGN = re.compile(r"campaign=(.+)")
+# What one folder of a table holds: a day, or (atlas_outcomes) a campaign.
+Key = tuple[str, str]
 
 
 class InjectedFault(Exception):
@@ -138,7 +149,17 @@ def _inject(point: str) -> None:
 
 
 def day_dir(root: Path, folder: str, day: date) -> Path:
-    return root / folder / f"day={day.isoformat()}"
+    return dataset_dir(root, folder, ("day", day.isoformat()))
+
+
+def campaign_dir(root: Path, campaign: str) -> Path:
+    return dataset_dir(root, ATLAS, ("campaign", campaign))
+
+
+def dataset_dir(root: Path, folder: str, key: Key) -> Path:
+    """``ROOT/<folder>/<name>=<value>``, the value escaped as Hive partitions are
+    (DuckDB, Spark and Arrow read it back unescaped)."""
+    return root / folder / f"{key[0]}={urllib.parse.quote(key[1], safe='')}"
 
 
 def part_name(n: int) -> str:
@@ -150,10 +171,11 @@ def part_name(n: int) -> str:
 
 @dataclass
 class Dataset:
-    """One verified folder: a day of a table, or its sessions' sidecar."""
+    """One verified folder: a day of a table or its sessions' sidecar, or a
+    campaign's Atlas outcomes."""
 
     folder: str
-    day: date
+    key: Key
     path: Path
     manifest: dict[str, Any] = field(default_factory=dict)
     manifest_sha256: str = ""
@@ -166,10 +188,14 @@ class Dataset:
     def ok(self) -> bool:
         return not self.problems
 
+    @property
+    def day(self) -> date | None:
+        return _date(self.key[1]) if self.key[0] == "day" else None
+
     def to_json(self) -> dict[str, Any]:
         return {
             "table": self.folder,
-            "day": self.day.isoformat(),
+            self.key[0]: self.key[1],
             "path": str(self.path),
             "rows": self.rows,
             "bytes": self.bytes,
@@ -221,21 +247,27 @@ def verify_archive(root: str | os.PathLike[str]) -> VerifyReport:
         if not entry.is_dir() or entry.name not in FOLDERS:
             report.problems.append(f"{entry}: unexpected (an archive holds {', '.join(FOLDERS)})")
             continue
+        pattern, what = (_CAMPAIGN, "campaign=NAME") if entry.name == ATLAS else (_DAY, "day=D")
         for sub in sorted(entry.iterdir()):
-            m = _DAY.fullmatch(sub.name)
+            m = pattern.fullmatch(sub.name)
             if sub.name.startswith("."):
                 report.partials.append(f"{entry.name}/{sub.name}")
             elif m is None or not sub.is_dir():
-                report.problems.append(f"{sub}: unexpected (a table holds day=YYYY-MM-DD folders)")
+                report.problems.append(f"{sub}: unexpected (this table holds {what} folders)")
             else:
-                report.datasets.append(verify_dataset(base, entry.name, _date(m[1])))
+                key = (what.split("=")[0], urllib.parse.unquote(m[1]))
+                report.datasets.append(_verify(base, entry.name, key))
     return report
 
 
 def verify_dataset(root: Path, folder: str, day: date) -> Dataset:
     """One day's folder against its manifest (see ``verify_archive``)."""
-    path = day_dir(root, folder, day)
-    out = Dataset(folder, day, path)
+    return _verify(root, folder, ("day", day.isoformat()))
+
+
+def _verify(root: Path, folder: str, key: Key) -> Dataset:
+    path = dataset_dir(root, folder, key)
+    out = Dataset(folder, key, path)
     manifest_path = path / MANIFEST
     try:
         blob = manifest_path.read_bytes()
@@ -254,10 +286,10 @@ def verify_dataset(root: Path, folder: str, day: date) -> Dataset:
     if manifest.get("schema_version") != SCHEMA_VERSION:
         out.problems.append(f"{MANIFEST}: schema_version {manifest.get('schema_version')!r}")
         return out
-    if manifest.get("table") != folder or manifest.get("day") != day.isoformat():
+    if manifest.get("table") != folder or manifest.get(key[0]) != key[1]:
         out.problems.append(
-            f"{MANIFEST} describes {manifest.get('table')} {manifest.get('day')}, "
-            f"not {folder} {day}"
+            f"{MANIFEST} describes {manifest.get('table')} {manifest.get(key[0])}, "
+            f"not {folder} {key[1]}"
         )
     listed = {str(f.get("path")): f for f in manifest.get("files") or []}
     present = {p.name for p in path.iterdir() if p.name != MANIFEST}
@@ -299,7 +331,7 @@ def verify_dataset(root: Path, folder: str, day: date) -> Dataset:
         if not isinstance(sidecar, dict):
             out.problems.append("the manifest names no sessions sidecar")
         else:
-            target = day_dir(root, SIDECAR, day) / MANIFEST
+            target = dataset_dir(root, SIDECAR, key) / MANIFEST
             try:
                 actual = _sha256(target.read_bytes())
             except FileNotFoundError:
@@ -404,10 +436,10 @@ class Written:
     seconds: float
 
 
-def _sweep_day(root: Path, day: date) -> None:
-    """The partial folders a killed attempt at ``day`` left (this process holds the day)."""
-    name = f"day={day.isoformat()}"
-    for folder in FOLDERS:
+def _sweep(root: Path, folders: Iterable[str], key: Key) -> None:
+    """The partial folders a killed attempt at ``key`` left (this process holds it)."""
+    name = dataset_dir(root, SIDECAR, key).name
+    for folder in folders:
         parent = root / folder
         if not parent.is_dir():
             continue
@@ -445,37 +477,54 @@ def _write_day(
     REPEATABLE READ snapshot, or kept when published ones verify and hold what
     the database holds. Only while the partition is attached."""
     t0 = time.monotonic()
-    _sweep_day(root, day)
+    _sweep(root, (table, SIDECAR), ("day", day.isoformat()))
     low, high = bounds(day)
     name = relation(table, day)
+    key = ("day", day.isoformat())
+    where = {
+        "range": {"from": low.isoformat(), "to": high.isoformat()},
+        "partition_key": PARTITIONED[table],
+    }
+    with _snapshot(engine, tag) as (conn, raw, context):
+        sidecar: Dataset | None = None
+        wrote = False
+        if table == "probe_outcomes":
+            select = SIDECAR_SELECT.format(low=low.isoformat(), high=high.isoformat())
+            sidecar, made = _dataset(
+                conn, raw, root, SIDECAR, key, select, f"({select}) x", None, context, progress,
+                {**where, "partition_key": "created_at"},
+            )  # fmt: skip
+            wrote |= made
+        order = ", ".join(CHECKS[table].order)
+        select = f"SELECT * FROM {name} ORDER BY {order}"
+        data, made = _dataset(
+            conn, raw, root, table, key, select, name, sidecar, context, progress, where
+        )
+        wrote |= made
+    return Written(
+        data.manifest, data.manifest_sha256, data.rows, data.bytes, data.files, wrote,
+        time.monotonic() - t0,
+    )  # fmt: skip
+
+
+@contextlib.contextmanager
+def _snapshot(
+    engine: Any, tag: str
+) -> Iterator[tuple[Connection, psycopg.Connection[Any], dict[str, Any]]]:
+    """One read-only REPEATABLE READ transaction: the rows, their checks and the
+    revision of everything written in it are one snapshot of the database."""
     with engine.connect() as conn:
         conn = conn.execution_options(isolation_level="REPEATABLE READ", postgresql_readonly=True)
         with conn.begin():
             export.text_settings(conn)
             raw = conn.connection.driver_connection
             assert isinstance(raw, psycopg.Connection)
-            revision = export.alembic_revision(conn)
-            written_at = conn.execute(text("SELECT transaction_timestamp()")).scalar_one()
-            context = {"revision": revision, "written_at": written_at, "tag": tag}
-            sidecar: Dataset | None = None
-            wrote = False
-            if table == "probe_outcomes":
-                select = SIDECAR_SELECT.format(low=low.isoformat(), high=high.isoformat())
-                sidecar, made = _dataset(
-                    conn, raw, root, SIDECAR, day, select, f"({select}) x", None, context,
-                    progress,
-                )  # fmt: skip
-                wrote |= made
-            order = ", ".join(CHECKS[table].order)
-            select = f"SELECT * FROM {name} ORDER BY {order}"
-            data, made = _dataset(
-                conn, raw, root, table, day, select, name, sidecar, context, progress
-            )
-            wrote |= made
-    return Written(
-        data.manifest, data.manifest_sha256, data.rows, data.bytes, data.files, wrote,
-        time.monotonic() - t0,
-    )  # fmt: skip
+            context = {
+                "revision": export.alembic_revision(conn),
+                "written_at": conn.execute(text("SELECT transaction_timestamp()")).scalar_one(),
+                "tag": tag,
+            }
+            yield conn, raw, context
 
 
 def _dataset(
@@ -483,21 +532,24 @@ def _dataset(
     raw: psycopg.Connection[Any],
     root: Path,
     folder: str,
-    day: date,
+    key: Key,
     select: str,
     source: str,
     sidecar: Dataset | None,
     context: Mapping[str, Any],
     progress: Progress | None,
+    where: Mapping[str, Any],
 ) -> tuple[Dataset, bool]:
-    """One folder of the day: kept if published and equal to the database's
-    rows (by its checks, and its sidecar the current one), else written anew."""
+    """One folder (a day, or a campaign): kept if published and equal to the
+    database's rows (by its checks, and its sidecar the current one), else
+    written anew. ``where``: what the manifest says of the rows' origin."""
     columns = _query_columns(raw, select)
     booleans = {c.name for c in columns if c.typname == "bool"}
     checks = pg_checks(conn, CHECKS[folder], source, booleans)
-    final = day_dir(root, folder, day)
+    final = dataset_dir(root, folder, key)
+    label = f"{folder} {key[1]}"
     if final.exists():
-        found = verify_dataset(root, folder, day)
+        found = _verify(root, folder, key)
         same = (
             found.ok
             and not same_checks(found.manifest.get("checks") or {}, checks)
@@ -515,12 +567,12 @@ def _dataset(
 
         def tick(rows: int, seconds: float) -> None:
             if progress is not None:
-                progress("writing", {"table": folder, "day": day.isoformat(), "rows": rows})
+                progress("writing", {"table": folder, key[0]: key[1], "rows": rows})
 
         rows = export.write_parquet(
             raw,
             sql.Composed([sql.SQL(select)]),
-            f"{folder} {day}",
+            label,
             columns,
             part,
             export.Meter(tick),
@@ -529,21 +581,18 @@ def _dataset(
         _inject("after-first-file")
         if rows != checks["rows"]:
             raise KickassError(
-                f"the archive of {folder} {day} got {rows} rows, PostgreSQL counted "
-                f"{checks['rows']}",
+                f"the archive of {label} got {rows} rows, PostgreSQL counted {checks['rows']}",
                 hint="nothing was published; please report this",
             )
         size = part.stat().st_size
         files = [
             {"path": part.name, "rows": rows, "bytes": size, "sha256": export.sha256_file(part)}
         ]
-        low, high = bounds(day)
         manifest: dict[str, Any] = {
             "schema_version": SCHEMA_VERSION,
             "table": folder,
-            "day": day.isoformat(),
-            "range": {"from": low.isoformat(), "to": high.isoformat()},
-            "partition_key": PARTITIONED.get(folder, "created_at"),
+            key[0]: key[1],
+            **where,
             "written_at": context["written_at"].isoformat(),
             "alembic_revision": context["revision"],
             "query": select,
@@ -556,7 +605,7 @@ def _dataset(
         }
         if sidecar is not None:
             manifest["sidecar"] = {
-                "path": f"../../{SIDECAR}/day={day.isoformat()}/{MANIFEST}",
+                "path": f"../../{SIDECAR}/{final.name}/{MANIFEST}",
                 "sha256": sidecar.manifest_sha256,
                 "rows": sidecar.rows,
             }
@@ -576,7 +625,7 @@ def _dataset(
             )
     except OSError as exc:
         raise KickassError(
-            f"cannot write the archive of {folder} {day} in {final.parent}: {exc.strerror or exc}",
+            f"cannot write the archive of {label} in {final.parent}: {exc.strerror or exc}",
             hint="give the archive room (or another folder); the day stays in the database",
         ) from exc
     finally:
@@ -585,7 +634,7 @@ def _dataset(
         if aside is not None:
             with contextlib.suppress(FileNotFoundError):
                 _remove(aside)
-    out = Dataset(folder, day, final, manifest, _sha256(blob), rows, size, 1)
+    out = Dataset(folder, key, final, manifest, _sha256(blob), rows, size, 1)
     return out, True
 
 
@@ -874,6 +923,53 @@ def write(
     finally:
         store.close()
     return out
+
+
+def write_campaign(
+    database_url: str | None,
+    root: str | os.PathLike[str],
+    campaign: str,
+    *,
+    tag: str | None = None,
+    progress: Progress | None = None,
+) -> Written:
+    """A settled Atlas campaign's outcomes as ``ROOT/atlas_outcomes/campaign=NAME/``
+    (the scheduled ``atlas`` item writes it once the campaign is settled), or
+    the snapshot already there kept when it still holds what the database
+    holds (it is written again when late results changed them). The rows stay
+    in the database: Atlas tables are never dropped."""
+    base = Path(root)
+    key = ("campaign", campaign)
+    store = ArchiveStore(database_url)
+    try:
+        db.check_connection(store.engine)
+        campaign_id = store.campaign_id(campaign)
+        if campaign_id is None:
+            raise KickassError(
+                f"no Atlas campaign {campaign!r}", hint="kickass atlas status lists the campaigns"
+            )
+        if not store.lock_campaign(campaign_id):
+            raise KickassError(f"another archiver is writing the campaign {campaign!r}")
+        try:
+            t0 = time.monotonic()
+            _sweep(base, (ATLAS,), key)
+            base.mkdir(parents=True, exist_ok=True)
+            source = CAMPAIGN_SELECT.format(campaign_id=int(campaign_id))
+            select = f"{source} ORDER BY {', '.join(CHECKS[ATLAS].order)}"
+            where = {"partition_key": "campaign_id", "campaign_id": int(campaign_id)}
+            with _snapshot(store.engine, tag or f"p{os.getpid()}") as (conn, raw, context):
+                data, made = _dataset(
+                    conn, raw, base, ATLAS, key, select, f"({source}) x", None, context,
+                    progress, where,
+                )  # fmt: skip
+        finally:
+            store.unlock_campaign(campaign_id)
+    finally:
+        store.close()
+    return Written(
+        data.manifest, data.manifest_sha256, data.rows, data.bytes, data.files, made,
+        time.monotonic() - t0,
+    )  # fmt: skip
 
 
 def restore(

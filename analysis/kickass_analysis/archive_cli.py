@@ -3,6 +3,7 @@
     kickass archive retire --archive /srv/kickass/archive
     kickass archive verify /mnt/copy-of-the-archive          # no database needed
     kickass archive restore probe_outcomes 2026-11-01 --recount
+    kickass archive campaign eu-1                            # a settled Atlas campaign
 
 The work is ``kickass_analysis.archive`` (imported when the command runs, so
 pyarrow does not slow every other `kickass` command down). Settings:
@@ -95,6 +96,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     common(q, root=False)
     q.set_defaults(func=cmd_list)
 
+    q = sub.add_parser(
+        "campaign", help="a settled Atlas campaign's outcomes as Parquet (never dropped)"
+    )
+    q.add_argument("name", metavar="CAMPAIGN", help="the campaign's name")
+    common(q)
+    q.set_defaults(func=cmd_campaign)
+
     q = sub.add_parser("restore", help="put a retired day back from its files")
     q.add_argument("table", choices=TABLES)
     q.add_argument("day", type=_day, metavar="DAY", help="YYYY-MM-DD (UTC)")
@@ -165,6 +173,23 @@ def cmd_write(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_campaign(args: argparse.Namespace) -> int:
+    from . import archive
+
+    _terminate_as_interrupt()
+    written = archive.write_campaign(
+        args.database_url, archive_root(args.archive), args.name, progress=_progress
+    )
+    if args.json:
+        print(json.dumps({"campaign": args.name, "rows": written.rows, "bytes": written.bytes,
+                          "written": written.wrote,
+                          "manifest_sha256": written.manifest_sha256}, indent=2))  # fmt: skip
+    else:
+        what = "written" if written.wrote else "already archived (kept)"
+        print(f"campaign {args.name}: {written.rows:,} rows, {written.bytes:,} bytes, {what}")
+    return 0
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     from . import archive
 
@@ -175,12 +200,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     else:
         for d in report.datasets:
             status = "ok" if d.ok else "BAD"
-            print(f"{status:3} {d.folder}/day={d.day}: {d.rows:,} rows, {d.bytes:,} bytes")
+            print(f"{status:3} {d.folder}/{d.path.name}: {d.rows:,} rows, {d.bytes:,} bytes")
         for problem in report.all_problems():
             print(f"problem: {problem}", file=sys.stderr)
         total = sum(d.rows for d in report.datasets)
         print(
-            f"{len(report.datasets)} day folders, {total:,} rows: "
+            f"{len(report.datasets)} folders, {total:,} rows: "
             + ("every file verified" if report.ok else f"{len(report.all_problems())} problems")
         )
     return 0 if report.ok else 1
@@ -256,7 +281,8 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
 def _progress(event: str, data: dict[str, Any]) -> None:
     if sys.stderr.isatty() and event == "writing":
-        print(f"{data['table']} {data['day']}: {data['rows']:,} rows", file=sys.stderr, flush=True)
+        where = data.get("day") or data.get("campaign")
+        print(f"{data['table']} {where}: {data['rows']:,} rows", file=sys.stderr, flush=True)
 
 
 def _terminate_as_interrupt() -> None:

@@ -76,6 +76,14 @@ CHECKS: dict[str, CheckSpec] = {
         flags=("leading_fragment_len", "output_rate_bps"),
         order=("run_id", "t"),
     ),
+    # A settled Atlas campaign's outcomes (archived, never dropped).
+    "atlas_outcomes": CheckSpec(
+        group="outcome",
+        total="packet_index",
+        times=("result_at", "replied_at"),
+        flags=("rtt_ms", "error"),
+        order=("msm_id", "prb_id", "result_at", "packet_index"),
+    ),
     # The sessions' sidecar of a probe_outcomes day.
     "sessions": CheckSpec(
         group="state",
@@ -101,6 +109,9 @@ FROM sessions s CROSS JOIN archive_secrets k
 WHERE k.name = 'client_key' AND s.created_at >= '{low}' AND s.created_at < '{high}'
 ORDER BY s.id
 """
+
+# A campaign's Atlas outcomes as they leave the database (its snapshot).
+CAMPAIGN_SELECT = "SELECT * FROM atlas_outcomes WHERE campaign_id = {campaign_id}"
 
 _FINAL = "(" + ", ".join(f"'{s}'" for s in FINAL_STATES) + ")"
 
@@ -134,15 +145,12 @@ GROUP BY p.run_id ORDER BY p.run_id
 _LOCK_DAY = text(
     "SELECT pg_advisory_xact_lock(archive_lock_key(:table), CAST(:day AS date) - date '2000-01-01')"
 )
-# One archiver per day at a time (held by a connection for as long as it works on the day).
-_TRY_ARCHIVER = text(
-    "SELECT pg_try_advisory_lock(hashtext('kickass: archiver of ' || :table), "
-    "CAST(:day AS date) - date '2000-01-01')"
-)
-_UNLOCK_ARCHIVER = text(
-    "SELECT pg_advisory_unlock(hashtext('kickass: archiver of ' || :table), "
-    "CAST(:day AS date) - date '2000-01-01')"
-)
+# One archiver per day (or campaign) at a time, held by a connection for as
+# long as it works on it: the table and the day (or the campaign's id).
+_ARCHIVER = "hashtext('kickass: archiver of ' || :table), CAST(:n AS integer)"
+_TRY_ARCHIVER = text(f"SELECT pg_try_advisory_lock({_ARCHIVER})")
+_UNLOCK_ARCHIVER = text(f"SELECT pg_advisory_unlock({_ARCHIVER})")
+_EPOCH = date(2000, 1, 1)
 _CLAIM = text("""
 INSERT INTO archive_partitions (table_name, day, range_from, range_to, claimed_at)
 VALUES (:table, :day, :low, :high, now())
@@ -332,14 +340,33 @@ class ArchiveStore(StoreBase):
 
     def lock_day(self, table: str, day: date) -> bool:
         """This store's archiver holds the day (False: another one does)."""
-        if self._archiver is None:
-            self._archiver = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
-        got = self._archiver.execute(_TRY_ARCHIVER, {"table": table, "day": day}).scalar_one()
-        return bool(got)
+        return self._lock(table, (day - _EPOCH).days)
 
     def unlock_day(self, table: str, day: date) -> None:
+        self._unlock(table, (day - _EPOCH).days)
+
+    def lock_campaign(self, campaign_id: int) -> bool:
+        """This store's archiver holds the campaign's snapshot (False: another one does)."""
+        return self._lock("atlas_outcomes", campaign_id)
+
+    def unlock_campaign(self, campaign_id: int) -> None:
+        self._unlock("atlas_outcomes", campaign_id)
+
+    def _lock(self, table: str, n: int) -> bool:
+        if self._archiver is None:
+            self._archiver = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+        return bool(self._archiver.execute(_TRY_ARCHIVER, {"table": table, "n": n}).scalar_one())
+
+    def _unlock(self, table: str, n: int) -> None:
         if self._archiver is not None:
-            self._archiver.execute(_UNLOCK_ARCHIVER, {"table": table, "day": day})
+            self._archiver.execute(_UNLOCK_ARCHIVER, {"table": table, "n": n})
+
+    def campaign_id(self, name: str) -> int | None:
+        return self.run(
+            lambda conn: conn.execute(
+                text("SELECT id FROM atlas_campaigns WHERE name = :name"), {"name": name}
+            ).scalar_one_or_none()
+        )
 
     # -- the steps ------------------------------------------------------------------------
 

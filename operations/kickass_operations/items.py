@@ -123,6 +123,20 @@ def run_atlas(item: Item, ctx: Context) -> Result:
         counts["warnings"] = warnings[:20]
     if after and after["settled"] and report.results_new == 0 and report.results_late == 0:
         why = "settled: every measurement has stopped and its results are in"
+        if item.archive is not None:
+            # The settled campaign's outcomes as a Parquet snapshot (kept as
+            # it is while the database holds the same; never dropped).
+            from kickass_analysis import archive
+
+            snap = archive.write_campaign(
+                ctx.database_url, ctx.path(item.archive), campaign.name,
+                tag=partial_tag(ctx.run_id, ctx.attempt),
+            )  # fmt: skip
+            counts["archive"] = {
+                "rows": snap.rows, "bytes": snap.bytes, "written": snap.wrote,
+                "manifest_sha256": snap.manifest_sha256,
+            }  # fmt: skip
+            why += "; its outcomes archived" if snap.wrote else "; its outcomes' archive is current"
         return Result(SKIPPED, why, counts)
     return Result(OK, None, counts)
 

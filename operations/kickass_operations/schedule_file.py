@@ -19,7 +19,9 @@ Kinds and their settings:
 
 * ``atlas``: ``campaign`` (the Atlas campaign file); creates its
   measurements when due (never twice), then fetches on every run until they
-  settle, each fetch bounded by ``timeout_s``.
+  settle, each fetch bounded by ``timeout_s``; with ``archive`` (a folder),
+  a settled campaign's outcomes are written there as Parquet
+  (``atlas_outcomes/campaign=NAME/``), again only when late results change them.
 * ``trials``: ``trials`` (a ``kickass_wan.service.RoundSettings`` table): one
   round of interleaved trials; the order of the agents and the seed of the
   periods are drawn per round and stored with the trial.
@@ -166,7 +168,8 @@ class Item(_Model):
     partitions_ahead: Annotated[int, Field(ge=2, le=366)] = 7
     # housekeeping: where the raw days past keeping go (None: nothing is
     # retired), and how many days each raw table keeps (the archive's
-    # defaults for a table not named: probe_outcomes 30, router_telemetry 7)
+    # defaults for a table not named: probe_outcomes 30, router_telemetry 7);
+    # atlas: where a settled campaign's outcomes are archived
     archive: str | None = None
     keep_raw_days: dict[str, Annotated[int, Field(ge=1, le=36_500)]] | None = None
 

@@ -18,7 +18,9 @@ trials), rolled up by the refresh:
 - a retirement stopped between any two steps leaves no day missing from the
   database without a verified row and verifying files, counts no row twice,
   and the next run finishes it;
-- the housekeeping item retires with its counts in item_runs.
+- the housekeeping item retires with its counts in item_runs;
+- a settled Atlas campaign's outcomes are archived whole, kept while the
+  database holds the same and written again when a late result changes them.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import pytest
 from kickass_analysis import archive, export, rollups
 from kickass_analysis.report import Filters, ReportStore
 from kickass_core import cli
+from kickass_core.errors import KickassError
 from kickass_db.study_store import ProbeOutcome, SessionRetired, StudyStore
 from kickass_server.api import ApiConfig, create_app
 from kickass_server.engine import ProbeEngine
@@ -460,6 +463,45 @@ def test_a_full_archive_disk_drops_nothing(
     assert raw_rows(url, "probe_outcomes") == before
     assert all(r["verified_at"] is None for r in archive_rows(url))
     assert [p for p in root.rglob("*") if p.is_file()] == []  # no partial file left
+
+
+# -- a settled Atlas campaign -----------------------------------------------------------------
+
+
+def test_a_campaign_is_archived_whole_and_kept_current(seeded: str, tmp_path: Path) -> None:
+    url, root = seeded, tmp_path / "archive"
+    count = (
+        "SELECT count(*) AS n FROM atlas_outcomes o JOIN atlas_campaigns c "
+        "ON c.id = o.campaign_id WHERE c.name = 'seed-atlas'"
+    )
+    with connect(url) as conn:
+        n = conn.execute(count).fetchone()
+    assert n is not None and n["n"] > 0
+    first = archive.write_campaign(url, root, "seed-atlas")
+    assert first.wrote and first.rows == n["n"]
+    assert archive.campaign_dir(root, "seed-atlas").name == "campaign=seed-atlas"
+    report = archive.verify_archive(root)
+    assert report.ok and [d.key for d in report.datasets] == [("campaign", "seed-atlas")]
+    columns = first.manifest["columns"]
+    assert all(c["postgresql_type"] != "inet" for c in columns)
+    # Written once: the snapshot stands while the database holds the same...
+    again = archive.write_campaign(url, root, "seed-atlas")
+    assert not again.wrote and again.manifest_sha256 == first.manifest_sha256
+    # ...and is written again when a late result changed it.
+    with connect(url) as conn:
+        conn.execute(
+            "UPDATE atlas_outcomes SET error = 'late' WHERE ctid = "
+            "(SELECT ctid FROM atlas_outcomes WHERE error IS NULL LIMIT 1)"
+        )
+        conn.commit()
+    third = archive.write_campaign(url, root, "seed-atlas")
+    assert third.wrote and third.manifest_sha256 != first.manifest_sha256
+    assert third.manifest["checks"]["rows_error"] == first.manifest["checks"]["rows_error"] + 1
+    assert archive.verify_archive(root).ok
+    with connect(url) as conn:
+        assert conn.execute(count).fetchone() == n  # never dropped
+    with pytest.raises(KickassError, match="no Atlas campaign 'nope'"):
+        archive.write_campaign(url, root, "nope")
 
 
 # -- what readers see after retirement -------------------------------------------------------
