@@ -779,6 +779,11 @@ def _retire_day(
     except (KickassError, DBAPIError) as exc:
         out.outcome = "failed"
         out.reasons.append(_reason(exc))
+        # Still attached (nothing detached or dropped): its late writes are
+        # taken again until the next retirement claims it.
+        with contextlib.suppress(KickassError, DBAPIError):
+            if store.state(table, day) == ATTACHED:
+                store.release(table, day)
     finally:
         store.unlock_day(table, day)
     return out
@@ -828,8 +833,12 @@ def _steps(
         if row["detached_at"] is None:
             store.detach(table, day)  # its row marked detached
         # Verified again before the drop: the files as recorded, and the
-        # detached table holding exactly what they hold.
-        data = _verify_recorded(store, root, table, day, out, record=False)
+        # detached table holding exactly what they hold. Either failing, the
+        # day is attached again (the next retirement writes its files anew).
+        try:
+            data = _verify_recorded(store, root, table, day, out, record=False)
+        except KickassError as exc:
+            store.reattach(table, day, exc.message)  # raises
         differ = same_checks(data.manifest["checks"], store.checks(table, day))
         if differ:
             store.reattach(table, day, "; ".join(differ[:3]))  # raises

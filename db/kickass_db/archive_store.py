@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 from kickass_core.errors import KickassError
 from kickass_core.states import FINAL_STATES
@@ -386,6 +386,19 @@ class ArchiveStore(StoreBase):
 
         return self.run(work)
 
+    def release(self, table: str, day: date) -> None:
+        """Give up a claim on a day still attached (a retirement that failed
+        before its detach): late writes for it are taken again."""
+        self.run(
+            lambda conn: conn.execute(
+                text(
+                    "UPDATE archive_partitions SET claimed_at = NULL WHERE table_name = :table "
+                    "AND day = :day AND detached_at IS NULL AND dropped_at IS NULL"
+                ),
+                {"table": table, "day": day},
+            )
+        )
+
     def note(self, table: str, day: date) -> None:
         """A row for a day archived without being retired (``kickass archive write``)."""
         low, high = bounds(day)
@@ -520,9 +533,10 @@ class ArchiveStore(StoreBase):
                 time.sleep(0.1 * 2**attempt)
         raise AssertionError("unreachable")
 
-    def reattach(self, table: str, day: date, why: str) -> None:
+    def reattach(self, table: str, day: date, why: str) -> NoReturn:
         """Put a detached day back (its archive does not hold what it holds):
-        attached again, its row no longer verified nor detached."""
+        attached again, its row no longer claimed, verified nor detached; then
+        raise, saying why."""
         name = relation(table, day)
         low, high = bounds(day)
 
@@ -536,8 +550,8 @@ class ArchiveStore(StoreBase):
             )
             conn.execute(
                 text(
-                    "UPDATE archive_partitions SET verified_at = NULL, detached_at = NULL "
-                    "WHERE table_name = :table AND day = :day"
+                    "UPDATE archive_partitions SET claimed_at = NULL, verified_at = NULL, "
+                    "detached_at = NULL WHERE table_name = :table AND day = :day"
                 ),
                 {"table": table, "day": day},
             )

@@ -291,7 +291,7 @@ def test_verify_names_damage_and_retire_keeps_a_damaged_day(seeded: str, tmp_pat
 
     # Damaged before its drop: the next retire re-verifies, attaches the day
     # again and drops nothing.
-    rows_before = raw_rows_count(url, "probe_outcomes", day, detached=True)
+    rows_before = raw_rows_count(url, "probe_outcomes", day)
     part = folder / archive.part_name(0)
     data = bytearray(part.read_bytes())
     data[len(data) // 2] ^= 0x01
@@ -300,15 +300,15 @@ def test_verify_names_damage_and_retire_keeps_a_damaged_day(seeded: str, tmp_pat
     [failed] = [d for d in result.days if d.day == day]
     assert failed.outcome == "failed" and not failed.dropped
     assert "does not verify" in failed.reasons[0]
-    assert f"probe_outcomes_p{day:%Y%m%d}" in partitions_of(url, "probe_outcomes") or (
-        raw_rows_count(url, "probe_outcomes", day, detached=True) == rows_before
-    )
+    assert f"probe_outcomes_p{day:%Y%m%d}" in partitions_of(url, "probe_outcomes")
+    assert raw_rows_count(url, "probe_outcomes", day) == rows_before
     row = {r["day"]: r for r in archive_rows(url)}[day]
-    assert row["dropped_at"] is None
+    assert row["dropped_at"] is None and row["verified_at"] is None
+    assert row["claimed_at"] is None  # its late writes are taken again
     assert day < now
 
 
-def raw_rows_count(url: str, table: str, day: date, detached: bool = False) -> int:
+def raw_rows_count(url: str, table: str, day: date) -> int:
     with connect(url) as conn:
         row = conn.execute(f"SELECT count(*) AS n FROM {table}_p{day:%Y%m%d}").fetchone()
     assert row is not None
@@ -461,7 +461,8 @@ def test_a_full_archive_disk_drops_nothing(
     assert result.days and all(d.outcome == "failed" and not d.dropped for d in result.days)
     assert "No space left on device" in result.days[0].reasons[0]
     assert raw_rows(url, "probe_outcomes") == before
-    assert all(r["verified_at"] is None for r in archive_rows(url))
+    # Nothing verified, and the days not claimed: late writes are taken again.
+    assert all(r["verified_at"] is None and r["claimed_at"] is None for r in archive_rows(url))
     assert [p for p in root.rglob("*") if p.is_file()] == []  # no partial file left
 
 
