@@ -18,6 +18,7 @@ trials), rolled up by the refresh:
 - a retirement stopped between any two steps leaves no day missing from the
   database without a verified row and verifying files, counts no row twice,
   and the next run finishes it;
+- `write` archives a day without retiring it, and a later retire keeps its files;
 - the housekeeping item retires with its counts in item_runs;
 - a settled Atlas campaign's outcomes are archived whole, kept while the
   database holds the same and written again when a late result changes them.
@@ -241,6 +242,25 @@ def test_retire_and_restore_keep_every_row_and_count(
 
 def _no_database() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("KICKASS_")}
+
+
+def test_write_archives_a_day_and_retire_keeps_its_files(seeded: str, tmp_path: Path) -> None:
+    url, root = seeded, tmp_path / "archive"
+    day = today(url) - timedelta(days=1)
+    before = raw_rows(url, "probe_outcomes")[day]
+    first = archive.write(url, root, "probe_outcomes", day)
+    assert first.files_written and first.verified and first.rows == len(before)
+    [row] = [r for r in archive_rows(url) if r["day"] == day]
+    assert row["written_at"] and row["verified_at"] and row["claimed_at"] is None
+    assert f"probe_outcomes_p{day:%Y%m%d}" in partitions_of(url, "probe_outcomes")
+    again = archive.write(url, root, "probe_outcomes", day)
+    assert not again.files_written and again.verified  # the same rows: kept
+    with pytest.raises(KickassError, match="is still being filled"):
+        archive.write(url, root, "probe_outcomes", today(url))
+    result = archive.retire(url, root, ALL_DAYS, tables=["probe_outcomes"])
+    [retired] = [d for d in result.days if d.day == day]
+    assert retired.dropped and not retired.files_written  # the files written before
+    assert archive.verify_archive(root).ok
 
 
 # -- damage -----------------------------------------------------------------------------------
