@@ -17,7 +17,9 @@ trials), rolled up by the refresh:
   changes nothing; a replayed batch is refused; the day is never made again;
 - a retirement stopped between any two steps leaves no day missing from the
   database without a verified row and verifying files, counts no row twice,
-  and the next run finishes it;
+  and the next run finishes it; a full archive disk drops nothing and gives
+  the claim up;
+- the report reads a retired router run from its rollups;
 - `write` archives a day without retiring it, and a later retire keeps its files;
 - the housekeeping item retires with its counts in item_runs;
 - a settled Atlas campaign's outcomes are archived whole, kept while the
