@@ -166,7 +166,12 @@ def _int(v: Any) -> bool:
 _KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "text": (lambda v: isinstance(v, str), "a string"),
     "int": (_int, "an integer"),
-    "number": (lambda v: _int(v) or (isinstance(v, float) and math.isfinite(v)), "a finite number"),
+    # Numbers are kept as floats: an integer past 2**53 would come back
+    # changed (and past about 1e308 would not convert at all).
+    "number": (
+        lambda v: (_int(v) and abs(v) <= 2**53) or (isinstance(v, float) and math.isfinite(v)),
+        "a finite number",
+    ),
     "flag": (lambda v: isinstance(v, bool), "true or false"),
     "object": (lambda v: isinstance(v, dict), "an object"),
 }

@@ -191,3 +191,13 @@ def test_any_field_of_an_event_replaced_is_an_event_or_a_study_event_error(
         assert key in str(exc) or "type" in str(exc) or "entry" in str(exc), (key, str(exc))
     else:
         assert to_json(back) == record or key == "type"
+
+
+@pytest.mark.parametrize("value", [2**53 + 1, -(2**53) - 1, 10**400])
+def test_an_integer_no_float_keeps_is_refused(value: int) -> None:
+    """A number is kept as a float: 2**53 + 1 came back as 2**53 (found by
+    the property above in CI), 10**400 did not convert at all."""
+    record = to_json(RunProbing("s", "192.0.2.1", 9, 1.0))
+    record["rtt_ms"] = value
+    with pytest.raises(StudyEventError, match="rtt_ms"):
+        from_json(record)
