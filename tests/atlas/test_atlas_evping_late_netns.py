@@ -7,8 +7,12 @@ a garbled copy of every result, against the real probe firmware.
 
 d1 and d2 are bridges this test runs in user space (the kernel here has no
 netem): they pass every frame both ways at once but hold the echo replies
-to chosen sequence numbers for HOLD_S, longer than the probe's per-packet
-timeout. evping starts every run at sequence number 1, so behind d1 the
+to chosen sequence numbers until the same run's request two sequence
+numbers past the last held one goes by: the probe has timed them out by
+then (it sends the next request only once a reply or its per-packet timer
+came) and is still running, however late its event loop fires on a busy
+machine (a fixed 8 ms hold was beaten by a late timer in CI, once in two
+runs). evping starts every run at sequence number 1, so behind d1 the
 first reply of every run comes back late ([x, {dup, rtt}, rtt, ...]: the
 issue's run, every request having reached the responder), behind d2 the
 first five of eight. Below MIN_TIMED_INTERVAL_S the join has no timing to
@@ -34,7 +38,6 @@ late is a path that delivers them all, not one too lossy to judge.
 from __future__ import annotations
 
 import contextlib
-import heapq
 import json
 import os
 import select
@@ -70,9 +73,8 @@ PROBES: Probes = {
 }
 BRIDGE = {"p1": "d1", "p2": "d2"}
 HELD = {"d1": frozenset({1}), "d2": frozenset({1, 2, 3, 4, 5})}
-# Above the probe's per-packet timeout (2 ms asked; its event loop fires
-# the timer about 4 ms after the send here), far below the run's length.
-HOLD_S = 0.008
+# A held reply nobody released (no later request came) goes after this.
+HOLD_MAX_S = 0.5
 # Runs of one measurement apart by more than the join's window around a
 # result (its run's length, 3 s of clock slack each side), as on Atlas,
 # where they are at least a minute apart.
@@ -132,10 +134,12 @@ class DelayBridge:
     """Every frame between the interfaces ``up`` and ``dn`` of ``host``,
     both ways, at once; an echo reply towards the probe to a sequence number
     in ``held`` (its leading fragment: the only piece with the ICMP header)
-    is held ``HOLD_S`` first."""
+    is held until the probe's request with the same identifier and a
+    sequence number two past the last held one has gone by (or HOLD_MAX_S)."""
 
     def __init__(self, net: Built, host: str, held: frozenset[int]) -> None:
         self.held, self.frames_held = held, 0
+        self.release_seq = max(held) + 2
         net[host].ip("link set dev up promisc on", "link set dev dn promisc on")
         with net.in_netns(host):
             self.up = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
@@ -146,37 +150,42 @@ class DelayBridge:
         self.thread = threading.Thread(target=self._run, name=f"bridge-{host}", daemon=True)
         self.thread.start()
 
-    def _hold(self, frame: bytes) -> bool:
+    @staticmethod
+    def _echo(frame: bytes, icmp_type: int) -> tuple[int, int] | None:
+        """(identifier, sequence) of an echo message's leading fragment."""
         if frame[12:14] != b"\x08\x00" or len(frame) < 14 + 20 + 8:
-            return False
+            return None
         ip = frame[14:]
         ihl = (ip[0] & 0xF) * 4
         offset = struct.unpack_from("!H", ip, 6)[0] & 0x1FFF
-        if ip[9] != 1 or offset or len(ip) < ihl + 8 or ip[ihl] != 0:  # echo reply
-            return False
-        return struct.unpack_from("!H", ip, ihl + 6)[0] in self.held
+        if ip[9] != 1 or offset or len(ip) < ihl + 8 or ip[ihl] != icmp_type:
+            return None
+        ident, seq = struct.unpack_from("!HH", ip, ihl + 4)
+        return ident, seq
 
     def _run(self) -> None:
         peer = {self.up: self.dn, self.dn: self.up}
-        pending: list[tuple[float, int, socket.socket, bytes]] = []
-        n = 0
+        held: dict[int, list[tuple[float, bytes]]] = defaultdict(list)
         while not self.stop.is_set():
-            wait = max(0.0, pending[0][0] - time.monotonic()) if pending else 0.05
-            ready, _, _ = select.select([self.up, self.dn], [], [], wait)
+            ready, _, _ = select.select([self.up, self.dn], [], [], 0.01)
             for sock in ready:
                 frame, addr = sock.recvfrom(65535)
                 if addr[2] == socket.PACKET_OUTGOING:  # our own send, seen again
                     continue
-                if sock is self.up and self._hold(frame):
-                    heapq.heappush(pending, (time.monotonic() + HOLD_S, n, peer[sock], frame))
-                    n += 1
+                reply = self._echo(frame, 0) if sock is self.up else None
+                if reply is not None and reply[1] in self.held:
+                    held[reply[0]].append((time.monotonic(), frame))
                     self.frames_held += 1
-                else:
-                    peer[sock].send(frame)
+                    continue
+                peer[sock].send(frame)
+                request = self._echo(frame, 8) if sock is self.dn else None
+                if request is not None and request[1] >= self.release_seq:
+                    for _, f in held.pop(request[0], []):
+                        self.dn.send(f)
             now = time.monotonic()
-            while pending and pending[0][0] <= now:
-                _, _, out, frame = heapq.heappop(pending)
-                out.send(frame)
+            for ident in [i for i, fs in held.items() if now - fs[0][0] >= HOLD_MAX_S]:
+                for _, f in held.pop(ident):
+                    self.dn.send(f)
 
     def close(self) -> None:
         self.stop.set()
