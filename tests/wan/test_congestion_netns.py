@@ -237,9 +237,9 @@ def test_experiment_b_legacy_bottleneck() -> None:
     "as soon as the congestion at the second router eases".
 
     Claims (measured over 6 runs): ka-router is not in TCP mode while the
-    TCP flows run; the
-    Kick-Ass flows are in TCP mode through the epoch's second half (their
-    share of it in Kick-Ass mode <= 0.1; measured 0.0); the legacy link stays used (>= 0.9; 0.98-0.99).
+    TCP flows run; the Kick-Ass flows are in TCP mode through the epoch's
+    second half (their share of it in Kick-Ass mode <= 0.1; measured 0.0);
+    the legacy link stays used (>= 0.9; 0.98-1.00).
     Not asserted: the return after the epoch is not clean. The flows come
     back (cwnd/SRTT reaching the advertised rate, II-C3) about together,
     ka-router's queue overflows its threshold and it is in TCP mode for 1.1-
