@@ -12,6 +12,8 @@
 # marked `quiet` (rates from Python sender threads, sub-millisecond delays: a
 # neighbour's CPU burst shows in them) run last, when both streams are done.
 #
+# Each stream ends with its 25 slowest tests: CI's budget is 40 minutes.
+#
 # Usage: tools/run-tests.sh PYTEST [pytest arguments...]
 set -uo pipefail
 pytest=$1
@@ -24,11 +26,11 @@ serial="netns or machine"
 # children would inherit that: the tests that stop a program with Ctrl-C need
 # the default.
 env --default-signal=INT,QUIT \
-    "$pytest" -q -m "($serial) and not quiet" --basetemp "$work/serial" "$@" >"$work/serial.log" 2>&1 &
+    "$pytest" -q --durations=25 -m "($serial) and not quiet" --basetemp "$work/serial" "$@" >"$work/serial.log" 2>&1 &
 serial_pid=$!
 echo "tests that build namespaces or touch the machine's network: running in the background"
 echo "everything else:"
-"$pytest" -q -m "not ($serial) and not quiet" --basetemp "$work/rest" "$@"
+"$pytest" -q --durations=25 -m "not ($serial) and not quiet" --basetemp "$work/rest" "$@"
 rest_rc=$?
 if kill -0 "$serial_pid" 2>/dev/null; then
     echo "waiting for the namespace tests..."
@@ -40,7 +42,7 @@ echo "tests that build namespaces or touch the machine's network:"
 cat "$work/serial.log"
 echo
 echo "tests that run alone:"
-"$pytest" -q -m quiet --basetemp "$work/quiet" "$@"
+"$pytest" -q --durations=25 -m quiet --basetemp "$work/quiet" "$@"
 quiet_rc=$?
 echo
 echo "pytest exit status: namespace stream $serial_rc, the rest $rest_rc, alone $quiet_rc"

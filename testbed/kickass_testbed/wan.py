@@ -42,6 +42,9 @@ WAN_NET = "198.18.51"
 
 @dataclass
 class TestbedConfig:
+    # Not a pytest test class, whatever its name says to collection.
+    __test__ = False
+
     senders: int = 2
     receivers: int = 1
     capacity: str = "10mbit"

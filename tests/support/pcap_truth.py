@@ -31,13 +31,20 @@ LINKTYPE_RAW = 101
 
 class Capture:
     """tcpdump on ``iface`` in ``ns`` into ``path``; ``stop()`` returns how
-    many packets the kernel dropped (the truth is only truth at 0)."""
+    many packets the filter matched and the file does not hold (the truth is
+    only truth at 0).
+
+    Why ``--immediate-mode`` and the quiet wait in ``stop()``: without it
+    libpcap (TPACKET_V3) hands packets over a block at a time, up to a second
+    late, and a tcpdump stopped inside that second never writes the last
+    ones; its "dropped by kernel" stays 0 all the same. A CI run lost the
+    last swapped split that way (the client counted 66, the capture 65)."""
 
     def __init__(self, ns, iface: str, path: Path, bpf: str, snaplen: int = 96) -> None:  # noqa: ANN001
         self.path = path
         self.proc = ns.popen(
             ["tcpdump", "-i", iface, "-w", str(path), "-s", str(snaplen), "-B", "32768", "-U",
-             "-nn", bpf],
+             "--immediate-mode", "-nn", bpf],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
         )  # fmt: skip
@@ -51,15 +58,32 @@ class Capture:
                 break
         assert b"listening on" in line, f"tcpdump did not start: {line!r}"
 
-    def stop(self) -> int:
-        time.sleep(0.3)  # the last packets
+    def stop(self, quiet_s: float = 0.3, limit_s: float = 10.0) -> int:
+        # The last packets are written once the file stops growing for quiet_s.
+        deadline = time.monotonic() + limit_s
+        size, since = -1, time.monotonic()
+        while time.monotonic() < deadline:
+            now_size = self.path.stat().st_size if self.path.exists() else 0
+            if now_size != size:
+                size, since = now_size, time.monotonic()
+            elif time.monotonic() - since >= quiet_s:
+                break
+            time.sleep(0.05)
         self.proc.terminate()
         _, err = self.proc.communicate(timeout=20)
         text = err.decode(errors="replace")
+        counts: dict[str, int] = {}
         for ln in text.splitlines():
-            if "dropped by kernel" in ln:
-                return int(ln.split()[0])
-        raise AssertionError(f"tcpdump printed no statistics: {text[-500:]}")
+            for what in ("captured", "received by filter", "dropped by kernel"):
+                if ln.endswith(f"packets {what}") or ln.endswith(f"packet {what}"):
+                    counts[what] = int(ln.split()[0])
+        if len(counts) != 3:
+            raise AssertionError(f"tcpdump printed no statistics: {text[-500:]}")
+        # Matched by the filter yet not in the file: dropped by the kernel, or
+        # still on their way to the file when tcpdump stopped.
+        return counts["dropped by kernel"] + max(
+            0, counts["received by filter"] - counts["captured"] - counts["dropped by kernel"]
+        )
 
 
 @dataclass(frozen=True)
