@@ -157,29 +157,52 @@ class SpeedupRow:
         }
 
 
+# A Kick-Ass arm that gives a share of its flows to TCP (``kickass@tcpNN``,
+# the paper's §IV-A light load with half the flows TCP) is compared as two:
+# its Kick-Ass flows under the arm's name, and its TCP flows under the arm's
+# name and this suffix, against the same flows in each TCP arm. The second is
+# experiment (c): TCP flows' FCT without Kick-Ass beside them over their FCT
+# with it (1 = Kick-Ass costs TCP nothing).
+TCP_SHARE = "[tcp]"
+
+
 def comparisons(arms: list[str], protocols: Mapping[str, str]) -> list[tuple[str, str]]:
-    """(arm, baseline) pairs of a trial with these arms (in schedule order)."""
-    kickass = [a for a in arms if protocols.get(a) == "kickass"]
-    others = [a for a in arms if protocols.get(a) != "kickass"]
+    """(arm, baseline) pairs of a trial with these arms (in schedule order;
+    a mixed arm's TCP flows as ``arm + TCP_SHARE``)."""
+    shares = [a for a in arms if a.endswith(TCP_SHARE)]
+    plain = [a for a in arms if a not in shares]
+    kickass = [a for a in plain if protocols.get(a) == "kickass"]
+    others = [a for a in plain if protocols.get(a) != "kickass"]
     if kickass and others:
-        return [(k, b) for k in kickass for b in others]
-    return [(a, arms[0]) for a in arms[1:]]
+        pairs = [(k, b) for k in kickass for b in others]
+    else:
+        pairs = [(a, plain[0]) for a in plain[1:]]
+    return pairs + [(s, b) for s in shares for b in others]
 
 
 def _speedups(
-    flows: Iterable[Mapping[str, Any]], clusters: Mapping[PairKey, int]
+    flows: Iterable[Mapping[str, Any]],
+    clusters: Mapping[PairKey, int],
+    arm_protocols: Mapping[str, str] | None = None,
 ) -> dict[tuple[str, str, str], tuple[stats.Speedup, stats.Sooner]]:
     """Per (arm, baseline, size bucket or "all"), from one group of trials'
     flows; ``clusters`` from ``pair_clusters`` (a pair missing from it is a
-    cluster of its own)."""
+    cluster of its own); ``arm_protocols`` each arm's protocol as the trial
+    scheduled it (without it, that of the arm's first flow)."""
     by_flow: dict[tuple[str, int, int], dict[str, Mapping[str, Any]]] = defaultdict(dict)
     arm_order: list[str] = []
     protocols: dict[str, str] = {}
     for f in flows:
-        by_flow[(f["trial_id"], f["pair"], f["flow_index"])][f["arm"]] = f
-        if f["arm"] not in protocols:
-            protocols[f["arm"]] = f["protocol"]
-            arm_order.append(f["arm"])
+        arm, protocol = f["arm"], f["protocol"]
+        scheduled = (arm_protocols or {}).get(arm)
+        if scheduled == "kickass" and protocol != scheduled:
+            arm += TCP_SHARE
+        elif scheduled is not None:
+            protocol = scheduled
+        by_flow[(f["trial_id"], f["pair"], f["flow_index"])][arm] = f
+        if arm not in protocols:
+            protocols[arm] = protocol
+            arm_order.append(arm)
     # The schedule's order where the trial stored it (parameters.arms).
     out: dict[tuple[str, str, str], tuple[stats.Speedup, stats.Sooner]] = {}
     for arm, base in comparisons(arm_order, protocols):
@@ -217,6 +240,15 @@ def _arm_order(parameters: Mapping[str, Any]) -> list[str]:
     return [a["name"] for a in arms if isinstance(a, dict) and "name" in a]
 
 
+def _arm_protocols(parameters: Mapping[str, Any]) -> dict[str, str]:
+    arms = parameters.get("arms") or []
+    return {
+        a["name"]: a["protocol"]
+        for a in arms
+        if isinstance(a, dict) and isinstance(a.get("name"), str) and a.get("protocol")
+    }
+
+
 def compute(
     rows: Sequence[Mapping[str, Any]],
     spans: Mapping[PairKey, Span] | None = None,
@@ -233,14 +265,17 @@ def compute(
     out: list[SpeedupRow] = []
     groups: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
     group_meta: dict[str, tuple[str, float | None, dict[str, Any]]] = {}
+    group_protocols: dict[str, dict[str, str]] = defaultdict(dict)
     for trial_id, flows in by_trial.items():
         first = flows[0]
         params = first["parameters"] or {}
         order = _arm_order(params)
+        arm_protocols = _arm_protocols(params)
         flows = sorted(
             flows, key=lambda f: order.index(f["arm"]) if f["arm"] in order else len(order)
         )
-        for (arm, base, bucket), (s, q) in (_speedups(flows, clusters) if trials else {}).items():
+        mine = _speedups(flows, clusters, arm_protocols) if trials else {}
+        for (arm, base, bucket), (s, q) in mine.items():
             out.append(
                 SpeedupRow(
                     "trial",
@@ -265,9 +300,10 @@ def compute(
         key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
         groups[key].extend(flows)
         group_meta[key] = (first["destination"], first["access_capacity_bps"], identity)
+        group_protocols[key].update(arm_protocols)
     for key, flows in groups.items():
         dest, cap, identity = group_meta[key]
-        for (arm, base, bucket), (s, q) in _speedups(flows, clusters).items():
+        for (arm, base, bucket), (s, q) in _speedups(flows, clusters, group_protocols[key]).items():
             out.append(
                 SpeedupRow(
                     "pooled", key, dest, cap, arm, base, bucket, s, identity["workload"], q
