@@ -8,8 +8,10 @@ the volunteers' results, comparable row for row. See README.md in this folder.
 
     campaign.py  the campaign YAML as data: validation, the plan, its credit cost
     client.py    Cousteau behind one small class; Atlas errors as KickassError
-    ingest.py    result parsing (Sagan + raw), the join to the reply log, storage
+    ingest/      result parsing (Sagan + raw), the check against the columns' bounds,
+                 the join to the reply log (pure), fetch windows into the store
     result_files.py  `kickass atlas import`: result files line by line, each checked
+    rows.py      the Atlas tables' rows as plain records (what the join makes)
     store.py     the only code that writes the Atlas tables
     cli.py       `kickass atlas plan|create|fetch|status|responder`
 """

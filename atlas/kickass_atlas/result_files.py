@@ -4,7 +4,7 @@ A file is the results API's JSON list, newline-delimited JSON (the API's
 ``format=txt``, RIPE Atlas's hourly archive dumps), each as is or
 bzip2/gzip/xz-compressed (told by their first bytes, not the name). Every
 line (or element of a JSON list) of one of the campaign's measurements is
-checked before anything of it is stored (``ingest.check_result``, which
+checked before anything of it is stored (``ingest.check.check_result``, which
 fetch applies to the API's results too): strict JSON (no NaN or infinities,
 bounded nesting and length), text and values that ``jsonb`` stores as they
 are, a key (``prb_id``, ``timestamp``) its columns hold, and every number that
@@ -12,10 +12,11 @@ reaches a column within that column's bounds (``kickass_core.bounds``: sizes
 and counts, each reply's RTT, the wall-clock times from 1970 to 2100), the
 addresses addresses. A line that is not is skipped and counted with its
 line number and the reason (``ImportReport.skipped``); the rest is parsed,
-joined and stored exactly as ``fetch`` stores the API's (``ingest``). A result
-that passes and still cannot be read is stored ``invalid`` with its reason,
-as fetch does. Lines of other measurements (the archive dumps hold every
-public one) are counted as ignored, unread.
+joined and stored exactly as ``fetch`` stores the API's
+(``ingest.fetch.ingest_window``). A result that passes and still cannot be
+read is stored ``invalid`` with its reason, as fetch does. Lines of other
+measurements (the archive dumps hold every public one) are counted as
+ignored, unread.
 """
 
 from __future__ import annotations
@@ -37,17 +38,9 @@ from kickass_core import strictjson
 from kickass_core.errors import KickassError
 
 from .campaign import Campaign
-from .ingest import (
-    DEFAULT_CHUNK_S,
-    MAX_RESULT_BYTES,
-    FetchReport,
-    MeasurementSpec,
-    ResultRefused,
-    _measurement_specs,
-    check_result,
-    ingest_window,
-    key_integer,
-)
+from .ingest.check import MAX_RESULT_BYTES, ResultRefused, check_result, key_integer
+from .ingest.fetch import DEFAULT_CHUNK_S, FetchReport, _measurement_specs, ingest_window
+from .ingest.join import MeasurementSpec
 from .store import AtlasStore
 
 MAX_LINE_BYTES = MAX_RESULT_BYTES

@@ -30,7 +30,7 @@ from .campaign import (
     credits_per_result,
 )
 from .client import DEFAULT_SERVER, AtlasClient, AtlasError, AtlasNoAnswer, probe_problem
-from .ingest import (
+from .ingest.fetch import (
     DEFAULT_CHUNK_S,
     DEFAULT_LATE_HORIZON_S,
     DEFAULT_SETTLE_S,

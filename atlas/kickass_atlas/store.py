@@ -32,64 +32,18 @@ from sqlalchemy import Connection, text
 from .campaign import Campaign, PlannedMeasurement
 from .responder_core import ReplyRecord
 
+# The rows live in rows.py (the join needs no database code); callers import
+# them from here too.
+from .rows import LoggedReply as LoggedReply
+from .rows import OutcomeRow as OutcomeRow
+from .rows import ResultRow as ResultRow
+
 T = TypeVar("T")
 
 COUNTED = ("acked", "lost", "late")
 
 
-@dataclass(frozen=True, slots=True)
-class LoggedReply:
-    """A reply log row, as the join reads it."""
-
-    dst_address: str
-    icmp_id: int
-    icmp_seq: int
-    phase: str
-    ip_len: int
-    sent_at: float  # unix seconds
-    attempt: int = 0
-    duplicate: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class ResultRow:
-    msm_id: int
-    prb_id: int
-    result_at: datetime
-    campaign_id: int
-    firmware: int | None
-    from_address: str | None
-    dst_address: str | None
-    size: int | None
-    sent: int | None
-    rcvd: int | None
-    dup: int | None
-    join_status: str
-    raw: dict[str, Any]
-    stored_at: datetime | None = None
-    origin: str = "fetch"
-    join_error: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class OutcomeRow:
-    msm_id: int
-    prb_id: int
-    result_at: datetime
-    packet_index: int
-    campaign_id: int
-    phase: str
-    ip_len: int | None
-    outcome: str
-    rtt_ms: float | None
-    ack_count: int
-    icmp_seq: int | None
-    replied_at: datetime | None
-    error: str | None
-    attempt: int | None = None
-
-
-# In the order of the rows' fields (_astuple).
+# In the order of the rows' fields (rows.py; _astuple).
 RESULT_COLUMNS = (
     "msm_id", "prb_id", "result_at", "campaign_id", "firmware", "from_address", "dst_address",
     "size", "sent", "rcvd", "dup", "join_status", "raw", "stored_at", "origin", "join_error",
