@@ -36,7 +36,7 @@ from kickass_core.errors import KickassError
 from . import service
 from .campaign import Campaign, Plan
 from .client import DEFAULT_SERVER
-from .ingest import DEFAULT_CHUNK_S, DEFAULT_LATE_HORIZON_S, DEFAULT_SETTLE_S, FetchReport
+from .ingest.fetch import DEFAULT_CHUNK_S, DEFAULT_LATE_HORIZON_S, DEFAULT_SETTLE_S, FetchReport
 from .service import DEFAULT_START_IN_S, AtlasSettings
 
 # `kickass atlas import`: the exit status when a line was skipped, and how
@@ -69,44 +69,61 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
     parser.set_defaults(func=usage)
     cmds = parser.add_subparsers(dest="atlas_command", metavar="ATLAS_COMMAND")
+    _add_plan(cmds)
+    _add_create(cmds)
+    _add_fetch(cmds)
+    _add_import(cmds)
+    _add_status(cmds)
+    _add_responder(cmds)
 
-    def campaign_arg(p: argparse.ArgumentParser, optional: bool = False) -> None:
-        p.add_argument(
-            "campaign",
-            nargs="?" if optional else None,
-            type=Path,
-            help="the campaign YAML file (see example-campaign.yaml)",
-        )
 
-    def atlas_options(p: argparse.ArgumentParser) -> None:
-        p.add_argument(
-            "--atlas-server",
-            help=f"RIPE Atlas API host[:port] (default {DEFAULT_SERVER}; $KICKASS_ATLAS_SERVER)",
-        )
-        p.add_argument(
-            "--key-file",
-            type=Path,
-            help="file holding the API key ($KICKASS_ATLAS_KEY_FILE; or the key itself in "
-            "$KICKASS_ATLAS_KEY)",
-        )
-        p.add_argument(
-            "--ca-bundle",
-            help="CA bundle to verify the API's certificate with ($KICKASS_ATLAS_CA_BUNDLE; "
-            "default: the system's)",
-        )
+# -- the subcommands' arguments -------------------------------------------------------
 
-    def db_option(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--database-url", help="PostgreSQL URL ($KICKASS_DATABASE_URL)")
 
-    def json_option(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+def _campaign_arg(p: argparse.ArgumentParser, optional: bool = False) -> None:
+    p.add_argument(
+        "campaign",
+        nargs="?" if optional else None,
+        type=Path,
+        help="the campaign YAML file (see example-campaign.yaml)",
+    )
 
+
+def _atlas_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--atlas-server",
+        help=f"RIPE Atlas API host[:port] (default {DEFAULT_SERVER}; $KICKASS_ATLAS_SERVER)",
+    )
+    p.add_argument(
+        "--key-file",
+        type=Path,
+        help="file holding the API key ($KICKASS_ATLAS_KEY_FILE; or the key itself in "
+        "$KICKASS_ATLAS_KEY)",
+    )
+    p.add_argument(
+        "--ca-bundle",
+        help="CA bundle to verify the API's certificate with ($KICKASS_ATLAS_CA_BUNDLE; "
+        "default: the system's)",
+    )
+
+
+def _db_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--database-url", help="PostgreSQL URL ($KICKASS_DATABASE_URL)")
+
+
+def _json_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+
+
+def _add_plan(cmds: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = cmds.add_parser("plan", help="print the measurements and their credit cost (dry run)")
-    campaign_arg(p)
+    _campaign_arg(p)
     p.add_argument("--all-sizes", action="store_true", help="every whole size, not a sample")
-    json_option(p)
+    _json_option(p)
     p.set_defaults(func=cmd_plan)
 
+
+def _add_create(cmds: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = cmds.add_parser(
         "create",
         help="create the campaign's measurements on RIPE Atlas",
@@ -116,7 +133,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "later: before that, RIPE Atlas's own credits_per_result is read back and, above the "
         "campaign's credit_budget, they are stopped before costing anything.",
     )
-    campaign_arg(p)
+    _campaign_arg(p)
     p.add_argument("--all-sizes", action="store_true", help="every whole size, not a sample")
     p.add_argument("--dry-run", action="store_true", help="only print the plan (= plan)")
     p.add_argument(
@@ -127,13 +144,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help=f"start the measurements this long after creating them (default "
         f"{DEFAULT_START_IN_S}; the price check happens in between)",
     )
-    atlas_options(p)
-    db_option(p)
-    json_option(p)
+    _atlas_options(p)
+    _db_option(p)
+    _json_option(p)
     p.set_defaults(func=cmd_create)
 
+
+def _add_fetch(cmds: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = cmds.add_parser("fetch", help="fetch new results, join them to the reply log, store")
-    campaign_arg(p)
+    _campaign_arg(p)
     p.add_argument(
         "--settle",
         type=float,
@@ -155,11 +174,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help=f"read every window once more when it is this old, for results probes "
         f"uploaded late (default {DEFAULT_LATE_HORIZON_S:g}; later uploads are not fetched)",
     )
-    atlas_options(p)
-    db_option(p)
-    json_option(p)
+    _atlas_options(p)
+    _db_option(p)
+    _json_option(p)
     p.set_defaults(func=cmd_fetch)
 
+
+def _add_import(cmds: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = cmds.add_parser(
         "import",
         help="store Atlas result files as fetch would (no API needed)",
@@ -172,20 +193,24 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "values its columns cannot hold (kickass_core.bounds), is skipped and named with its "
         f"line number; the rest is stored. Exit status {EXIT_SKIPPED} when a line was skipped.",
     )
-    campaign_arg(p)
+    _campaign_arg(p)
     p.add_argument("files", nargs="+", metavar="FILE", help="result file, or - for stdin")
-    db_option(p)
-    json_option(p)
+    _db_option(p)
+    _json_option(p)
     p.set_defaults(func=cmd_import)
 
+
+def _add_status(cmds: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = cmds.add_parser("status", help="measurements, Atlas status, results, credits spent")
-    campaign_arg(p)
+    _campaign_arg(p)
     p.add_argument("--offline", action="store_true", help="from the database only")
-    atlas_options(p)
-    db_option(p)
-    json_option(p)
+    _atlas_options(p)
+    _db_option(p)
+    _json_option(p)
     p.set_defaults(func=cmd_status)
 
+
+def _add_responder(cmds: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = cmds.add_parser(
         "responder",
         help="run the ICMP responder the campaign's probes ping (root)",
@@ -195,8 +220,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "replies are switched off for the campaign's addresses while it runs (an nftables "
         "table, deleted on exit).",
     )
-    campaign_arg(p, optional=True)
-    db_option(p)
+    _campaign_arg(p, optional=True)
+    _db_option(p)
     p.add_argument(
         "--no-database", action="store_true", help="do not log replies (a dry run of the sockets)"
     )
