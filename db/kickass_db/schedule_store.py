@@ -29,10 +29,10 @@ import json
 import os
 import socket
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, NoReturn
 
+from kickass_core.claims import Claim
 from kickass_core.errors import KickassError
 from sqlalchemy import Connection, text
 from sqlalchemy.exc import InterfaceError, OperationalError
@@ -67,18 +67,6 @@ class ClaimRefused(KickassError):
         assert reason in CLAIM_REFUSALS, reason
         super().__init__(message, hint)
         self.reason = reason
-
-
-@dataclass(frozen=True)
-class Claim:
-    """A run this host holds: carry it out, heartbeat it, finish it."""
-
-    run_id: int
-    item: str
-    due_at: datetime
-    attempt: int
-    # Set when a dead run was taken over: what its previous attempt was.
-    took_over: dict[str, Any] | None = None
 
 
 class _NotDue(Exception):

@@ -13,23 +13,14 @@ look (``claim_refusals``), and no run.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol
 
 from kickass_core import signing
+from kickass_core.claims import Claim
 from kickass_core.errors import KickassError
 
 from .schedule_file import Item, Settings
-
-
-@dataclass(frozen=True)
-class Claim:
-    run_id: int
-    item: str
-    due_at: datetime
-    attempt: int
-    took_over: dict[str, Any] | None = None
 
 
 class ClaimRefused(KickassError):
@@ -90,7 +81,7 @@ class DatabaseClaims:
             )  # fmt: skip
         except Refused as exc:
             raise ClaimRefused(exc.reason, exc.message) from None
-        return None if c is None else Claim(c.run_id, c.item, c.due_at, c.attempt, c.took_over)
+        return c
 
     def heartbeat(self, claim: Claim) -> bool:
         return self.store.heartbeat(claim.run_id, self.host)

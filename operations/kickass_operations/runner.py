@@ -43,10 +43,11 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import IO, Any
 
+from kickass_core.claims import Claim
 from kickass_core.errors import KickassError
 
 from . import items as kinds
-from .claims import Claim, ClaimRefused, Claims
+from .claims import ClaimRefused, Claims
 from .schedule_file import DATABASE_KINDS, Item, Schedule
 
 EXIT_OK = 0

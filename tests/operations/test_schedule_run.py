@@ -337,3 +337,21 @@ def test_a_reaped_trial_round_closes_its_trial_and_no_other(database_url: str) -
     finally:
         engine.dispose()
     assert closed == {"a" * 32: runs["round"]["heartbeat_at"], "b" * 32: None}
+
+
+def test_a_claim_is_one_record_from_the_store_to_the_runner(database_url: str) -> None:
+    """The store's claim is the runner's claim (``kickass_core.claims.Claim``), passed on
+    as it is, a taken-over run's history with it: no copy of the record to drift."""
+    from kickass_core.claims import Claim
+    from kickass_operations.claims import DatabaseClaims
+    from kickass_operations.schedule_file import parse
+
+    cron, due = stable_cron()
+    schedule = parse({"item": [{"name": "refresh", "kind": "refresh", "cron": cron}]})
+    claims = DatabaseClaims(database_url, "host-a", schedule.schedule)
+    try:
+        claim = claims.claim(schedule.item[0], due)
+    finally:
+        claims.close()
+    assert type(claim) is Claim
+    assert (claim.item, claim.due_at, claim.attempt, claim.took_over) == ("refresh", due, 1, None)
