@@ -263,7 +263,7 @@ class TrialPeriod(Strict):
     # 0010: what the period ran, and when it really started (seconds from the
     # trial's start; known once the period began, re-sent with the trial's end).
     arm: Annotated[str, StringConstraints(pattern=flow_record.ARM_RE.pattern)] | None = None
-    handshake: Literal["padded", "paper"] | None = None
+    handshake: Literal[flow_record.HANDSHAKES] | None = None  # type: ignore[valid-type]
     handicap_ms: Bounded(_PERIOD["handicap_ms"]) = None  # type: ignore[valid-type]
     actual_start_s: Bounded(_PERIOD["actual_start_offset_s"]) = None  # type: ignore[valid-type]
     # 0021: a Kick-Ass arm's TCP mode, its share of flows run as kernel TCP,

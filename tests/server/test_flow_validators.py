@@ -185,3 +185,13 @@ def test_the_two_validators_accept_and_refuse_the_same_records(record: dict[str,
 def test_one_field_changed_the_two_validators_agree(field: tuple[Field, Any]) -> None:
     f, value = field
     assert_agree({**VALID, f.name: value})
+
+
+def test_a_periods_handshake_is_one_of_the_flow_records() -> None:
+    """The server's period model takes the flow record's handshakes, in its order."""
+    from typing import get_args
+
+    from kickass_server.schemas import TrialPeriod
+
+    literal, _none = get_args(TrialPeriod.model_fields["handshake"].annotation)
+    assert get_args(literal) == flow_record.HANDSHAKES

@@ -181,6 +181,23 @@ def test_the_arm_grammar() -> None:
             parse_arms([bad])
 
 
+def test_an_arms_handshake_is_one_of_the_flow_records() -> None:
+    """One tuple of handshakes, the flow record's: an arm and a round's settings
+    take each and nothing else."""
+    from typing import get_args
+
+    from kickass_core import flow_record
+    from kickass_wan import schedule
+    from kickass_wan.service import RoundSettings
+
+    assert schedule.HANDSHAKES is flow_record.HANDSHAKES
+    arms = schedule.parse_arms([f"kickass:{hs}" for hs in flow_record.HANDSHAKES])
+    assert [a.handshake for a in arms] == list(flow_record.HANDSHAKES)
+    with pytest.raises(ValueError, match="handshake"):
+        schedule.parse_arms(["kickass:other"])
+    assert get_args(RoundSettings.model_fields["handshake"].annotation) == flow_record.HANDSHAKES
+
+
 def test_a_mixed_periods_tcp_flows_are_the_same_in_every_period_of_a_pair() -> None:
     from kickass_wan.workload import pair_flows, tcp_share_indices
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from kickass_core import config
 from kickass_core.errors import KickassError
+from kickass_core.flow_record import HANDSHAKES
 
 from . import receivers
 from .schedule import KICKASS, Period, interleaved
@@ -85,7 +86,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     _schedule_args(run)
     run.add_argument("--cc", help="TCP congestion control (cubic, reno, bbr...; default cubic)")
-    run.add_argument("--handshake", choices=["padded", "paper"], help="default padded")
+    run.add_argument("--handshake", choices=HANDSHAKES, help="default padded")
     run.add_argument("--access-capacity", type=float, help="edge access link, bit/s (stored)")
     run.add_argument("--router-run-name", help="ka-router telemetry run this trial overlaps")
     run.add_argument("--ka-send", help="path of ka-send (default: next to this program or PATH)")

@@ -27,10 +27,12 @@ import random
 import re
 from dataclasses import asdict, dataclass
 
+# A Kick-Ass arm's handshake is the flow record's (kickass_core.flow_record).
+from kickass_core.flow_record import HANDSHAKES
+
 KICKASS = "kickass"
 TCP = "tcp"
 PROTOCOLS = (KICKASS, TCP)
-HANDSHAKES = ("padded", "paper")
 # The kernel's, for TCP arms (any name the kernel knows is accepted).
 CONGESTION_CONTROLS = ("cubic", "reno", "bbr")
 # Kick-Ass's TCP mode, in ka-transport (CongestionControl): cubic is the default.

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal, Self
 
 from kickass_core import config
 from kickass_core.errors import KickassError
+from kickass_core.flow_record import HANDSHAKES
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .runner import AgentRef, TrialConfig, TrialRunner
@@ -143,7 +144,7 @@ class RoundSettings(ScheduleSettings):
 
     agents: Annotated[list[AgentSetting], Field(min_length=1, max_length=64)]
     congestion_control: Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]{0,31}$")] = "cubic"
-    handshake: Literal["padded", "paper"] = "padded"
+    handshake: Literal[HANDSHAKES] = "padded"  # type: ignore[valid-type]
     access_capacity_bps: Annotated[float, Field(gt=0)] | None = None
     router_run_name: str | None = None
     ka_send: str | None = None
