@@ -39,6 +39,15 @@ from . import strictjson
 
 PROTOCOLS = ("kickass", "tcp")
 HANDSHAKES = ("paper", "padded")
+# The congestion controls an arm names (kickass_wan.schedule's grammar:
+# ``kickass[:handshake][/cc][@tcpNN]``, ``tcp[:cc]``), CUBIC the default of both:
+# the TCP the trials compare with is Linux's CUBIC, and so is Kick-Ass's TCP mode.
+DEFAULT_CONGESTION_CONTROL = "cubic"
+# A TCP arm's, the kernel's: the ones the trials compare (any name the kernel
+# knows is taken, ``CONGESTION_CONTROL_RE``).
+CONGESTION_CONTROLS = (DEFAULT_CONGESTION_CONTROL, "reno", "bbr")
+# A Kick-Ass arm's TCP mode, ka-transport's (``CongestionControl``, ka-send --cc).
+TRANSPORT_CONGESTION_CONTROLS = (DEFAULT_CONGESTION_CONTROL, "newreno")
 # A flow's index within its period stays below this, so (period, index) maps
 # to one number: the flow id's suffix.
 FLOWS_PER_PERIOD_MAX = 100_000

@@ -268,7 +268,7 @@ class TrialPeriod(Strict):
     actual_start_s: Bounded(_PERIOD["actual_start_offset_s"]) = None  # type: ignore[valid-type]
     # 0021: a Kick-Ass arm's TCP mode, its share of flows run as kernel TCP,
     # and what the period's flows offered (known once it ended).
-    transport_cc: Literal["cubic", "newreno"] | None = None
+    transport_cc: Literal[flow_record.TRANSPORT_CONGESTION_CONTROLS] | None = None  # type: ignore[valid-type]
     tcp_share: Bounded(_PERIOD["tcp_share"]) = None  # type: ignore[valid-type]
     offered_load_bps: Bounded(_PERIOD["offered_load_bps"]) = None  # type: ignore[valid-type]
 

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from kickass_core.errors import KickassError
+from kickass_core.flow_record import DEFAULT_CONGESTION_CONTROL
 from kickass_wan.tcpflow import MAX_FLOW_BYTES
 
 from .binaries import rust_binary
@@ -69,9 +70,9 @@ class CongestionSpec:
     # "droptail": ka-router marks nothing, so the Kick-Ass flows run in TCP
     # mode throughout (the TCP-mode floor).
     router_mode: str = "kickass"
-    tcp_cc: str = "cubic"
+    tcp_cc: str = DEFAULT_CONGESTION_CONTROL
     # TCP mode's controller in ka-send (`--cc`).
-    kickass_cc: str = "cubic"
+    kickass_cc: str = DEFAULT_CONGESTION_CONTROL
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

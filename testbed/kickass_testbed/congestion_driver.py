@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kickass_core.flow_record import DEFAULT_CONGESTION_CONTROL
 from kickass_wan.runner import AgentClient, AgentRef
 from kickass_wan.tcpflow import TcpProgress, send_flow
 
@@ -213,7 +214,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         p.add_argument("--interval", type=float, default=0.1, help="progress every S seconds")
         p.add_argument("--stagger", type=float, default=0.01, help="between flow starts, s")
-        p.add_argument("--cc", default="cubic", help="TCP mode's (kickass) or the kernel's (tcp)")
+        p.add_argument(
+            "--cc",
+            default=DEFAULT_CONGESTION_CONTROL,
+            help="TCP mode's (kickass) or the kernel's (tcp)",
+        )
         p.add_argument("--at", type=float, help="start the flows at this unix time")
         if name == "kickass":
             p.add_argument("--duration", type=float, required=True)

@@ -25,6 +25,7 @@ from typing import Any
 import kickass_db as db
 from kickass_analysis.rollups import RollupStore
 from kickass_core.errors import KickassError
+from kickass_core.flow_record import DEFAULT_CONGESTION_CONTROL
 from sqlalchemy import create_engine, text
 
 from .binaries import rust_binary
@@ -44,7 +45,7 @@ class TrialSpec:
     max_packets: int = 2000
     seed: int = 1
     protocols: str = "kickass,tcp"
-    cc: str = "cubic"
+    cc: str = DEFAULT_CONGESTION_CONTROL
     handshake: str = "padded"
     # What the periods of a pair run (kickass_wan.schedule.parse_arms), e.g.
     # "kickass,tcp:cubic,tcp:bbr" or an A/A "tcp:cubic,tcp:cubic"; None: protocols.

@@ -198,6 +198,37 @@ def test_an_arms_handshake_is_one_of_the_flow_records() -> None:
     assert get_args(RoundSettings.model_fields["handshake"].annotation) == flow_record.HANDSHAKES
 
 
+def test_the_congestion_controls_an_arm_names_are_defined_once() -> None:
+    """The flow record's congestion controls (kickass_core.flow_record) are the arms',
+    their grammar's and the server's: a TCP arm runs the kernel's, a Kick-Ass arm's
+    TCP mode the transport's, CUBIC the default of both."""
+    import re
+    from typing import get_args
+
+    from kickass_core import flow_record
+    from kickass_server.schemas import TrialPeriod
+    from kickass_wan import schedule
+
+    assert schedule.CONGESTION_CONTROLS is flow_record.CONGESTION_CONTROLS
+    assert schedule.TRANSPORT_CONGESTION_CONTROLS is flow_record.TRANSPORT_CONGESTION_CONTROLS
+    transport = flow_record.TRANSPORT_CONGESTION_CONTROLS
+    kernel = flow_record.CONGESTION_CONTROLS
+    arms = schedule.parse_arms(
+        [f"kickass/{cc}" for cc in transport] + [f"tcp:{cc}" for cc in kernel]
+    )
+    assert [a.transport_cc for a in arms[: len(transport)]] == list(transport)
+    assert [a.congestion_control for a in arms[len(transport) :]] == list(kernel)
+    default = flow_record.DEFAULT_CONGESTION_CONTROL
+    [ka, tcp] = schedule.default_arms()
+    assert (ka.transport_cc, tcp.congestion_control) == (default, default)
+    for cc in (*transport, *kernel):
+        assert cc in schedule.ARM_GRAMMAR
+    with pytest.raises(ValueError, match=re.escape(schedule.ARM_GRAMMAR)):
+        schedule.parse_arms(["udp"])
+    literal, _none = get_args(TrialPeriod.model_fields["transport_cc"].annotation)
+    assert get_args(literal) == transport
+
+
 def test_a_mixed_periods_tcp_flows_are_the_same_in_every_period_of_a_pair() -> None:
     from kickass_wan.workload import pair_flows, tcp_share_indices
 

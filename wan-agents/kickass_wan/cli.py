@@ -23,10 +23,10 @@ from typing import Any
 
 from kickass_core import config
 from kickass_core.errors import KickassError
-from kickass_core.flow_record import HANDSHAKES
+from kickass_core.flow_record import CONGESTION_CONTROLS, DEFAULT_CONGESTION_CONTROL, HANDSHAKES
 
 from . import receivers
-from .schedule import KICKASS, Period, interleaved
+from .schedule import ARM_GRAMMAR, KICKASS, Period, interleaved
 from .service import SECTION, RoundSettings, ScheduleSettings, run_round, uploader
 from .spool import Spool
 from .workload import pair_flows
@@ -85,7 +85,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "offset, path MTU)",
     )
     _schedule_args(run)
-    run.add_argument("--cc", help="TCP congestion control (cubic, reno, bbr...; default cubic)")
+    run.add_argument(
+        "--cc",
+        help=f"TCP congestion control ({', '.join(CONGESTION_CONTROLS)}...; default "
+        f"{DEFAULT_CONGESTION_CONTROL})",
+    )
     run.add_argument("--handshake", choices=HANDSHAKES, help="default padded")
     run.add_argument("--access-capacity", type=float, help="edge access link, bit/s (stored)")
     run.add_argument("--router-run-name", help="ka-router telemetry run this trial overlaps")
@@ -205,10 +209,10 @@ def _schedule_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--protocols", help="periods to run (default kickass,tcp)")
     p.add_argument(
         "--arms",
-        help="what the periods of a pair run, comma-separated: "
-        "kickass[:padded|paper][/cubic|newreno][@tcpNN] (the handshake, TCP mode's "
-        "congestion control in the transport, NN%% of the flows run as kernel TCP "
-        "instead), tcp[:cubic|reno|bbr], each optionally +<ms>ms (a handicap); e.g. "
+        help=f"what the periods of a pair run, comma-separated: {ARM_GRAMMAR} (a Kick-Ass "
+        "arm's handshake, TCP mode's congestion control in the transport, NN%% of the "
+        "flows run as kernel TCP instead; a TCP arm's kernel congestion control), each "
+        "optionally +<ms>ms (a handicap); e.g. "
         "kickass,tcp:cubic,tcp:reno,tcp:bbr; an A/A calibration: tcp:cubic,tcp:cubic; "
         "TCP with and without Kick-Ass beside it: tcp:cubic,kickass@tcp50 "
         "(default: kickass and TCP with --cc)",
@@ -341,7 +345,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
             period_s=settings.period_s,
             gap_s=settings.gap_s,
             seed=w.seed,
-            arms=settings.arm_objs(getattr(args, "cc", None) or "cubic", "padded"),
+            arms=settings.arm_objs(
+                getattr(args, "cc", None) or DEFAULT_CONGESTION_CONTROL, "padded"
+            ),
         )
     except ValueError as exc:
         raise KickassError(

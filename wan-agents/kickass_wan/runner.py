@@ -160,7 +160,7 @@ class TrialConfig:
     # Between periods: the time the flows of one have to end before the next.
     gap_s: float = 10.0
     workload: Workload = field(default_factory=Workload)
-    congestion_control: str = "cubic"
+    congestion_control: str = flow_record.DEFAULT_CONGESTION_CONTROL
     handshake: str = "padded"
     access_capacity_bps: float | None = None
     router_run_name: str | None = None
@@ -749,7 +749,7 @@ class TrialRunner:
             "--agent", f"{addr[0]}:{addr[1]}",
             "--schedule", "-",
             "--handshake", period.handshake or cfg.handshake,
-            "--cc", period.transport_cc or "cubic",
+            "--cc", period.transport_cc or flow_record.DEFAULT_CONGESTION_CONTROL,
             "--timeout", f"{cfg.flow_timeout_s:g}",
             "--max-concurrent", str(cfg.max_concurrent),
         ]  # fmt: skip

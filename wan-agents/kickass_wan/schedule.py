@@ -27,16 +27,24 @@ import random
 import re
 from dataclasses import asdict, dataclass
 
-# A Kick-Ass arm's handshake is the flow record's (kickass_core.flow_record).
-from kickass_core.flow_record import HANDSHAKES
+# An arm's handshake and congestion controls are the flow record's words
+# (kickass_core.flow_record), which the server's models take too.
+from kickass_core.flow_record import (
+    CONGESTION_CONTROL_RE,
+    CONGESTION_CONTROLS,
+    DEFAULT_CONGESTION_CONTROL,
+    HANDSHAKES,
+    TRANSPORT_CONGESTION_CONTROLS,
+)
 
 KICKASS = "kickass"
 TCP = "tcp"
 PROTOCOLS = (KICKASS, TCP)
-# The kernel's, for TCP arms (any name the kernel knows is accepted).
-CONGESTION_CONTROLS = ("cubic", "reno", "bbr")
-# Kick-Ass's TCP mode, in ka-transport (CongestionControl): cubic is the default.
-TRANSPORT_CONGESTION_CONTROLS = ("cubic", "newreno")
+# The grammar, as said to whoever writes an arm.
+ARM_GRAMMAR = (
+    f"kickass[:{'|'.join(HANDSHAKES)}][/{'|'.join(TRANSPORT_CONGESTION_CONTROLS)}][@tcpNN], "
+    f"tcp[:{'|'.join(CONGESTION_CONTROLS)}]"
+)
 _ARM = re.compile(
     r"^(kickass|tcp)(?::([a-z0-9_]+))?(?:/([a-z0-9_]+))?(?:@tcp(\d{1,2}))?"
     r"(?:\+(\d+(?:\.\d+)?)ms)?$"
@@ -62,7 +70,10 @@ class Arm:
 
 
 def parse_arms(
-    specs: list[str], *, congestion_control: str = "cubic", handshake: str = "padded"
+    specs: list[str],
+    *,
+    congestion_control: str = DEFAULT_CONGESTION_CONTROL,
+    handshake: str = "padded",
 ) -> tuple[Arm, ...]:
     """Arms from specs: ``kickass[:padded|paper][/cubic|newreno][@tcpNN]``,
     ``tcp[:cubic|reno|bbr]``, each optionally ``+<ms>ms`` (a handicap).
@@ -75,10 +86,7 @@ def parse_arms(
     for spec in specs:
         m = _ARM.match(spec.strip())
         if m is None:
-            raise ValueError(
-                f"bad arm {spec!r}: kickass[:padded|paper][/cubic|newreno][@tcpNN] or "
-                "tcp[:cubic|reno|bbr], optionally +<ms>ms"
-            )
+            raise ValueError(f"bad arm {spec!r}: {ARM_GRAMMAR}, optionally +<ms>ms")
         protocol, option, tcc, share, handicap = m.groups()
         handicap_ms = float(handicap or 0)
         if protocol == KICKASS:
@@ -94,17 +102,17 @@ def parse_arms(
             if share and not 0 < tcp_share < 1:
                 raise ValueError(f"bad arm {spec!r}: @tcpNN is a share from 1 to 99 percent")
             base = KICKASS if hs == "padded" else f"{KICKASS}:{hs}"
-            if tcc and tcc != TRANSPORT_CONGESTION_CONTROLS[0]:
+            if tcc and tcc != DEFAULT_CONGESTION_CONTROL:
                 base += f"/{tcc}"
             if share:
                 base += f"@tcp{int(share)}"
             cc = congestion_control if share else None
-            transport_cc = tcc or TRANSPORT_CONGESTION_CONTROLS[0]
+            transport_cc = tcc or DEFAULT_CONGESTION_CONTROL
         else:
             if tcc is not None or share is not None:
                 raise ValueError(f"bad arm {spec!r}: /cc and @tcpNN are for Kick-Ass arms")
             cc, hs, transport_cc, tcp_share = option or congestion_control, None, None, 0.0
-            if not re.fullmatch(r"[a-z][a-z0-9_]{0,31}", cc):
+            if not CONGESTION_CONTROL_RE.fullmatch(cc):
                 raise ValueError(f"bad arm {spec!r}: not a congestion control name")
             base = f"{TCP}:{cc}"
         if handicap_ms:
@@ -119,7 +127,7 @@ def parse_arms(
 
 def default_arms(
     protocols: tuple[str, ...] = PROTOCOLS,
-    congestion_control: str = "cubic",
+    congestion_control: str = DEFAULT_CONGESTION_CONTROL,
     handshake: str = "padded",
 ) -> tuple[Arm, ...]:
     """The arms of a plain Kick-Ass against TCP trial (``protocols`` narrows it)."""

@@ -18,7 +18,11 @@ from typing import Annotated, Any, Literal, Self
 
 from kickass_core import config
 from kickass_core.errors import KickassError
-from kickass_core.flow_record import HANDSHAKES
+from kickass_core.flow_record import (
+    CONGESTION_CONTROL_RE,
+    DEFAULT_CONGESTION_CONTROL,
+    HANDSHAKES,
+)
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .runner import AgentRef, TrialConfig, TrialRunner
@@ -91,7 +95,7 @@ class ScheduleSettings(_Model):
             ) from None
 
     def arm_objs(
-        self, congestion_control: str = "cubic", handshake: str = "padded"
+        self, congestion_control: str = DEFAULT_CONGESTION_CONTROL, handshake: str = "padded"
     ) -> tuple[Arm, ...]:
         try:
             if self.arms is not None:
@@ -143,7 +147,9 @@ class RoundSettings(ScheduleSettings):
     where the results go."""
 
     agents: Annotated[list[AgentSetting], Field(min_length=1, max_length=64)]
-    congestion_control: Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]{0,31}$")] = "cubic"
+    congestion_control: Annotated[str, Field(pattern=CONGESTION_CONTROL_RE.pattern)] = (
+        DEFAULT_CONGESTION_CONTROL
+    )
     handshake: Literal[HANDSHAKES] = "padded"  # type: ignore[valid-type]
     access_capacity_bps: Annotated[float, Field(gt=0)] | None = None
     router_run_name: str | None = None

@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kickass_core.flow_record import DEFAULT_CONGESTION_CONTROL
+
 from .token import KIND_TCP, TOKEN_LEN, ReplayGuard
 
 log = logging.getLogger("kickass.agent.tcp")
@@ -131,7 +133,7 @@ def send_flow(
     addr: tuple[str, int],
     token: bytes,
     size_bytes: int,
-    congestion_control: str = "cubic",
+    congestion_control: str = DEFAULT_CONGESTION_CONTROL,
     timeout_s: float = 60.0,
     source: str | None = None,
     progress: Callable[[TcpProgress], None] | None = None,
