@@ -28,6 +28,7 @@ study, Atlas) are ``kickass_core.bounds``, on this ``Field`` and
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 from collections.abc import Mapping
@@ -181,6 +182,36 @@ FIELDS: tuple[Field, ...] = (
 FIELD_NAMES = tuple(f.name for f in FIELDS)
 BY_NAME = {f.name: f for f in FIELDS}
 
+# A value for each field but the id (``example``): a Kick-Ass flow of 100 packets
+# that finished in Kick-Ass mode. A field added to FIELDS needs its value here.
+EXAMPLE_VALUES: dict[str, Any] = {
+    "period_index": 0,
+    "protocol": "kickass",
+    "congestion_control": None,
+    "handshake": "padded",
+    "size_bytes": 144000,
+    "size_packets": 100,
+    "started_at": "2026-11-25T12:00:01+00:00",
+    "completed": True,
+    "fct_ms": 312.5,
+    "ka_mode_ms": 312.5,
+    "ka_mode_fraction": 1.0,
+    "mode_switches": 0,
+    "retransmissions": 0,
+    "srtt_ms": 101.2,
+    "min_rtt_ms": 100.1,
+    "advertised_rate_min_bps": 9.7e6,
+    "advertised_rate_max_bps": 1.0e7,
+    "advertised_rate_last_bps": 9.9e6,
+    "advertised_rates_seen": 31,
+    "error": None,
+    "extra": {"rto_count": 0, "datagrams_sent": 104},
+    "pair": 0,
+    "arm": "kickass",
+    "queued_ms": 0.0,
+    "negotiated_protocol": "kickass",
+}
+
 
 def flow_id(trial_id: str, period_index: int, index: int) -> str:
     """The flow's idempotency key: its trial, its period and its index there."""
@@ -189,6 +220,13 @@ def flow_id(trial_id: str, period_index: int, index: int) -> str:
     if not 0 <= index < FLOWS_PER_PERIOD_MAX or not 0 <= period_index <= INT32_MAX:
         raise ValueError(f"flow index {index} or period {period_index} out of range")
     return f"{trial_id}-{index + FLOWS_PER_PERIOD_MAX * period_index}"
+
+
+def example(trial_id: str) -> dict[str, Any]:
+    """A valid record of ``trial_id``'s first period, every field of ``FIELDS`` in
+    its order (the server's example of an upload; the property tests mutate it)."""
+    values = {**EXAMPLE_VALUES, "flow_id": flow_id(trial_id, 0, 0)}
+    return {f.name: copy.deepcopy(values[f.name]) for f in FIELDS}
 
 
 def parse_flow_id(value: str) -> tuple[str, int, int]:

@@ -392,34 +392,8 @@ def trial_example(args: dict[str, str]) -> dict[str, Any]:
 
 
 def flows_example(args: dict[str, str]) -> dict[str, Any]:
-    return {
-        "flows": [
-            {
-                "flow_id": flow_record.flow_id(args["trial_id"], 0, 0),
-                "period_index": 0,
-                "protocol": "kickass",
-                "congestion_control": None,
-                "handshake": "padded",
-                "size_bytes": 144000,
-                "size_packets": 100,
-                "started_at": "2026-11-25T12:00:01+00:00",
-                "completed": True,
-                "fct_ms": 312.5,
-                "ka_mode_ms": 312.5,
-                "ka_mode_fraction": 1.0,
-                "mode_switches": 0,
-                "retransmissions": 0,
-                "srtt_ms": 101.2,
-                "min_rtt_ms": 100.1,
-                "advertised_rate_min_bps": 9.7e6,
-                "advertised_rate_max_bps": 1.0e7,
-                "advertised_rate_last_bps": 9.9e6,
-                "advertised_rates_seen": 31,
-                "error": None,
-                "extra": {"rto_count": 0, "datagrams_sent": 104},
-            }
-        ]
-    }
+    # Every field of the flow record's table (kickass_core.flow_record.FIELDS).
+    return {"flows": [flow_record.example(args["trial_id"])]}
 
 
 # -- /api/v1/schedule (trial runner hosts' scheduled items) -------------------------------

@@ -127,3 +127,48 @@ def test_conflicts_are_answered_by_position_and_the_first_copy_is_stored(
     engine.dispose()
     assert rows == {kept["flow_id"]: 10.0, new["flow_id"]: 20.0, real["flow_id"]: 30.0}
     assert fraction == 0.5
+
+
+def test_the_orm_flow_row_is_the_flow_records_table_column_by_column() -> None:
+    """``FlowRow`` (which the migrations match, test_db_migrations) against
+    ``kickass_core.flow_record.FIELDS``: after its keys, the record's fields in their
+    order, each column of the type its kind and bounds take, nullable as the field,
+    and every number and time bounded by the CHECK made from its field."""
+    from kickass_core import flow_record
+    from kickass_db.base import check_bounds
+    from kickass_db.models.trials import FlowRow
+    from sqlalchemy import (
+        REAL,
+        BigInteger,
+        Boolean,
+        CheckConstraint,
+        DateTime,
+        Float,
+        Integer,
+        Text,
+    )
+    from sqlalchemy.dialects.postgresql import JSONB
+
+    table = FlowRow.__table__
+    keys = {"id", "trial_pk"}
+    assert tuple(c.name for c in table.columns if c.name not in keys) == flow_record.FIELD_NAMES
+    checks = {
+        str(c.name).removeprefix("ck_flows_"): str(c.sqltext)
+        for c in table.constraints
+        if isinstance(c, CheckConstraint)
+    }
+    for f in flow_record.FIELDS:
+        column = table.c[f.name]
+        if f.kind == "int":
+            assert f.maximum is not None
+            want: type = Integer if f.maximum <= flow_record.INT32_MAX else BigInteger
+        elif f.kind == "float":
+            want = REAL if f.real else Float
+        else:
+            want = {"bool": Boolean, "str": Text, "time": DateTime, "object": JSONB}[f.kind]
+        assert type(column.type) is want, (f.name, column.type, want)
+        if f.kind == "time":
+            assert column.type.timezone, f.name
+        assert column.nullable == f.nullable, f.name
+        if f.kind in ("int", "float", "time"):
+            assert checks.get(f"{f.name}_bounds") == check_bounds(f), f.name

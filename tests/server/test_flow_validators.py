@@ -195,3 +195,14 @@ def test_a_periods_handshake_is_one_of_the_flow_records() -> None:
 
     literal, _none = get_args(TrialPeriod.model_fields["handshake"].annotation)
     assert get_args(literal) == flow_record.HANDSHAKES
+
+
+def test_the_apis_example_of_an_upload_is_the_flow_records_every_field() -> None:
+    """``schemas.flows_example`` is derived from the flow record's table: every field,
+    in its order, a record both validators take."""
+    from kickass_server import schemas
+
+    [record] = schemas.flows_example({"trial_id": TRIAL})["flows"]
+    assert tuple(record) == flow_record.FIELD_NAMES
+    assert record == flow_record.example(TRIAL)
+    assert verdicts(record) == (None, None)
