@@ -59,10 +59,8 @@ class ApiConfig:
     # within the HTTP front's (front.py, 256 KiB).
     max_report_bytes: int = 256 * 1024
     max_json_depth: int = 8
-    # Retry-After (s) on 503: the database or engine should be back by then.
-    unavailable_retry_after_s: int = 10
-    # Retry-After (s) on 429.
-    rate_limited_retry_after_s: int = 60
+    # Retry-After on 503 and 429: the one policy (http.RetryAfter).
+    retry_after: http.RetryAfter = http.RetryAfter()
     # How long /health trusts its last database check.
     health_cache_s: float = 2.0
     # Who may read GET /metrics (networks); others get a 404.
@@ -386,7 +384,7 @@ def create_app(
     install_page_state(app, page)
     http.install(
         app,
-        http.RetryAfter(cfg.unavailable_retry_after_s, cfg.rate_limited_retry_after_s),
+        cfg.retry_after,
         unavailable=(EngineUnavailable,),
     )
     return app

@@ -16,6 +16,7 @@ import pytest
 from flask.testing import FlaskClient
 from kickass_core import wire
 from kickass_db.study_store import StudyStore
+from kickass_server import http
 from kickass_server.api import ApiConfig, create_app
 from kickass_server.engine import ProbeEngine
 from kickass_server.policy import Policy
@@ -149,6 +150,22 @@ def test_rate_limited_is_429_with_retry_after(client: FlaskClient) -> None:
     r = client.post("/api/v1/sessions", json={}, environ_base={"REMOTE_ADDR": CLIENT_IP})
     assert r.status_code == 429 and r.get_json()["error"] == "rate-limited"
     assert r.headers["Retry-After"] == "60"
+
+
+def test_retry_after_is_one_setting_for_every_answer_that_carries_it(
+    engine: ProbeEngine, store: SwitchableStore
+) -> None:
+    """The API's Retry-After is its one policy (``http.RetryAfter``), set as a whole."""
+    client = client_for(
+        engine, store, retry_after=http.RetryAfter(unavailable_s=7, rate_limited_s=90)
+    )
+    s = new_session(client)
+    new_session(client)
+    r = client.post("/api/v1/sessions", json={}, environ_base={"REMOTE_ADDR": CLIENT_IP})
+    assert r.status_code == 429 and r.headers["Retry-After"] == "90"
+    store.down = True
+    r = client.get(f"/api/v1/sessions/{s['session_id']}")
+    assert r.status_code == 503 and r.headers["Retry-After"] == "7"
 
 
 def test_behind_a_proxy_the_last_forwarded_hop_is_the_client(
