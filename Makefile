@@ -3,7 +3,7 @@
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
-PKGS := -e core -e db -e probe-client -e server -e atlas -e analysis -e operations -e testbed -e wan-agents
+PKGS := -e core -e db -e probe-client -e server -e atlas -e 'analysis[engines]' -e operations -e testbed -e wan-agents
 PYPROJECTS := core/pyproject.toml db/pyproject.toml probe-client/pyproject.toml atlas/pyproject.toml \
 	analysis/pyproject.toml operations/pyproject.toml \
 	server/pyproject.toml testbed/pyproject.toml wan-agents/pyproject.toml requirements-dev.txt

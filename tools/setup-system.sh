@@ -35,6 +35,7 @@ systemd-analyze                      systemd         the timer units of `kickass
 dpkg-shlibdeps                       dpkg-dev        the Debian package of the agent: the libraries ka-agent-recv needs (make agent-deb)
 nsenter                              util-linux      the container of a deployed receiver plugged into the testbed (tests)
 chromium                             chromium        rendering tests: the report and the volunteer page
+/usr/lib/jvm/java-17-openjdk-*/bin/java  openjdk-17-jre-headless  the JVM of Spark: kickass archive analyze --engine spark (tests)
 '
 
 mode=install

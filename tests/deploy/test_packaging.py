@@ -46,6 +46,7 @@ ALL_PACKAGES = {
     "systemd",
     "dpkg-dev",
     "chromium",
+    "openjdk-17-jre-headless",
 }
 
 
