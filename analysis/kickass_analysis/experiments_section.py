@@ -52,7 +52,8 @@ from .figures import MAX_POINTS, Figure, Shading, congestion
 
 if TYPE_CHECKING:
     from .networks import NetworkTable
-    from .report import ReportData, Section
+    from .report.markup import Section
+    from .report.readers import ReportData
 
 # The runs drawn (the latest); the summary table lists every run.
 MAX_RUNS = 8
@@ -493,7 +494,7 @@ def read(conn: Connection, data: ReportData, networks: NetworkTable | None) -> N
 
 
 def section(data: ReportData) -> tuple[Section, dict[str, Any]]:
-    from .report import Section, _figure, _table
+    from .report.markup import Section, _figure, _table
 
     sec = Section("experiments", "The paper's congestion experiments")
     runs: list[ExperimentRun] = data.experiment_runs

@@ -281,6 +281,42 @@ def rates(label: str, points: Sequence[stats.SizeRate], **kw: Any) -> Series:
     )
 
 
+# The study's two drop-rate figures: by packet size (whole packets) and by the
+# split (a 1500-byte datagram in two fragments), named NAME-by-size and NAME-by-split.
+DROP_PHASES = {
+    "whole": ("size", "IP length (B)"),
+    "split": ("split", "leading fragment IP length (B)"),
+}
+
+
+@dataclass(frozen=True)
+class DropLine:
+    """One series of both drop-rate figures: a source's, a session's or a
+    group's rates (``stats.drop_by_size``) per phase; a phase with none draws
+    nothing of it."""
+
+    label: str
+    rates: Mapping[str, Sequence[stats.SizeRate]]  # phase -> rates
+    colour: str | None = None
+    line: bool = False
+
+
+def drop_by_phase(
+    name: str, titles: Mapping[str, str], lines: Sequence[DropLine]
+) -> dict[str, Figure | None]:
+    """The drop rate against packet size and against the split (the report's
+    study, the volunteer's page), one series per line in each: phase -> figure."""
+    return {
+        phase: drop_rate(
+            f"{name}-by-{suffix}",
+            titles[phase],
+            xlabel,
+            [rates(d.label, d.rates.get(phase, ()), colour=d.colour, line=d.line) for d in lines],
+        )
+        for phase, (suffix, xlabel) in DROP_PHASES.items()
+    }
+
+
 def shares(
     name: str,
     title: str,

@@ -534,23 +534,12 @@ def _page_context(found: Mapping[str, Any], state: _State) -> dict[str, Any]:
         "country": figures.COLOURS["country"],
         "network": figures.COLOURS["network"],
     }
-    figs = {}
-    for phase, name, title, xlabel in (
-        ("whole", "session-by-size", "Drop rate against packet size", "IP length (B)"),
-        (
-            "split",
-            "session-by-split",
-            "Drop rate against the split",
-            "leading fragment IP length (B)",
-        ),
-    ):
-        series = [figures.rates("this session", own[phase], colour=figures.COLOURS["session"])]
-        for g in groups:
-            if g.shown and g.rates.get(phase):
-                series.append(
-                    figures.rates(g.label, g.rates[phase], colour=colours[g.key], line=True)
-                )
-        figs[phase] = figures.drop_rate(name, title, xlabel, series)
+    lines = [figures.DropLine("this session", own, figures.COLOURS["session"])]
+    lines += [
+        figures.DropLine(g.label, g.rates, colours[g.key], line=True) for g in groups if g.shown
+    ]
+    titles = {"whole": "Drop rate against packet size", "split": "Drop rate against the split"}
+    figs = figures.drop_by_phase("session", titles, lines)
     pooled = {}
     for phase in ("whole", "split"):
         sent = sum(p.rate.sent for p in own[phase])

@@ -69,7 +69,7 @@ DASHBOARDS = dashboards()
 DATASOURCES = GRAFANA / "provisioning" / "datasources" / "postgres.yaml"
 PROVIDERS = GRAFANA / "provisioning" / "dashboards" / "dashboards.yaml"
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-REPORT = ROOT / "analysis" / "kickass_analysis" / "report.py"
+REPORT = ROOT / "analysis" / "kickass_analysis" / "report" / "readers.py"
 SOURCES = {
     "fragment-viability.json": "the study: sources, countries, networks",
     "wide-area-trials.json": "the paired trials",
@@ -799,13 +799,13 @@ def _python_sql(source: str) -> list[str]:
 
 
 def _report_sql() -> list[str]:
-    """The report's SQL (analysis/kickass_analysis/report.py, if it exists):
+    """The report's SQL (analysis/kickass_analysis/report/readers.py, if it exists):
     its module's strings that read a view, templating placeholders removed;
     a statement whose view name is itself a placeholder is left out."""
     if not REPORT.exists():
         return []
     try:
-        import kickass_analysis.report as report
+        import kickass_analysis.report.readers as report
 
         texts = [v for v in vars(report).values() if isinstance(v, str) and "FROM v_" in v]
     except Exception:  # noqa: BLE001 - another engineer's module mid-change: read its text

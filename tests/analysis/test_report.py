@@ -695,7 +695,7 @@ def _close(a: float | None, b: float | None) -> bool:
 
 
 def _check_trials(data: Any, database_url: str) -> None:  # noqa: ANN401
-    from kickass_analysis.report import _fct_summary
+    from kickass_analysis.report.trials import _fct_summary
 
     want_bins, want_ka = _truth(database_url)
     got_bins = {
