@@ -1,66 +1,40 @@
-"""The HTTP conventions every blueprint shares: one error type, one body parser,
-one place that decides ``Retry-After``.
+"""The HTTP conventions every blueprint shares, on Flask: one error type, one
+body parser, one place that decides ``Retry-After``.
 
-Errors are JSON ``{"error": code, "message": text}``. Bad input of any kind
-is a 4xx with a one-line log; 503 (with ``Retry-After``) means the database
-or the engine is unavailable right now; 429 (with ``Retry-After``) is a rate
-limit; 500 is a bug, and only a bug logs a traceback.
+The convention itself is ``kickass_core.httpjson``, which the wan agent's
+control API answers by too: errors are JSON ``{"error": code, "message":
+text}``; bad input of any kind is a 4xx with a one-line log; 503 (with
+``Retry-After``) means the database or the engine is unavailable right now;
+429 (with ``Retry-After``) is a rate limit; 500 is a bug, and only a bug logs
+a traceback. Here: Flask's side of it (the app's handlers, the request's body
+cap, a signed runner).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from flask import Flask, Response, jsonify, request
-from kickass_core import signing, strictjson
+from kickass_core import httpjson, signing
+from kickass_core.httpjson import ApiError, RateLimited, RetryAfter, Unavailable, one_line
 from kickass_db.retry import DatabaseUnavailable
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from werkzeug.exceptions import HTTPException
-
-from .schemas import errors_text
 
 if TYPE_CHECKING:
     from kickass_db.trial_store import TrialStore
 
 log = logging.getLogger("kickass.api")
 
+# The convention's names, as the blueprints import them from here.
+__all__ = [
+    "ApiError", "RateLimited", "RetryAfter", "Unavailable", "accepts", "install", "one_line",
+    "parse_body", "signed_path", "signed_runner", "validate",
+]  # fmt: skip
+
 M = TypeVar("M", bound=BaseModel)
-
-
-@dataclass(frozen=True)
-class RetryAfter:
-    """Seconds a client should wait: the only source of ``Retry-After``."""
-
-    unavailable_s: int = 10  # 503: the database or engine should be back by then
-    rate_limited_s: int = 60  # 429
-
-
-class ApiError(Exception):
-    """A request the server answers with ``status`` (4xx, or a 503 with
-    ``retry`` set); ``code`` is the machine-readable ``error`` field."""
-
-    def __init__(self, status: int, code: str, message: str, *, retry: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message, self.retry = status, code, message, retry
-
-
-class Unavailable(ApiError):
-    def __init__(self, message: str) -> None:
-        super().__init__(503, "unavailable", message, retry="unavailable")
-
-
-class RateLimited(ApiError):
-    def __init__(self, message: str) -> None:
-        super().__init__(429, "rate-limited", message, retry="rate-limited")
-
-
-def one_line(exc: BaseException | str) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0][:200] if text else type(exc).__name__
-
 
 V = TypeVar("V", bound=Callable[..., Any])
 
@@ -81,31 +55,27 @@ def accepts(
     return mark
 
 
-def parse_body(model: type[M], *, max_bytes: int | None = None, max_depth: int = 8) -> M:
-    """The request body as ``model``, or ApiError 400 (413 when too large).
+def parse_body(
+    model: type[M], *, max_bytes: int | None = None, max_depth: int = httpjson.MAX_JSON_DEPTH
+) -> M:
+    """The request body as ``model`` (``httpjson.parse_json``), or ApiError 400
+    (413 when too large).
 
     ``max_bytes`` raises the app's cap for this request (a batch of flow
-    records, a report); the HTTP front caps every body anyway.
+    records, a report); the HTTP front caps every body anyway. A body must say
+    it is JSON (the agent's control API, whose runners' requests are signed
+    whatever their head says, does not ask).
     """
     if max_bytes is not None:
         request.max_content_length = max_bytes
     if not request.is_json:
         raise ApiError(400, "bad-request", "expected a JSON body (Content-Type: application/json)")
     raw = request.get_data(cache=False)  # MAX_CONTENT_LENGTH: 413 beyond it
-    try:
-        value = strictjson.loads(raw, max_depth)
-    except ValueError as exc:
-        raise ApiError(400, "bad-request", f"the body is not valid JSON: {one_line(exc)}") from None
-    if not isinstance(value, dict):
-        raise ApiError(400, "bad-request", "expected a JSON object body")
-    return validate(model, value)
+    return httpjson.parse_json(raw, model, max_depth)
 
 
-def validate(model: type[M], value: Any, code: str = "bad-request") -> M:
-    try:
-        return model.model_validate(value)
-    except ValidationError as exc:
-        raise ApiError(400, code, errors_text(exc)) from None
+def validate(model: type[M], value: Any, code: str = httpjson.BAD_REQUEST) -> M:
+    return httpjson.validate(model, value, code)
 
 
 def signed_path() -> str:
@@ -143,11 +113,10 @@ def install(app: Flask, retry_after: RetryAfter, unavailable: tuple[type[Excepti
     exception types that mean "try again shortly" (503)."""
 
     def respond(status: int, code: str, message: str, retry: str | None) -> tuple[Response, int]:
-        resp = jsonify(error=code, message=message)
-        if retry == "unavailable":
-            resp.headers["Retry-After"] = str(retry_after.unavailable_s)
-        elif retry == "rate-limited":
-            resp.headers["Retry-After"] = str(retry_after.rate_limited_s)
+        resp = jsonify(httpjson.error_body(code, message))
+        header = retry_after.header(retry)
+        if header is not None:
+            resp.headers["Retry-After"] = header
         return resp, status
 
     @app.errorhandler(ApiError)
@@ -169,7 +138,7 @@ def install(app: Flask, retry_after: RetryAfter, unavailable: tuple[type[Excepti
         log.warning("503 %s %r: %s", request.method, request.path[:80], message)
         if isinstance(exc, DatabaseUnavailable):
             message = "the database is unavailable right now; try again shortly"
-        return respond(503, "unavailable", message, "unavailable")
+        return respond(503, httpjson.UNAVAILABLE, message, httpjson.UNAVAILABLE)
 
     kinds: tuple[type[Exception], ...] = (DatabaseUnavailable, *unavailable)
     for kind in kinds:
@@ -179,4 +148,4 @@ def install(app: Flask, retry_after: RetryAfter, unavailable: tuple[type[Excepti
     def _unexpected(exc: Exception) -> tuple[Response, int]:
         # Not bad input (4xx) and not an outage (503): a bug.
         log.exception("500 %s %r", request.method, request.path[:80])
-        return jsonify(error="internal-error", message="the server failed on this request"), 500
+        return jsonify(httpjson.error_body(*httpjson.INTERNAL)), 500

@@ -21,6 +21,7 @@ from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from kickass_core import bounds, flow_record, strictjson
+from kickass_core.httpjson import errors_text as errors_text  # a refusal as one line
 from kickass_core.plan import MAX_REPETITIONS, MAX_WINDOW, PHASES
 from kickass_core.rate import FRAGMENT_UNIT, FULL_PACKET_LEN
 from pydantic import (
@@ -334,16 +335,6 @@ FlowRecord = create_model(  # type: ignore[call-overload]
     __doc__="One trial flow record (kickass_core.flow_record.FIELDS).",
     **{f.name: (_flow_annotation(f), ... if f.required else None) for f in flow_record.FIELDS},
 )
-
-
-def errors_text(exc: Any, limit: int = 3) -> str:
-    """A pydantic ValidationError as one short line: 'field.path: problem; ...'."""
-    parts = []
-    for err in exc.errors(include_url=False, include_input=False)[:limit]:
-        where = ".".join(str(p) for p in err.get("loc", ())) or "body"
-        parts.append(f"{where}: {err.get('msg', 'invalid')}"[:160])
-    more = exc.error_count() - len(parts)
-    return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
 
 
 # -- valid examples (the property test over every endpoint mutates them) ----------------

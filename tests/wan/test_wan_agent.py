@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
@@ -236,3 +237,66 @@ def test_agent_refuses_to_start_without_a_secret(tmp_path: Path) -> None:
         [AGENT, "--state-dir", str(tmp_path)], env=env, capture_output=True, text=True, timeout=30
     )
     assert proc.returncode == 2 and proc.stderr.startswith("ERROR: no agent secret")
+
+
+def _raw(
+    port: int, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None
+) -> tuple[int, dict, dict[str, str]]:
+    """One request by http.client (its head as given, signed over ``body``):
+    status, JSON body, headers."""
+    key = signing.key_from_secret(SECRET)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.putrequest(method, path)
+        head = {"Content-Length": str(len(body)), "Content-Type": "application/json"}
+        head |= signing.sign(key, signing.AGENT_KEY_ID, method, path, body)
+        for name, value in (head | (headers or {})).items():
+            conn.putheader(name, value)
+        conn.endheaders(body or None)
+        r = conn.getresponse()
+        return r.status, json.loads(r.read()), dict(r.getheaders())
+    finally:
+        conn.close()
+
+
+def test_the_agent_answers_on_the_servers_http_convention(tmp_path: Path) -> None:
+    """The control API answers as the measurement server does (kickass_core.httpjson):
+    every refusal ``{"error", "message"}``, a body read by the same parser within the
+    same limits (size, strict JSON, nesting, an object, the model's refusal in one
+    line naming the fields), Retry-After on a 503, and http.server's own refusals in
+    that shape too."""
+    state = tmp_path / "state"
+    with agent(state) as (port, _):
+
+        def refused(body: bytes) -> tuple[int, str, str]:
+            status, reply, _ = _raw(port, "POST", "/v1/tokens", body)
+            return status, reply["error"], reply["message"]
+
+        status, code, message = refused(b'{"kind": "tcp",')
+        assert (status, code) == (400, "bad-request")
+        assert message.startswith("the body is not valid JSON: "), message
+        assert refused(b'{"kind": "tcp", "count": NaN}')[2].startswith("the body is not valid")
+        deep = b'{"kind": "tcp", "x": ' + b"[" * 8 + b"]" * 8 + b"}"
+        assert "nested deeper than 8" in refused(deep)[2]
+        assert refused(b"[]") == (400, "bad-request", "expected a JSON object body")
+        status, code, message = refused(b'{"kind": "udp", "count": 0}')
+        assert (status, code) == (400, "bad-request")
+        assert message.startswith("kind: ") and "; count: " in message, message
+
+        # Over the cap (said by its head; nothing more sent): 413, before any reading.
+        status, reply, _ = _raw(
+            port, "POST", "/v1/tokens", headers={"Content-Length": str(16 * 1024 + 1)}
+        )
+        assert (status, reply["error"]) == (413, "request-entity-too-large"), reply
+        assert reply["message"]
+        for method, path, want in (("GET", "/v1/nothing", 404), ("PUT", "/v1/tokens", 501)):
+            status, reply, _ = _raw(port, method, path)
+            assert status == want and set(reply) == {"error", "message"}, (method, reply)
+        assert _raw(port, "GET", "/v1/nothing")[1]["error"] == "not-found"
+
+        nonces = state / "signed-nonces"
+        nonces.unlink()
+        nonces.mkdir()  # the nonce cannot be recorded: 503, try again shortly
+        status, reply, headers = _raw(port, "POST", "/v1/tokens", b'{"kind": "tcp"}')
+        assert (status, reply["error"]) == (503, "unavailable")
+        assert headers["Retry-After"] == "10"

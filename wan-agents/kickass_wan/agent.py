@@ -7,7 +7,8 @@ It runs at far-away sites and serves both kinds of flows:
   (``ka-agent-recv``, which reads each datagram's leading fragment before
   reassembly), supervised here and restarted if it dies;
 
-and a small control API on ``--listen`` (HTTP, JSON):
+and a small control API on ``--listen`` (HTTP, JSON, on the server's
+convention: ``kickass_core.httpjson``'s error shape, body parser and limits):
 
     GET  /v1/health    {"status", "receivers": {...}, "uptime_s"}: the Kick-Ass
                        receiver's entry says whether it is up ("ready": it said
@@ -47,17 +48,19 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from kickass_core import config, signing, strictjson
+from kickass_core import config, httpjson, signing
 from kickass_core.errors import KickassError
+from kickass_core.httpjson import ApiError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from . import __version__, environment
 from . import token as tk
@@ -68,7 +71,8 @@ log = logging.getLogger("kickass.agent")
 MAX_TOKENS_PER_CALL = 200
 # Flows of each kind in progress at once (the trial runner's default cap too).
 DEFAULT_MAX_FLOWS = 256
-MAX_BODY = 4096
+# Retry-After on a 503 (the state directory could not record a request).
+RETRY_AFTER = httpjson.RetryAfter()
 
 
 class Agent:
@@ -265,11 +269,10 @@ class Agent:
         port = self.tcp.address[1] if kind == "tcp" else self.kickass_port
         return {"kind": kind, "tokens": tokens, "port": port, "expires_in_s": self.token_lifetime_s}
 
-    def authorize(
-        self, headers: Any, method: str, path: str, body: bytes
-    ) -> tuple[int, str] | None:
-        """None if the request is signed with this agent's key and not a
-        replay; else the HTTP status to refuse it with, and why."""
+    def authorize(self, headers: Any, method: str, path: str, body: bytes) -> None:
+        """Returns if the request is signed with this agent's key and not a
+        replay; else raises the ApiError to refuse it with (401, or 503 when
+        its nonce cannot be recorded)."""
         key = signing.key_from_secret(self.secret)
         try:
             signed = signing.check(
@@ -282,16 +285,17 @@ class Agent:
             replayed = self.nonces.seen(signed.nonce, signed.time)
         except signing.SignatureError as exc:
             self._refuse()
-            return 401, str(exc)
+            raise ApiError(401, "unauthorized", str(exc)) from None
         except OSError as exc:
             # Unrecorded, the nonce would be forgotten by a restart: refuse.
             log.error("cannot record a signed request's nonce: %s", exc)
             self._refuse()
-            return 503, f"the agent cannot record the request in its state directory: {exc}"
+            raise httpjson.Unavailable(
+                f"the agent cannot record the request in its state directory: {exc}"
+            ) from None
         if replayed:
             self._refuse()
-            return 401, "replayed request (its nonce was seen before)"
-        return None
+            raise ApiError(401, "unauthorized", "replayed request (its nonce was seen before)")
 
     def _refuse(self) -> None:
         with self._count_lock:
@@ -355,23 +359,64 @@ class TokenRequest(BaseModel):
 
 
 class _Handler(BaseHTTPRequestHandler):
+    """The control API on ``kickass_core.httpjson``'s convention: every answer
+    JSON, every refusal ``{"error", "message"}``, a bug a 500 that says no more."""
+
     agent: Agent
     server_version = f"kickass-agent/{__version__}"
     timeout = 10  # a slow client cannot hold a thread
 
-    def _reply(self, status: int, body: dict[str, Any]) -> None:
+    def _reply(
+        self, status: int, body: dict[str, Any], headers: dict[str, str] | None = None
+    ) -> None:
         data = json.dumps(body).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.end_headers()
         self.wfile.write(data)
 
-    def _refused(self, status: int, message: str) -> None:
-        error = "unauthorized" if status == 401 else "unavailable"
-        self._reply(status, {"error": error, "message": message})
+    def _serve(self, route: Callable[[], None]) -> None:
+        try:
+            route()
+        except ApiError as exc:
+            log.info("%d %s %s %r: %s", exc.status, exc.code, self.command, self.path[:80],
+                     httpjson.one_line(exc.message))  # fmt: skip
+            retry = RETRY_AFTER.header(exc.retry)
+            # A refused request's body may be unread: the connection ends with it.
+            self.close_connection = True
+            self._reply(
+                exc.status,
+                httpjson.error_body(exc.code, exc.message),
+                {"Retry-After": retry} if retry else None,
+            )
+        except Exception:
+            # Not bad input (4xx) and not an outage (503): a bug.
+            log.exception("500 %s %r", self.command, self.path[:80])
+            self.close_connection = True
+            self._reply(500, httpjson.error_body(*httpjson.INTERNAL))
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """http.server's own refusals (a bad request line, an unsupported
+        method, an unknown path) in the same shape as every other error."""
+        status = HTTPStatus(code)
+        self.close_connection = True
+        self._reply(
+            code,
+            httpjson.error_body(
+                status.phrase.lower().replace(" ", "-"), message or status.description
+            ),
+        )
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self._serve(self._get)
+
+    def do_POST(self) -> None:  # noqa: N802
+        self._serve(self._post)
+
+    def _get(self) -> None:
         if self.path == "/v1/health":
             self._reply(200, self.agent.health())
         elif self.path == "/v1/version":
@@ -379,7 +424,7 @@ class _Handler(BaseHTTPRequestHandler):
         elif self.path == "/metrics":
             # Prometheus cannot sign: only the networks of --metrics-from may read it.
             if not self.agent.may_read_metrics(self.client_address[0]):
-                self._reply(404, {"error": "not-found"})
+                self.send_error(404)
                 return
             data = self.agent.metrics_text()
             self.send_response(200)
@@ -389,40 +434,20 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(data)
         elif self.path == "/v1/environment":
             # Signed: a host's kernel and settings are a runner's business.
-            refused = self.agent.authorize(self.headers, "GET", self.path, b"")
-            if refused is not None:
-                self._refused(*refused)
-                return
+            self.agent.authorize(self.headers, "GET", self.path, b"")
             self._reply(200, self.agent.environment())
         else:
-            self._reply(404, {"error": "not-found"})
+            self.send_error(404)
 
-    def do_POST(self) -> None:  # noqa: N802
+    def _post(self) -> None:
         if self.path != "/v1/tokens":
-            self._reply(404, {"error": "not-found"})
+            self.send_error(404)
             return
-        try:
-            length = int(self.headers.get("Content-Length") or 0)
-        except ValueError:
-            length = -1
-        if not 0 <= length <= MAX_BODY:
-            self._reply(413, {"error": "too-large"})
-            return
+        length = httpjson.body_length(self.headers.get("Content-Length"))
         raw = self.rfile.read(length)
-        refused = self.agent.authorize(self.headers, "POST", self.path, raw)
-        if refused is not None:
-            self._refused(*refused)
-            return
-        try:
-            req = TokenRequest.model_validate(strictjson.loads(raw or b"{}"))
-        except ValidationError as exc:
-            first = exc.errors(include_url=False, include_input=False)[0]
-            where = ".".join(str(p) for p in first.get("loc", ())) or "body"
-            self._reply(400, {"error": "bad-request", "message": f"{where}: {first['msg']}"})
-            return
-        except ValueError as exc:  # not JSON, not UTF-8, NaN, too deep
-            self._reply(400, {"error": "bad-request", "message": str(exc)[:200]})
-            return
+        # The signature covers the body as sent: checked before it is parsed.
+        self.agent.authorize(self.headers, "POST", self.path, raw)
+        req = httpjson.parse_json(raw, TokenRequest)
         self._reply(200, self.agent.issue(req.kind, req.count))
 
     def log_message(self, fmt: str, *args: Any) -> None:
