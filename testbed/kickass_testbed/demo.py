@@ -132,9 +132,14 @@ def run(args: argparse.Namespace) -> int:
                     start_new_session=True,
                 )
             t0 = time.monotonic()
+            # Seconds each client ran: a slow act says which client it waited for.
+            took: dict[str, float] = {}
             try:
                 while any(p.poll() is None for p in procs.values()):
                     time.sleep(1.0)
+                    for kind, p in procs.items():
+                        if kind not in took and p.poll() is not None:
+                            took[kind] = round(time.monotonic() - t0, 1)
                     rows = _progress(store, net)
                     line = "  ".join(
                         f"{k} {100 * s // max(t, 1)}%" + ("" if st == "probing" else f" {st}")
@@ -144,6 +149,8 @@ def run(args: argparse.Namespace) -> int:
                     if time.monotonic() - t0 > args.timeout:
                         raise KickassError(f"the demo took longer than {args.timeout}s")
                 act_one_s = round(time.monotonic() - t0, 1)
+                for kind in procs:
+                    took.setdefault(kind, act_one_s)
                 console.print(f"[bold]act one[/]: every client done in {act_one_s:.0f} s")
             finally:
                 for kind, p in procs.items():
@@ -204,6 +211,10 @@ def run(args: argparse.Namespace) -> int:
                     "whole_drop_rate": wd,
                     "split_drop_rate": sd,
                     "expected": EXPECTED.get(kind),
+                    "state": r.get("state"),
+                    "end_reason": r.get("end_reason"),
+                    "exit_code": codes.get(kind),
+                    "seconds": took.get(kind),
                 }
             )
         out_console.print(table)
