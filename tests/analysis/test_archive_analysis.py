@@ -18,8 +18,10 @@ the database row for row:
 - the latest verdict per client by ``v_client_verdicts``' rule, a client being
   the archive's hashed client key.
 
-One SparkSession serves the module (its JVM takes most of the time); the
-Spark test is ``quiet``, as it runs alone. ``kickass archive analyze`` is run
+One SparkSession serves the module (its JVM takes most of the time). The
+Spark test runs in the main stream, not alone: its ~30 s of JVM work is no
+heavier than the Chromium and notebook tests there, and the alone stream is
+CI's critical path. ``kickass archive analyze`` is run
 as a researcher runs it (no database in its environment), and its errors for
 a folder that is no verified archive, an output folder that exists, and a
 missing Java or engine library are checked.
@@ -276,7 +278,6 @@ def spark() -> Iterator[archive_analysis.SparkEngine]:
         engine.close()
 
 
-@pytest.mark.quiet
 def test_spark_equals_the_views(
     archived: Archived,
     expected: dict[str, list[dict[str, Any]]],
