@@ -2,7 +2,8 @@
 
 Subcommands register themselves: each installed package lists its modules in
 the ``kickass.commands`` entry-point group (see its pyproject.toml), and each
-module exposes ``add_parser(subparsers)`` setting ``func`` on its parser. So
+module exposes ``add_parser(subparsers)`` setting ``func`` on its parser (a
+command of commands opens with ``group``, a program with ``program``). So
 the agents, trials and Atlas packages add commands without editing anyone
 else's code. Domain failures raise KickassError and are printed as
 ``ERROR: ...`` with a hint and a non-zero exit, never as a traceback.
@@ -16,6 +17,7 @@ import os
 import sys
 from collections.abc import Iterable
 from importlib.metadata import EntryPoint, entry_points
+from typing import Any
 
 from kickass_core.errors import KickassError
 
@@ -28,12 +30,12 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The whole command tree; with ``only``, just that subcommand's module is
     imported (a command run from cron every minute should not pay for the
     imports of every other room: they cost half a second)."""
-    parser = argparse.ArgumentParser(
-        prog="kickass",
+    parser = program(
+        "kickass",
+        __version__,
         description="Kick-Ass measurement platform: run the measurement server, manage the "
         "database, run the namespace demo, testbed and trials.",
     )
-    parser.add_argument("--version", action="version", version=f"kickass {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     eps = sorted(_commands(), key=lambda e: e.name)
     if only is not None and any(ep.name == only for ep in eps):
@@ -46,6 +48,35 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             continue
         module.add_parser(sub)
     return parser
+
+
+def program(prog: str, version: str, **kwargs: Any) -> argparse.ArgumentParser:
+    """The opening every program here shares (``kickass``, ``kickass-agent``,
+    ``kickass-probe``): its parser (``kwargs``: ``description``...) with
+    ``--version`` saying ``PROG VERSION``."""
+    parser = argparse.ArgumentParser(prog=prog, **kwargs)
+    parser.add_argument("--version", action="version", version=f"{prog} {version}")
+    return parser
+
+
+def group(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+    name: str,
+    **kwargs: Any,
+) -> argparse._SubParsersAction[argparse.ArgumentParser]:
+    """The opening every command of commands shares (``kickass NAME ACTION ...``):
+    its parser (``kwargs``: ``help``, ``description``...) and, returned, its
+    actions' subparsers, the action named in ``args.<NAME>_command``. Run
+    without an action, it prints its help and exits 2."""
+    parser = subparsers.add_parser(name, **kwargs)
+
+    def usage(_args: argparse.Namespace) -> int:
+        parser.print_help()
+        return 2
+
+    parser.set_defaults(func=usage)
+    actions = parser.add_subparsers(dest=f"{name}_command", metavar=f"{name.upper()}_COMMAND")
+    return actions
 
 
 def _commands() -> Iterable[EntryPoint]:

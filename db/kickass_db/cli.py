@@ -21,6 +21,7 @@ from datetime import date
 from alembic import command
 from alembic.runtime.migration import MigrationContext
 from alembic.util.exc import CommandError
+from kickass_core.cli import group
 from kickass_core.errors import KickassError
 from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError
@@ -30,18 +31,12 @@ from . import migrations, partitions
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser(
+    sub = group(
+        subparsers,
         "db",
         help="migrate the measurement database",
         description="Migrate the measurement database (PostgreSQL) with its Alembic migrations.",
     )
-
-    def usage(_args: argparse.Namespace) -> int:
-        parser.print_help()
-        return 2
-
-    parser.set_defaults(func=usage)
-    sub = parser.add_subparsers(dest="db_command", metavar="DB_COMMAND")
 
     def url_option(p: argparse.ArgumentParser) -> None:
         p.add_argument(

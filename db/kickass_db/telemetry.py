@@ -37,6 +37,7 @@ from functools import partial
 from typing import IO, Any
 
 from kickass_core import bounds, strictjson
+from kickass_core.cli import group
 from kickass_core.errors import KickassError
 from sqlalchemy import insert, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -381,14 +382,14 @@ def read(stream: IO[bytes], tee: IO[bytes] | None = None) -> Iterable[bytes]:
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
+    s = group(
+        sub,
         "telemetry",
         help="store ka-router telemetry (NDJSON) in PostgreSQL",
         description="Read ka-router's NDJSON telemetry from a file or a pipe and store it in "
         "router_runs / router_telemetry (view v_router_telemetry). Example: "
         "ka-router --lan l0 --wan w0 --capacity 10mbit | kickass telemetry ingest - --tee",
     )
-    s = p.add_subparsers(dest="telemetry_command", metavar="ACTION", required=True)
     ing = s.add_parser(
         "ingest",
         help="ingest one router run's telemetry",

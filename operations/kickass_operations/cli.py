@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from kickass_core import config, signing
+from kickass_core.cli import group
 from kickass_core.errors import KickassError
 
 from . import crontab as cron
@@ -41,20 +42,14 @@ from .schedule_file import Schedule, load
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = sub.add_parser(
+    cmds = group(
+        sub,
         "schedule",
         help="scheduled work: Atlas campaigns, trial rounds, refresh, export, housekeeping",
         description="Run a schedule file's items when due, exactly once across hosts (claims "
         "in PostgreSQL, or through the server's API on trial runner hosts); every run is a "
         "row of item_runs. See operations/README.md.",
     )
-
-    def usage(_args: argparse.Namespace) -> int:
-        parser.print_help()
-        return 2
-
-    parser.set_defaults(func=usage)
-    cmds = parser.add_subparsers(dest="schedule_command", metavar="SCHEDULE_COMMAND")
 
     def file_arg(p: argparse.ArgumentParser) -> None:
         p.add_argument("schedule", type=Path, help="the schedule file (TOML)")

@@ -16,6 +16,7 @@ import sys
 import traceback
 from typing import Any, TextIO
 
+from kickass_core.cli import program
 from kickass_core.plan import PlanError, ProbePlan
 from kickass_core.rate import FULL_PACKET_LEN, IPV4_HEADER_LEN
 
@@ -101,8 +102,9 @@ def _positive_float(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="kickass-probe",
+    p = program(
+        "kickass-probe",
+        __version__,
         description="Measure whether fragmented IPv4 packets reach you (the Kick-Ass\n"
         "fragment viability study): the server sends whole packets of every size and\n"
         "datagrams split in two fragments; this client acknowledges what arrives.\n"
@@ -168,7 +170,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--verbose", "-v", action="store_true", help="show protocol steps and every probe size"
     )
-    p.add_argument("--version", action="version", version=f"kickass-probe {__version__}")
     return p
 
 

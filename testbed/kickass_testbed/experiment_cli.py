@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from kickass_core import config, strictjson
+from kickass_core.cli import group
 from kickass_core.errors import KickassError
 
 EXPERIMENTS_HELP = {
@@ -45,7 +46,8 @@ MAX_FILE_BYTES = 64 * 1024 * 1024
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
+    cmds = group(
+        sub,
         "experiment",
         help="run the paper's congestion experiments on the testbed; list and show stored runs",
         description="The paper's congestion experiments (§III-D) on the namespace testbed: "
@@ -60,7 +62,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "printed beside the paper's words and, with a database, stored (v_experiment_runs, "
         "v_experiment_rates) for `kickass report`.",
     )
-    cmds = p.add_subparsers(dest="experiment_command", metavar="COMMAND", required=True)
     run = cmds.add_parser(
         "run",
         help="run one experiment in namespaces (root) and store it",

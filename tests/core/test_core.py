@@ -163,3 +163,21 @@ def test_plan_from_json_bounds_the_probe_count() -> None:
     huge = {**ProbePlan.quick().to_json(), "repetitions": 10**30}
     with pytest.raises(PlanTooLarge):
         ProbePlan.from_json(huge, max_probes=1_000_000)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["db"], ["schedule"], ["trials"], ["trials", "runners"], ["trials", "agents"],
+     ["archive"], ["telemetry"], ["experiment"]],
+)  # fmt: skip
+def test_every_command_of_commands_opens_the_same_way(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One opening (``kickass_core.cli.group``): run without its action, a command of
+    commands prints its help, listing its actions as NAME_COMMAND, and exits 2."""
+    from kickass_core import cli
+
+    assert cli.main(argv) == 2
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: kickass {' '.join(argv)} ")
+    assert f"{argv[-1].upper()}_COMMAND" in out

@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from kickass_core import config, httpjson, signing
+from kickass_core.cli import program
 from kickass_core.errors import KickassError
 from kickass_core.httpjson import ApiError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -556,8 +557,9 @@ def _secret(args: argparse.Namespace) -> bytes:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="kickass-agent",
+    p = program(
+        "kickass-agent",
+        __version__,
         description="Remote receiver for Kick-Ass vs TCP trials: serves TCP and Kick-Ass "
         "flows to runners holding a token from its control API. Settings: flag > "
         "KICKASS_AGENT_* environment > [agent] table of the --config TOML file.",
@@ -595,7 +597,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated networks that may read GET /metrics (default loopback only)",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--version", action="version", version=f"kickass-agent {__version__}")
     return p
 
 

@@ -22,6 +22,7 @@ import threading
 from typing import Any
 
 from kickass_core import config
+from kickass_core.cli import group
 from kickass_core.errors import KickassError
 from kickass_core.flow_record import CONGESTION_CONTROLS, DEFAULT_CONGESTION_CONTROL, HANDSHAKES
 
@@ -33,18 +34,12 @@ from .workload import pair_flows
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = sub.add_parser(
+    tsub = group(
+        sub,
         "trials",
         help="wide-area Kick-Ass vs TCP trials (schedule, runners)",
         description="Interleaved Kick-Ass and TCP trials towards remote receivers (paper IV).",
     )
-
-    def usage(_args: argparse.Namespace) -> int:
-        parser.print_help()
-        return 2
-
-    parser.set_defaults(func=usage)
-    tsub = parser.add_subparsers(dest="trials_command", metavar="TRIALS_COMMAND")
 
     p = tsub.add_parser("plan", help="print the interleaved schedule and its flows (dry run)")
     p.add_argument("--destination", action="append", required=True, help="agent name (repeat)")
@@ -133,14 +128,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
     _agents_parser(tsub)
 
-    r = tsub.add_parser("runners", help="manage the runners allowed to upload results")
-    rsub = r.add_subparsers(dest="runners_command", metavar="RUNNERS_COMMAND")
-
-    def runners_usage(_args: argparse.Namespace) -> int:
-        r.print_help()
-        return 2
-
-    r.set_defaults(func=runners_usage)
+    rsub = group(tsub, "runners", help="manage the runners allowed to upload results")
     a = rsub.add_parser("add", help="register a runner (or renew its token); prints the token")
     a.add_argument("name")
     a.add_argument("--database-url", help="postgresql:// URL (env KICKASS_DATABASE_URL)")
@@ -148,19 +136,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def _agents_parser(tsub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    ag = tsub.add_parser(
+    asub = group(
+        tsub,
         "agents",
         help="register deployed receivers with this runner, and check them",
         description="The receivers this runner sends to: their control URL and the secret "
         "their package made, kept in the registry (--agents-dir).",
     )
-    asub = ag.add_subparsers(dest="agents_command", metavar="AGENTS_COMMAND")
-
-    def agents_usage(_args: argparse.Namespace) -> int:
-        ag.print_help()
-        return 2
-
-    ag.set_defaults(func=agents_usage)
     dir_help = (
         f"the registry (default ${receivers.AGENTS_DIR_ENV} or {receivers.DEFAULT_AGENTS_DIR})"
     )
