@@ -4,6 +4,7 @@
     kickass archive verify /mnt/copy-of-the-archive          # no database needed
     kickass archive restore probe_outcomes 2026-11-01 --recount
     kickass archive campaign eu-1                            # a settled Atlas campaign
+    kickass archive analyze /mnt/copy --engine duckdb -o results/   # the views, from the files
 
 The work is ``kickass_analysis.archive`` (imported when the command runs, so
 pyarrow does not slow every other `kickass` command down). Settings:
@@ -30,6 +31,7 @@ from kickass_core.cli import group
 from kickass_core.errors import KickassError
 
 TABLES = ("probe_outcomes", "router_telemetry")  # kickass_db.models.archive.ARCHIVED_TABLES
+ENGINES = ("duckdb", "spark")  # archive_analysis.ENGINES
 KEEP_RAW_DAYS = {"probe_outcomes": 30, "router_telemetry": 7}  # archive.KEEP_RAW_DAYS
 
 DESCRIPTION = """\
@@ -41,7 +43,8 @@ probe_outcomes day with its sessions in ROOT/sessions/day=... (no address,
 no cookie hash). retire writes, verifies, records, detaches and drops every
 day older than keep_raw_days (a day with a live session stays, and is
 named); verify needs no database (a researcher's copy); restore puts a day
-back (analysis/README.md)."""
+back; analyze computes the study's views from a verified archive with DuckDB
+or Spark, no database either (analysis/README.md)."""
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -103,6 +106,26 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     q.add_argument("name", metavar="CAMPAIGN", help="the campaign's name")
     common(q)
     q.set_defaults(func=cmd_campaign)
+
+    q = sub.add_parser(
+        "analyze",
+        help="the study's views computed from a verified archive by DuckDB or Spark (no database)",
+        description="Computes from the archive's files what the study views show "
+        "(v_whole_drop, v_split_drop, v_session_summary, the verdicts, v_size_drop_all, "
+        "v_split_drop_all, both *_by_source views, the latest verdict per client) and writes "
+        "each as OUT/<name>.parquet with <name>.parquet.schema.json beside it. The archive is "
+        "verified first; OUT must be a new folder.",
+    )
+    q.add_argument("root", metavar="DIR", help="the archive's root folder (or a copy of it)")
+    q.add_argument("--engine", required=True, choices=ENGINES, help="duckdb or spark")
+    q.add_argument(
+        "--master",
+        metavar="URL",
+        help="Spark's master, e.g. spark://host:7077 (default: local[2], or spark-submit's)",
+    )
+    q.add_argument("-o", "--output", required=True, metavar="OUT", help="a new folder for them")
+    q.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
+    q.set_defaults(func=cmd_analyze)
 
     q = sub.add_parser("restore", help="put a retired day back from its files")
     q.add_argument("table", choices=TABLES)
@@ -256,6 +279,25 @@ def cmd_list(args: argparse.Namespace) -> int:
         )
     if not rows:
         print("no day archived yet")
+    return 0
+
+
+def cmd_analyze(args: argparse.Namespace) -> int:
+    from . import archive_analysis
+
+    _terminate_as_interrupt()
+    if sys.stderr.isatty():
+        print(f"analyze: {args.root} with {args.engine}", file=sys.stderr, flush=True)
+    out = archive_analysis.analyze(args.root, args.engine, args.output, master=args.master)
+    if args.json:
+        print(json.dumps(out.to_json(), indent=2))
+    else:
+        for name, r in out.results.items():
+            print(f"{name}: {r['rows']:,} rows")
+        print(
+            f"{len(out.results)} results in {out.out} ({out.engine} {out.engine_version}, "
+            f"{out.seconds:.1f} s)"
+        )
     return 0
 
 
