@@ -168,7 +168,7 @@ def test_plan_from_json_bounds_the_probe_count() -> None:
 @pytest.mark.parametrize(
     "argv",
     [["db"], ["schedule"], ["trials"], ["trials", "runners"], ["trials", "agents"],
-     ["archive"], ["telemetry"], ["experiment"]],
+     ["archive"], ["telemetry"], ["experiment"], ["atlas"]],
 )  # fmt: skip
 def test_every_command_of_commands_opens_the_same_way(
     argv: list[str], capsys: pytest.CaptureFixture[str]
