@@ -9,12 +9,16 @@ PYPROJECTS := core/pyproject.toml db/pyproject.toml probe-client/pyproject.toml 
 	server/pyproject.toml testbed/pyproject.toml wan-agents/pyproject.toml requirements-dev.txt
 RUST_BINS := ka-router ka-linkem ka-blast ka-agent-recv ka-send
 
-.PHONY: system install demo test lint bench router agent-deb clean
+.PHONY: system install demo test lint bench router rust-build agent-deb clean
 
 system:
 	@tools/setup-system.sh
 
-install: system $(BIN)/.installed router zipapp
+# The Python packages and the Rust build at once: pip mostly waits on files
+# (pyspark is a 456 MB sdist), cargo on the CPU; CI has 40 minutes in all.
+install: system
+	@$(MAKE) --no-print-directory -j2 $(BIN)/.installed rust-build
+	@$(MAKE) --no-print-directory router zipapp
 
 $(BIN)/.installed: $(PYPROJECTS)
 	@echo "install: python packages into $(VENV)"
@@ -23,9 +27,11 @@ $(BIN)/.installed: $(PYPROJECTS)
 	@$(BIN)/pip install --quiet -r requirements-dev.txt $(PKGS)
 	@touch $@
 
-router:
-	@echo "install: rust binaries ($(RUST_BINS)) into $(BIN)"
+rust-build:
+	@echo "install: building the rust binaries ($(RUST_BINS))"
 	@cargo build --quiet --release --workspace
+
+router: $(BIN)/.installed rust-build
 	@for b in $(RUST_BINS); do install -m 755 target/release/$$b $(BIN)/$$b; done
 
 # The remote receiver as one Debian package (the agent, its dependencies and
