@@ -1,6 +1,7 @@
 """The paper's testbed (section IV-A) reproduced in namespaces: Kick-Ass against CUBIC.
 
-    .venv/bin/python bench/trials_bench.py [--period S] [--quick] > bench/trials_bench.json
+    .venv/bin/python bench/trials_bench.py [--period S] [--quick] [--only ROW] \
+        > bench/trials_bench.json
 
 A benchmark, not a test: it runs real trials (`kickass trials run` in eight
 sender namespaces at once, aligned periods) through ka-router and a 100 ms
@@ -9,7 +10,20 @@ emulated WAN to a kickass-agent, and prints one JSON object:
 * light load: 100 Mbit/s, 8 senders, Pareto flows of 1..2000 packets (mean
   ~100), mean gap 0.5 s per sender; Kick-Ass (padded handshake) and CUBIC
   periods, then Kick-Ass with the paper's handshake;
-* heavy load: 10 Mbit/s, mean flow 1 MB, mean gap 8 s per sender.
+* heavy load: 10 Mbit/s, mean flow 1 MB, mean gap 8 s per sender, open loop
+  (a flow's gap counts from the last one's start) and, as ``heavy-closed``,
+  the paper's closed-loop on-off senders (8 s off after each flow ends);
+* ``floor``: ka-router ``--mode droptail`` (no rates: Kick-Ass runs in TCP
+  mode), 10 Mbit/s, ~5.8 Mbit/s offered: Kick-Ass's TCP mode against CUBIC;
+* ``experiment-c`` (issue 24): the light row with half of each Kick-Ass
+  period's flows TCP (``kickass@tcp50``): the ``kickass@tcp50[tcp]`` row is
+  the TCP flows' FCT without Kick-Ass beside them over with it;
+* ``experiment-a``, ``experiment-b``: the paper's §III-D congestion
+  experiments (kickass_testbed.congestion), two 40 s TCP epochs in 130 s
+  (one 12 s epoch with ``--quick``).
+
+``--only ROW`` (repeatable) runs some rows; each row reports its offered
+load per arm.
 
 The periods of a pair run the same flows under each arm (Kick-Ass, CUBIC,
 and under light load Kick-Ass with the paper's handshake), in an order drawn
@@ -36,6 +50,7 @@ import subprocess
 import sys
 import time
 from collections import Counter, defaultdict
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -188,19 +203,40 @@ def pooled_speedups(database: str) -> list[dict[str, Any]]:
         return store.speedups()
 
 
+def offered_load(flows: list[dict[str, Any]], periods: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per arm, the payload bytes its flows asked for over its periods' time
+    (bit/s), as the runner recorded it per period where it did (closed loop:
+    what the senders offered), else from the flow sizes."""
+    out: dict[str, Any] = {}
+    for arm in sorted({p["arm"] for p in periods}):
+        recorded = [p["offered_load_bps"] for p in periods
+                    if p["arm"] == arm and p.get("offered_load_bps") is not None]  # fmt: skip
+        seconds = sum(float(p["duration_s"]) for p in periods if p["arm"] == arm)
+        asked = sum(
+            (f.get("size_bytes") or f["size_packets"] * 1440) * 8 for f in flows if f["arm"] == arm
+        )
+        out[arm] = {
+            "recorded_bps_mean": round(statistics.fmean(recorded)) if recorded else None,
+            "from_sizes_bps": round(asked / seconds) if seconds else None,
+        }
+    return out
+
+
 def scenario(
     url: str,
     name: str,
     capacity: str,
     spec: TrialSpec,
     router_args: list[str] | None = None,
+    mode: str = "kickass",
 ) -> dict[str, Any]:
-    database = create_database(url, f"bench_{name}_{os.getpid()}")
+    database = create_database(url, f"bench_{name.replace('-', '_')}_{os.getpid()}")
     config = TestbedConfig(
         senders=len(SENDERS),
         receivers=1,
         capacity=capacity,
         rtt_ms=100.0,
+        mode=mode,
         router_args=list(router_args or []),
     )
     bps = rate_bps(capacity)
@@ -210,18 +246,54 @@ def scenario(
     arms = (spec.arms or "").split(",")
     return {
         "capacity": capacity,
+        "router_mode": mode,
         "senders": len(SENDERS),
         "rtt_ms": 100,
         "period_s": spec.period_s,
         "pairs": spec.pairs,
         "arms": arms,
-        "workload": {"mean_gap_s": spec.mean_gap_s, "mean_packets": spec.mean_packets},
+        "workload": {
+            "mean_gap_s": spec.mean_gap_s,
+            "mean_packets": spec.mean_packets,
+            "loop": "closed" if "closed" in spec.extra_args else "open",
+        },
+        "offered_load": offered_load(flows, out.periods),
         "by_arm": {arm: pooled(flows, arm) for arm in sorted({f["arm"] for f in flows})},
         "paired_speedup": speedups(pooled_speedups(database)),
         "by_size": fct_table(flows),
         "failures": failures(flows),
         "queueing_delay_ms_cdf": queue_cdf(out.telemetry, spans(out.periods), bps),
         "schedule": alignment(out.periods, out.result["runs"]),
+        "seconds": round(time.monotonic() - t0, 1),
+    }
+
+
+# The rows of issue 24's table, each runnable alone (--only).
+ROWS = {
+    "light": "100 Mbit/s, mean gap 0.5 s per sender; Kick-Ass, CUBIC, the paper's handshake",
+    "heavy": "10 Mbit/s, 1 MB mean, open loop (~91%% offered)",
+    "heavy-closed": "10 Mbit/s, 1 MB mean, the paper's closed-loop on-off senders (8 s off)",
+    "floor": "the TCP-mode floor: ka-router --mode droptail, Kick-Ass in TCP mode vs CUBIC",
+    "experiment-c": "the light row with half of each Kick-Ass period's flows TCP (kickass@tcp50)",
+    "experiment-a": "8 Kick-Ass + 8 CUBIC flows, TCP switched on and off at ka-router",
+    "experiment-b": "the same with the congestion at a legacy bottleneck behind ka-router",
+}
+
+
+def experiment(kind: str, quick: bool) -> dict[str, Any]:
+    """The paper's congestion experiment (a) or (b) (kickass_testbed.congestion):
+    per TCP epoch, Jain's index, the Kick-Ass/TCP mean per flow, utilisation
+    and the RTTs to enter and leave TCP mode."""
+    from kickass_testbed.congestion import CongestionSpec, run_congestion
+
+    epochs = ((8.0, 20.0),) if quick else ((10.0, 50.0), (70.0, 110.0))
+    spec = CongestionSpec(kind=kind, epochs=epochs, duration_s=28.0 if quick else 130.0)
+    t0 = time.monotonic()
+    o = run_congestion(spec)
+    return {
+        "kind": kind,
+        "epochs": [e.__dict__ for e in o.epochs],
+        "alone": o.alone,
         "seconds": round(time.monotonic() - t0, 1),
     }
 
@@ -237,7 +309,13 @@ def main() -> int:
         help="pairs of periods per trial (the interval is over pairs: at least 2, 4 by default)",
     )
     ap.add_argument("--quick", action="store_true", help="short periods, for a smoke run")
-    ap.add_argument("--only", choices=["light", "heavy"], help="run one scenario (default: both)")
+    ap.add_argument(
+        "--only",
+        choices=ROWS,
+        action="append",
+        help="run only these rows (repeatable; default: all): "
+        + "; ".join(f"{k}: {v}" for k, v in ROWS.items()),
+    )
     ap.add_argument(
         "--router-arg",
         action="append",
@@ -265,39 +343,44 @@ def main() -> int:
     }
     report["metadata"]["router_args"] = args.router_arg
     with embedded_postgres() as url:
-        if args.only in (None, "light"):
-            print("light load ...", file=sys.stderr, flush=True)
-            report["light"] = scenario(
-                url,
-                "light",
-                "100mbit",
-                # Every pair replays the same flows under each arm, in an order
-                # drawn per pair: the paper's handshake beside ours and CUBIC.
-                TrialSpec(
-                    pairs=args.pairs,
-                    period_s=light_p,
-                    mean_gap_s=0.5,
-                    seed=11,
-                    arms="kickass,tcp:cubic,kickass:paper",
-                ),  # fmt: skip
-                router_args=args.router_arg,
-            )
-        if args.only in (None, "heavy"):
-            print("heavy load ...", file=sys.stderr, flush=True)
-            report["heavy"] = scenario(
-                url,
-                "heavy",
+        rows = args.only or list(ROWS)
+        light = TrialSpec(pairs=args.pairs, period_s=light_p, mean_gap_s=0.5, seed=11)
+        heavy = TrialSpec(
+            pairs=args.pairs, period_s=heavy_p, mean_gap_s=8.0, mean_packets=694.0, seed=13,
+            arms="kickass,tcp:cubic",
+        )  # fmt: skip
+        # Every pair replays the same flows under each arm, in an order drawn
+        # per pair.
+        specs: dict[str, tuple[str, TrialSpec, str]] = {
+            "light": ("100mbit", replace(light, arms="kickass,tcp:cubic,kickass:paper"), "kickass"),
+            "heavy": ("10mbit", heavy, "kickass"),
+            "heavy-closed": ("10mbit", replace(heavy, extra_args=["--loop", "closed"]), "kickass"),
+            # ~5.8 Mbit/s offered, as the floor's namespace test (one sender there).
+            "floor": (
                 "10mbit",
                 TrialSpec(
                     pairs=args.pairs,
-                    period_s=heavy_p,
-                    mean_gap_s=8.0,
-                    mean_packets=694.0,
-                    seed=13,
+                    period_s=light_p,
+                    mean_gap_s=0.8,
+                    mean_packets=50.0,
+                    max_packets=800,
+                    seed=21,
                     arms="kickass,tcp:cubic",
                 ),  # fmt: skip
-                router_args=args.router_arg,
-            )
+                "droptail",
+            ),
+            "experiment-c": ("100mbit", replace(light, arms="kickass@tcp50,tcp:cubic"), "kickass"),
+        }
+        for row in rows:
+            print(f"{row} ...", file=sys.stderr, flush=True)
+            if row.startswith("experiment-") and row != "experiment-c":
+                report[row] = experiment(
+                    "kickass-bottleneck" if row == "experiment-a" else "legacy-bottleneck",
+                    args.quick,
+                )
+                continue
+            capacity, spec, mode = specs[row]
+            report[row] = scenario(url, row, capacity, spec, router_args=args.router_arg, mode=mode)
     json.dump(report, sys.stdout, indent=1)
     print()
     return 0
