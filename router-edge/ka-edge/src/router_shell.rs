@@ -619,53 +619,16 @@ fn hdr_ttl_up(h: &ka_core::fragment::Header) -> Vec<u8> {
 }
 
 pub fn run(o: Options) -> Result<()> {
-    sys::require_net_caps("ka-router")?;
-    sys::ifindex(&o.lan)?;
-    sys::ifindex(&o.wan)?;
-    if o.lan == o.wan {
-        return Err(Error::new("--lan and --wan must be different interfaces"));
-    }
-    if sys::iface_exists(&o.tun) {
-        return Err(Error::new(format!("interface {} already exists", o.tun)).hint(
-            "another ka-router may be running in this namespace (a crashed one leaves no device); \
-             stop it or pick another --tun name",
-        ));
-    }
-    // The module being loaded says nothing (hooks are per namespace); live
-    // entries in this namespace do.
-    if sys::sysctl_read("net.netfilter.nf_conntrack_count").is_ok_and(|c| c != "0") {
-        eprintln!(
-            "ka-router: warning: conntrack is tracking flows in this namespace; it reassembles \
-             fragments and re-fragments them, which defeats Kick-Ass marking"
-        );
-    }
+    preflight(&o)?;
     let mut telemetry = Telemetry::open(o.telemetry.as_deref())?;
-    if o.rt_priority > 0 && !sys::realtime_priority(o.rt_priority) {
-        eprintln!(
-            "ka-router: warning: SCHED_FIFO priority {} not permitted; running as an ordinary process",
-            o.rt_priority
-        );
-    }
-    sys::install_stop_handlers()?;
-    sys::tight_timer_slack();
-    remove_stale(&o.lan, &o.table.to_string());
+    prepare_process(&o)?;
     let tun = Tun::create(&o.tun)?;
     let mut installed = install(&o, &tun)?;
     let mtu = sys::iface_mtu(tun.name())?;
     let pool_size = mtu.max(1500) + 64;
     let packet = match o.datapath {
         DatapathKind::Tun => None,
-        DatapathKind::Packet => Some(PacketIo {
-            rx: LanRx::open(&o.lan, o.rx_ring_frames, sys::iface_mtu(&o.lan)? + 14)?,
-            tx: WanTx::open(&o.wan)?,
-            hops: NextHops::new(&o.wan, sys::now()),
-            wan_mtu: sys::iface_mtu(&o.wan)?,
-            rx_bufs: (0..BATCH).map(|_| vec![0u8; pool_size]).collect(),
-            rx_out: Vec::with_capacity(BATCH),
-            rx_open: true,
-            pending: Vec::with_capacity(BATCH),
-            slow: 0,
-        }),
+        DatapathKind::Packet => Some(PacketIo::open(&o, pool_size)?),
     };
     // Ready (the metadata line is the readiness signal): set up and, on the
     // packet datapath, the receive ring is open.
@@ -699,6 +662,100 @@ pub fn run(o: Options) -> Result<()> {
     };
     // Which fd woke us does not matter: every pass reads them all.
     let mut ready = Vec::with_capacity(fds.len());
+    forward(
+        &o,
+        &mut dp,
+        &mut installed,
+        &mut telemetry,
+        &fds,
+        &mut ready,
+    )?;
+    let (drained, abandoned) = drain(&o, &mut dp, &mut installed, &fds, &mut ready)?;
+    telemetry.line(&ExitLine {
+        kind: "exit",
+        ts: sys::unix_time().as_secs_f64(),
+        reason: "signal",
+        drained_packets: drained,
+        abandoned_packets: abandoned,
+        write_errors: dp.write_errors,
+        slow_path_packets: dp.packet.as_ref().map_or(0, |io| io.slow),
+        rx_socket_drops: dp.packet.as_ref().map_or(0, |io| io.rx.kernel_drops()),
+        rx_unusable_packets: dp.packet.as_ref().map_or(0, |io| io.rx.bad),
+        counters: dp.router.counters(),
+    });
+    drop(installed);
+    drop(dp);
+    eprintln!("ka-router: stopped cleanly ({drained} packets drained, {abandoned} abandoned)");
+    Ok(())
+}
+
+/// Refuse what cannot work before touching anything: missing capabilities,
+/// unknown or identical interfaces, a TUN name in use.
+fn preflight(o: &Options) -> Result<()> {
+    sys::require_net_caps("ka-router")?;
+    sys::ifindex(&o.lan)?;
+    sys::ifindex(&o.wan)?;
+    if o.lan == o.wan {
+        return Err(Error::new("--lan and --wan must be different interfaces"));
+    }
+    if sys::iface_exists(&o.tun) {
+        return Err(Error::new(format!("interface {} already exists", o.tun)).hint(
+            "another ka-router may be running in this namespace (a crashed one leaves no device); \
+             stop it or pick another --tun name",
+        ));
+    }
+    // The module being loaded says nothing (hooks are per namespace); live
+    // entries in this namespace do.
+    if sys::sysctl_read("net.netfilter.nf_conntrack_count").is_ok_and(|c| c != "0") {
+        eprintln!(
+            "ka-router: warning: conntrack is tracking flows in this namespace; it reassembles \
+             fragments and re-fragments them, which defeats Kick-Ass marking"
+        );
+    }
+    Ok(())
+}
+
+/// The process's scheduling, signals and timer slack, and what a crashed
+/// earlier run left behind.
+fn prepare_process(o: &Options) -> Result<()> {
+    if o.rt_priority > 0 && !sys::realtime_priority(o.rt_priority) {
+        eprintln!(
+            "ka-router: warning: SCHED_FIFO priority {} not permitted; running as an ordinary process",
+            o.rt_priority
+        );
+    }
+    sys::install_stop_handlers()?;
+    sys::tight_timer_slack();
+    remove_stale(&o.lan, &o.table.to_string());
+    Ok(())
+}
+
+impl PacketIo {
+    fn open(o: &Options, pool_size: usize) -> Result<PacketIo> {
+        Ok(PacketIo {
+            rx: LanRx::open(&o.lan, o.rx_ring_frames, sys::iface_mtu(&o.lan)? + 14)?,
+            tx: WanTx::open(&o.wan)?,
+            hops: NextHops::new(&o.wan, sys::now()),
+            wan_mtu: sys::iface_mtu(&o.wan)?,
+            rx_bufs: (0..BATCH).map(|_| vec![0u8; pool_size]).collect(),
+            rx_out: Vec::with_capacity(BATCH),
+            rx_open: true,
+            pending: Vec::with_capacity(BATCH),
+            slow: 0,
+        })
+    }
+}
+
+/// Forward until a stop signal: read, run the control interval, write what
+/// the pacer allows, sleep until the core's next deadline.
+fn forward(
+    o: &Options,
+    dp: &mut Datapath,
+    installed: &mut Installed,
+    telemetry: &mut Telemetry,
+    fds: &[std::os::fd::RawFd],
+    ready: &mut Vec<bool>,
+) -> Result<()> {
     while !sys::stop_requested() {
         let now = sys::now();
         if let Some(io) = dp.packet.as_mut() {
@@ -733,18 +790,27 @@ pub fn run(o: Options) -> Result<()> {
             continue;
         }
         // Cap the sleep so a signal racing the flag check costs little.
-        sys::poll_readable(&fds, Some(wait.min(100_000_000)), &mut ready)?;
+        sys::poll_readable(fds, Some(wait.min(100_000_000)), ready)?;
     }
+    Ok(())
+}
 
-    // Drain: new LAN traffic goes back to plain kernel forwarding at once;
-    // what we hold leaves at the configured rate, within a time limit.
+/// Drain: new LAN traffic goes back to plain kernel forwarding at once;
+/// what we hold leaves at the configured rate, within a time limit.
+/// Returns the packets drained and those abandoned at the limit.
+fn drain(
+    o: &Options,
+    dp: &mut Datapath,
+    installed: &mut Installed,
+    fds: &[std::os::fd::RawFd],
+    ready: &mut Vec<bool>,
+) -> Result<(u64, u64)> {
     if let Some(io) = dp.packet.as_mut() {
         // Nothing new queues on the tap from here on; what is queued
         // arrived while the kernel dropped its copy, so it is still ours.
         io.rx.stop_queueing();
     }
     installed.remove_rule();
-    let reason = "signal";
     let drain_until = sys::now() + o.drain_timeout_ns;
     let mut drained = 0u64;
     loop {
@@ -763,27 +829,12 @@ pub fn run(o: Options) -> Result<()> {
             .saturating_sub(sys::now())
             .min(10_000_000);
         if wait > o.spin_ns {
-            sys::poll_readable(&fds, Some(wait), &mut ready)?;
+            sys::poll_readable(fds, Some(wait), ready)?;
         }
     }
     let mut abandoned = 0u64;
     while dp.router.pop_any().is_some() {
         abandoned += 1;
     }
-    telemetry.line(&ExitLine {
-        kind: "exit",
-        ts: sys::unix_time().as_secs_f64(),
-        reason,
-        drained_packets: drained,
-        abandoned_packets: abandoned,
-        write_errors: dp.write_errors,
-        slow_path_packets: dp.packet.as_ref().map_or(0, |io| io.slow),
-        rx_socket_drops: dp.packet.as_ref().map_or(0, |io| io.rx.kernel_drops()),
-        rx_unusable_packets: dp.packet.as_ref().map_or(0, |io| io.rx.bad),
-        counters: dp.router.counters(),
-    });
-    drop(installed);
-    drop(dp);
-    eprintln!("ka-router: stopped cleanly ({drained} packets drained, {abandoned} abandoned)");
-    Ok(())
+    Ok((drained, abandoned))
 }
