@@ -394,40 +394,14 @@ class TrialRunner:
                     flows = planned[period.index]
                     tokens = first_tokens if ahead is None else ahead.result()
                     begins = t0 + period.start_s
-                    # What the last periods measured goes to the server in
-                    # the gap before this one, once the last period has
-                    # ended and only while that cannot make this one start
-                    # late (eight senders uploading at once on a loaded host
-                    # took more than the gap's quiet second): otherwise it
-                    # waits, spooled, for a longer gap or the end.
-                    if running is not None:
-                        wait_for(
-                            [running],
-                            timeout=max(0.0, begins - UPLOAD_MARGIN_S - time.monotonic()),
-                        )
-                    left = begins - time.monotonic()
-                    if (
-                        running is None or running.done()
-                    ) and left > UPLOAD_MARGIN_S + 2 * self._upload_s:
-                        # Cut at the margin: an upload that is slow this time
-                        # (eight senders at once) must not make it late either.
-                        self._upload(deadline=begins - UPLOAD_MARGIN_S)
-                        self._slots[period.index].upload_s = round(self._upload_s, 4)
+                    self._upload_before(period, begins, running)
                     # Keep the schedule: wait for the period's time.
                     wait = begins - time.monotonic()
                     if wait > 0 and self.stop.wait(wait):
                         break
                     begun = time.monotonic()
                     started = _now()
-                    actual = begun - t0
-                    self._slots[period.index].actual_s = round(actual, 4)
-                    if actual - period.start_s > LATE_START_S:
-                        self.late_periods.append(
-                            {
-                                "period": period.index,
-                                "late_s": round(actual - period.start_s, 3),
-                            }
-                        )
+                    self._note_start(period, begun - t0)
                     if progress:
                         progress(period)
                     this = pool.submit(
@@ -463,6 +437,33 @@ class TrialRunner:
                 # its deadline (the pool's exit waits for its workers).
                 self.stop.set()
                 raise
+
+    def _upload_before(self, period: Period, begins: float, running: Future[None] | None) -> None:
+        """What the last periods measured goes to the server in the gap
+        before ``period`` (which ``begins`` then), once the last period has
+        ended and only while that cannot make this one start late (eight
+        senders uploading at once on a loaded host took more than the gap's
+        quiet second): otherwise it waits, spooled, for a longer gap or the
+        end."""
+        if running is not None:
+            wait_for([running], timeout=max(0.0, begins - UPLOAD_MARGIN_S - time.monotonic()))
+        left = begins - time.monotonic()
+        if (running is None or running.done()) and left > UPLOAD_MARGIN_S + 2 * self._upload_s:
+            # Cut at the margin: an upload that is slow this time
+            # (eight senders at once) must not make it late either.
+            self._upload(deadline=begins - UPLOAD_MARGIN_S)
+            self._slots[period.index].upload_s = round(self._upload_s, 4)
+
+    def _note_start(self, period: Period, actual: float) -> None:
+        """When ``period`` began (seconds into the trial), and whether late."""
+        self._slots[period.index].actual_s = round(actual, 4)
+        if actual - period.start_s > LATE_START_S:
+            self.late_periods.append(
+                {
+                    "period": period.index,
+                    "late_s": round(actual - period.start_s, 3),
+                }
+            )
 
     def _trial_record(
         self,
