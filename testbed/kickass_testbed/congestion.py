@@ -44,7 +44,7 @@ from kickass_wan.tcpflow import MAX_FLOW_BYTES
 
 from .binaries import rust_binary
 from .trials import AGENT_CONTROL_PORT, start_agents
-from .wan import TestbedConfig, receiver_address, testbed
+from .wan import Testbed, TestbedConfig, receiver_address, testbed
 
 KINDS = ("kickass-bottleneck", "legacy-bottleneck")
 # Both drivers start their flows this long after they are launched (time
@@ -213,88 +213,13 @@ def run_congestion(
 ) -> CongestionOutcome:
     """Build the testbed, run the experiment, return its figures (router
     telemetry stored when ``database_url`` is given)."""
-    legacy = spec.kind == "legacy-bottleneck"
-    capacity = f"{spec.capacity_bps / 1e6:g}mbit"
-    # One BDP, counted in bytes as ka-router's buffer is. Counted in packets,
-    # a datagram ka-router cut takes two places: the Kick-Ass flows' losses
-    # per datagram double and their TCP mode got 0.67 of the TCP flows' share.
-    bdp_bytes = max(30 * 1500, int(spec.capacity_bps / 8 * spec.rtt_ms / 1000))
-    config = TestbedConfig(
-        senders=1 if legacy else 2,
-        receivers=1,
-        capacity=capacity,
-        rtt_ms=spec.rtt_ms,
-        bottleneck=capacity if legacy else None,
-        bottleneck_queue=f"{bdp_bytes}b",
-        router_args=list(spec.router_args),
-        mode=spec.router_mode,
-        cross=1 if legacy else 0,
-    )
     secret = secrets.token_hex(32)
     work = Path(tempfile.mkdtemp(prefix="kickass-congestion-"))
-    # More than a flow could send in the run at the whole capacity (within
-    # the largest TCP flow the agent takes).
-    size = min(int(spec.capacity_bps / 8 * spec.duration_s * 2), MAX_FLOW_BYTES)
-    agent = f"http://{receiver_address(1)}:{AGENT_CONTROL_PORT}"
-    py = sys.executable
-    progress: list[dict[str, Any]] = []
-    done: list[dict[str, Any]] = []
-    lock = threading.Lock()
-    with testbed(config, database_url=database_url, keep_logs=keep_logs) as tb:
+    with testbed(_testbed_config(spec), database_url=database_url, keep_logs=keep_logs) as tb:
         start_agents(tb, secret, work)
-        env = {"KICKASS_AGENT_SECRET": secret}
-        ka_cmd = [
-            py, "-m", "kickass_testbed.congestion_driver", "kickass",
-            "--agent", agent, "--flows", str(spec.kickass_flows), "--size", str(size),
-            "--interval", str(spec.interval_s), "--stagger", "0.1",
-            "--duration", str(spec.duration_s), "--ka-send", str(rust_binary("ka-send")),
-            "--cc", spec.kickass_cc,
-        ]  # fmt: skip
-        tcp_cmd = [
-            py, "-m", "kickass_testbed.congestion_driver", "tcp",
-            "--agent", agent, "--flows", str(spec.tcp_flows), "--size", str(size),
-            "--interval", str(spec.interval_s), "--cc", spec.tcp_cc,
-            *[a for e in spec.epochs for a in ("--epoch", f"{e[0]:g}:{e[1]:g}")],
-        ]  # fmt: skip
-        full_env = {**os.environ, **env}
         # One start for both sides, after both have their tokens.
         t0 = time.time() + START_AFTER_S
-        ka_cmd += ["--at", f"{t0:.6f}"]
-        tcp_cmd += ["--at", f"{t0:.6f}"]
-        logs = [tb.log_dir / "driver-kickass.log", tb.log_dir / "driver-tcp.log"]
-        procs = [
-            tb.built[host].popen(
-                cmd, env=full_env, stdout=subprocess.PIPE, stderr=log.open("w"), text=True
-            )
-            for host, cmd, log in (
-                ("s1", ka_cmd, logs[0]),
-                ("x1" if legacy else "s2", tcp_cmd, logs[1]),
-            )
-        ]
-
-        def pump(p: subprocess.Popen[str]) -> None:
-            assert p.stdout is not None
-            for raw in p.stdout:
-                try:
-                    obj = json.loads(raw)
-                except ValueError:
-                    continue
-                with lock:
-                    (progress if obj.get("type") == "progress" else done).append(obj)
-
-        pumps = [threading.Thread(target=pump, args=(p,), daemon=True) for p in procs]
-        for th in pumps:
-            th.start()
-        for p, log in zip(procs, logs, strict=True):
-            try:
-                rc = p.wait(START_AFTER_S + spec.duration_s + 60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                raise KickassError("a congestion driver did not finish") from None
-            if rc != 0:
-                raise KickassError(f"{log.name} exited {rc}: {log.read_text()[-600:]}")
-        for th in pumps:
-            th.join(10)
+        progress, done = _run_drivers(tb, spec, secret, t0)
         telemetry = tb.telemetry()
         run_name = tb.prefix
     if not keep_logs:
@@ -331,3 +256,92 @@ def run_congestion(
         windows=dict(windows),
         started_at=datetime.fromtimestamp(t0, UTC).isoformat(),
     )
+
+
+def _testbed_config(spec: CongestionSpec) -> TestbedConfig:
+    """The experiment's testbed: (b) adds the legacy bottleneck and its cross host."""
+    legacy = spec.kind == "legacy-bottleneck"
+    capacity = f"{spec.capacity_bps / 1e6:g}mbit"
+    # One BDP, counted in bytes as ka-router's buffer is. Counted in packets,
+    # a datagram ka-router cut takes two places: the Kick-Ass flows' losses
+    # per datagram double and their TCP mode got 0.67 of the TCP flows' share.
+    bdp_bytes = max(30 * 1500, int(spec.capacity_bps / 8 * spec.rtt_ms / 1000))
+    return TestbedConfig(
+        senders=1 if legacy else 2,
+        receivers=1,
+        capacity=capacity,
+        rtt_ms=spec.rtt_ms,
+        bottleneck=capacity if legacy else None,
+        bottleneck_queue=f"{bdp_bytes}b",
+        router_args=list(spec.router_args),
+        mode=spec.router_mode,
+        cross=1 if legacy else 0,
+    )
+
+
+def _run_drivers(
+    tb: Testbed, spec: CongestionSpec, secret: str, t0: float
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Both drivers (Kick-Ass from s1; TCP from s2, or x1 in (b)), starting
+    their flows at ``t0``; returns their progress lines and their summaries."""
+    legacy = spec.kind == "legacy-bottleneck"
+    # More than a flow could send in the run at the whole capacity (within
+    # the largest TCP flow the agent takes).
+    size = min(int(spec.capacity_bps / 8 * spec.duration_s * 2), MAX_FLOW_BYTES)
+    agent = f"http://{receiver_address(1)}:{AGENT_CONTROL_PORT}"
+    py = sys.executable
+    progress: list[dict[str, Any]] = []
+    done: list[dict[str, Any]] = []
+    lock = threading.Lock()
+    env = {"KICKASS_AGENT_SECRET": secret}
+    ka_cmd = [
+        py, "-m", "kickass_testbed.congestion_driver", "kickass",
+        "--agent", agent, "--flows", str(spec.kickass_flows), "--size", str(size),
+        "--interval", str(spec.interval_s), "--stagger", "0.1",
+        "--duration", str(spec.duration_s), "--ka-send", str(rust_binary("ka-send")),
+        "--cc", spec.kickass_cc,
+    ]  # fmt: skip
+    tcp_cmd = [
+        py, "-m", "kickass_testbed.congestion_driver", "tcp",
+        "--agent", agent, "--flows", str(spec.tcp_flows), "--size", str(size),
+        "--interval", str(spec.interval_s), "--cc", spec.tcp_cc,
+        *[a for e in spec.epochs for a in ("--epoch", f"{e[0]:g}:{e[1]:g}")],
+    ]  # fmt: skip
+    full_env = {**os.environ, **env}
+    ka_cmd += ["--at", f"{t0:.6f}"]
+    tcp_cmd += ["--at", f"{t0:.6f}"]
+    logs = [tb.log_dir / "driver-kickass.log", tb.log_dir / "driver-tcp.log"]
+    procs = [
+        tb.built[host].popen(
+            cmd, env=full_env, stdout=subprocess.PIPE, stderr=log.open("w"), text=True
+        )
+        for host, cmd, log in (
+            ("s1", ka_cmd, logs[0]),
+            ("x1" if legacy else "s2", tcp_cmd, logs[1]),
+        )
+    ]
+
+    def pump(p: subprocess.Popen[str]) -> None:
+        assert p.stdout is not None
+        for raw in p.stdout:
+            try:
+                obj = json.loads(raw)
+            except ValueError:
+                continue
+            with lock:
+                (progress if obj.get("type") == "progress" else done).append(obj)
+
+    pumps = [threading.Thread(target=pump, args=(p,), daemon=True) for p in procs]
+    for th in pumps:
+        th.start()
+    for p, log in zip(procs, logs, strict=True):
+        try:
+            rc = p.wait(START_AFTER_S + spec.duration_s + 60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            raise KickassError("a congestion driver did not finish") from None
+        if rc != 0:
+            raise KickassError(f"{log.name} exited {rc}: {log.read_text()[-600:]}")
+    for th in pumps:
+        th.join(10)
+    return progress, done
