@@ -128,6 +128,29 @@ def capture_interface(kind: str) -> str:
     return "vx0" if kind == "swapped" else "uplink"
 
 
+@dataclass(frozen=True)
+class _WanPath:
+    """The "wan" kinds' path: ka-linkem's delay, loss, downlink and counters."""
+
+    rtt_ms: float
+    loss: float
+    downlink: str | None
+    queue: str
+    stats_dir: Path | None
+
+
+@dataclass
+class _Parts:
+    """A topology's parts as they are added, client by client, in order."""
+
+    hosts: list[Host]
+    links: list[Link]
+    routes: list[Route]
+    nft: list[NftRule] = dataclasses.field(default_factory=list)
+    neighbors: list[Neighbor] = dataclasses.field(default_factory=list)
+    emulators: list[Process] = dataclasses.field(default_factory=list)
+
+
 def study_internet(
     kinds: Sequence[str] = CLIENT_KINDS,
     loss_percent: int = DEFAULT_LOSS_PERCENT,
@@ -138,141 +161,160 @@ def study_internet(
     wan_queue: str = "1000p",
     wan_stats_dir: Path | None = None,
 ) -> Topology:
-    hosts = [Host("srv"), Host("rtr", router=True)]
-    neighbors: list[Neighbor] = []
-    emulators: list[Process] = []
-    links = [
-        Link(
-            End("srv", "uplink", (f"{SERVER_IP}/24",)),
-            End("rtr", "srv", (f"{ROUTER_SERVER_SIDE}/24",)),
-        )
-    ]
-    routes = [Route("srv", "default", via=ROUTER_SERVER_SIDE)]
-    nft: list[NftRule] = []
+    parts = _Parts(
+        hosts=[Host("srv"), Host("rtr", router=True)],
+        links=[
+            Link(
+                End("srv", "uplink", (f"{SERVER_IP}/24",)),
+                End("rtr", "srv", (f"{ROUTER_SERVER_SIDE}/24",)),
+            )
+        ],
+        routes=[Route("srv", "default", via=ROUTER_SERVER_SIDE)],
+    )
+    wan = _WanPath(wan_rtt_ms, wan_loss, wan_downlink, wan_queue, wan_stats_dir)
     for i, place in enumerate(client_places(kinds), start=1):
-        net, iface, cl = f"198.18.{i}", f"c{i}", place.host
-        rtr_end = End("rtr", iface, (f"{net}.1/24",))
         if place.kind == "natted":
-            nat = f"nat{i}"
-            hosts += [Host(nat, router=True), Host(cl)]
-            links += [
-                Link(End(nat, "wan", (f"{net}.2/24",)), rtr_end),
-                Link(
-                    End(cl, "uplink", (f"100.64.{i}.2/24",)), End(nat, "lan", (f"100.64.{i}.1/24",))
-                ),
-            ]
-            routes += [
-                Route(nat, "default", via=f"{net}.1"),
-                Route(cl, "default", via=f"100.64.{i}.1"),
-            ]
-            nft.append(
-                NftRule(
-                    nat,
-                    'oifname "wan" masquerade',
-                    hook="postrouting",
-                    kind="nat",
-                    priority="srcnat",
-                    family="ip",
-                    table="nat",
-                )
-            )
-            continue
-        if place.kind == "swapped":
-            mb = f"mb{i}"
-            hosts += [Host(mb, router=True), Host(cl)]
-            links += [
-                Link(End(mb, "wan", (f"{net}.2/24",)), rtr_end),
-                # The underlay of the overlay; its default MTU (1500) leaves
-                # the VXLAN device 1450.
-                Link(
-                    End(mb, "lan", (f"10.200.{i}.1/24",)), End(cl, "under", (f"10.200.{i}.2/24",))
-                ),
-            ]
-            routes += [
-                Route(mb, "default", via=f"{net}.1"),
-                Route("rtr", f"100.65.{i}.0/24", via=f"{net}.2"),
-            ]
-            # Any ct expression loads connection tracking in this namespace,
-            # and with it the defragmenter.
-            nft.append(
-                NftRule(
-                    mb,
-                    "ct state new,established,related accept",
-                    hook="forward",
-                    family="ip",
-                    table="conntrack",
-                )
-            )
-            continue
-        if place.kind in WAN_MIDDLEBOXES:
-            rule = WAN_MIDDLEBOXES[place.kind]
-            if rule is not None:
-                nft.append(_middlebox(rule.format(iface=iface, small=SMALL_FRAGMENT_LEN)))
-            lk = f"lk{i}"
-            rtr_mac, cl_mac = f"02:4b:41:{i:02x}:00:01", f"02:4b:41:{i:02x}:00:02"
-            hosts += [Host(lk), Host(cl)]
-            links += [
-                Link(End("rtr", iface, (f"{net}.1/24",), mac=rtr_mac), End(lk, "a", ipv6=False)),
-                Link(End(lk, "b", ipv6=False), End(cl, "uplink", (f"{net}.2/24",), mac=cl_mac)),
-            ]
-            routes.append(Route(cl, "default", via=f"{net}.1"))
-            neighbors += [
-                Neighbor("rtr", iface, f"{net}.2", cl_mac),
-                Neighbor(cl, "uplink", f"{net}.1", rtr_mac),
-            ]
-            rate = ("--rate-ab", wan_downlink, "--queue-ab", wan_queue) if wan_downlink else ()
-            stats = ("--stats", str(wan_stats_dir / f"{lk}-stats.jsonl")) if wan_stats_dir else ()
-            emulators.append(
-                ka_linkem(
-                    "--delay",
-                    f"{wan_rtt_ms / 2:g}ms",
-                    "--loss",
-                    f"{wan_loss:g}",
-                    *rate,
-                    *stats,
-                    a="a",
-                    b="b",
-                    host=lk,
-                    name=f"ka-linkem-{lk}",
-                    stdout="log",
-                    stderr="log",
-                )  # fmt: skip
-            )
-            continue
-        hosts.append(Host(cl))
-        mtu = SMALL_MTU if place.kind == "smallmtu" else 1500
-        links.append(Link(End(cl, "uplink", (f"{net}.2/24",)), rtr_end, mtu=mtu))
-        routes.append(Route(cl, "default", via=f"{net}.1"))
-        if place.kind == "fragdrop":
-            nft.append(_middlebox(f'oifname "{iface}" ip frag-off & 0x3fff != 0 drop'))
-        elif place.kind == "lossy":
-            p = loss_percent
-            nft.append(_middlebox(f'oifname "{iface}" numgen random mod 100 < {p} drop'))
-            nft.append(_middlebox(f'iifname "{iface}" numgen random mod 100 < {p} drop'))
-        elif place.kind == "smallfrag":
-            nft.append(
-                _middlebox(
-                    f'oifname "{iface}" ip frag-off & 0x3fff != 0 '
-                    f"ip length < {SMALL_FRAGMENT_LEN} drop"
-                )
-            )
-        elif place.kind == "duplicating":
-            # dup needs the ip family; the copy goes out of the same device.
-            for rule in (
-                f'oifname "{iface}" dup to {net}.2 device "{iface}"',
-                f'iifname "{iface}" dup to {SERVER_IP} device "srv"',
-            ):
-                nft.append(NftRule("rtr", rule, hook="forward", family="ip", table="duplicator"))
+            _add_natted(parts, i, place)
+        elif place.kind == "swapped":
+            _add_swapped(parts, i, place)
+        elif place.kind in WAN_MIDDLEBOXES:
+            _add_wan(parts, i, place, wan)
+        else:
+            _add_direct(parts, i, place, loss_percent)
     return Topology(
         name="kd",
-        hosts=tuple(hosts),
-        links=tuple(links),
-        routes=tuple(routes),
-        nft=tuple(nft),
-        neighbors=tuple(neighbors),
+        hosts=tuple(parts.hosts),
+        links=tuple(parts.links),
+        routes=tuple(parts.routes),
+        nft=tuple(parts.nft),
+        neighbors=tuple(parts.neighbors),
         # The emulators first (probe_internet starts the server once the build is up).
-        processes=(*emulators, *processes),
+        processes=(*parts.emulators, *processes),
     )
+
+
+def _add_natted(parts: _Parts, i: int, place: ClientPlace) -> None:
+    """Client ``i`` behind a NAT box that masquerades (and so reassembles)."""
+    net, iface, cl = f"198.18.{i}", f"c{i}", place.host
+    nat = f"nat{i}"
+    parts.hosts += [Host(nat, router=True), Host(cl)]
+    parts.links += [
+        Link(End(nat, "wan", (f"{net}.2/24",)), End("rtr", iface, (f"{net}.1/24",))),
+        Link(End(cl, "uplink", (f"100.64.{i}.2/24",)), End(nat, "lan", (f"100.64.{i}.1/24",))),
+    ]
+    parts.routes += [
+        Route(nat, "default", via=f"{net}.1"),
+        Route(cl, "default", via=f"100.64.{i}.1"),
+    ]
+    parts.nft.append(
+        NftRule(
+            nat,
+            'oifname "wan" masquerade',
+            hook="postrouting",
+            kind="nat",
+            priority="srcnat",
+            family="ip",
+            table="nat",
+        )
+    )
+
+
+def _add_swapped(parts: _Parts, i: int, place: ClientPlace) -> None:
+    """Client ``i`` on a VXLAN overlay behind a conntrack middlebox."""
+    net, iface, cl = f"198.18.{i}", f"c{i}", place.host
+    mb = f"mb{i}"
+    parts.hosts += [Host(mb, router=True), Host(cl)]
+    parts.links += [
+        Link(End(mb, "wan", (f"{net}.2/24",)), End("rtr", iface, (f"{net}.1/24",))),
+        # The underlay of the overlay; its default MTU (1500) leaves
+        # the VXLAN device 1450.
+        Link(End(mb, "lan", (f"10.200.{i}.1/24",)), End(cl, "under", (f"10.200.{i}.2/24",))),
+    ]
+    parts.routes += [
+        Route(mb, "default", via=f"{net}.1"),
+        Route("rtr", f"100.65.{i}.0/24", via=f"{net}.2"),
+    ]
+    # Any ct expression loads connection tracking in this namespace,
+    # and with it the defragmenter.
+    parts.nft.append(
+        NftRule(
+            mb,
+            "ct state new,established,related accept",
+            hook="forward",
+            family="ip",
+            table="conntrack",
+        )
+    )
+
+
+def _add_wan(parts: _Parts, i: int, place: ClientPlace, wan: _WanPath) -> None:
+    """Client ``i`` across ka-linkem (a long, lossy path), behind the kind's
+    middlebox in the router if it has one."""
+    net, iface, cl = f"198.18.{i}", f"c{i}", place.host
+    rule = WAN_MIDDLEBOXES[place.kind]
+    if rule is not None:
+        parts.nft.append(_middlebox(rule.format(iface=iface, small=SMALL_FRAGMENT_LEN)))
+    lk = f"lk{i}"
+    rtr_mac, cl_mac = f"02:4b:41:{i:02x}:00:01", f"02:4b:41:{i:02x}:00:02"
+    parts.hosts += [Host(lk), Host(cl)]
+    parts.links += [
+        Link(End("rtr", iface, (f"{net}.1/24",), mac=rtr_mac), End(lk, "a", ipv6=False)),
+        Link(End(lk, "b", ipv6=False), End(cl, "uplink", (f"{net}.2/24",), mac=cl_mac)),
+    ]
+    parts.routes.append(Route(cl, "default", via=f"{net}.1"))
+    parts.neighbors += [
+        Neighbor("rtr", iface, f"{net}.2", cl_mac),
+        Neighbor(cl, "uplink", f"{net}.1", rtr_mac),
+    ]
+    rate = ("--rate-ab", wan.downlink, "--queue-ab", wan.queue) if wan.downlink else ()
+    stats = ("--stats", str(wan.stats_dir / f"{lk}-stats.jsonl")) if wan.stats_dir else ()
+    parts.emulators.append(
+        ka_linkem(
+            "--delay",
+            f"{wan.rtt_ms / 2:g}ms",
+            "--loss",
+            f"{wan.loss:g}",
+            *rate,
+            *stats,
+            a="a",
+            b="b",
+            host=lk,
+            name=f"ka-linkem-{lk}",
+            stdout="log",
+            stderr="log",
+        )  # fmt: skip
+    )
+
+
+def _add_direct(parts: _Parts, i: int, place: ClientPlace, loss_percent: int) -> None:
+    """Client ``i`` on a link of the router, with its kind's middlebox there."""
+    net, iface, cl = f"198.18.{i}", f"c{i}", place.host
+    parts.hosts.append(Host(cl))
+    mtu = SMALL_MTU if place.kind == "smallmtu" else 1500
+    parts.links.append(
+        Link(End(cl, "uplink", (f"{net}.2/24",)), End("rtr", iface, (f"{net}.1/24",)), mtu=mtu)
+    )
+    parts.routes.append(Route(cl, "default", via=f"{net}.1"))
+    nft = parts.nft
+    if place.kind == "fragdrop":
+        nft.append(_middlebox(f'oifname "{iface}" ip frag-off & 0x3fff != 0 drop'))
+    elif place.kind == "lossy":
+        p = loss_percent
+        nft.append(_middlebox(f'oifname "{iface}" numgen random mod 100 < {p} drop'))
+        nft.append(_middlebox(f'iifname "{iface}" numgen random mod 100 < {p} drop'))
+    elif place.kind == "smallfrag":
+        nft.append(
+            _middlebox(
+                f'oifname "{iface}" ip frag-off & 0x3fff != 0 ip length < {SMALL_FRAGMENT_LEN} drop'
+            )
+        )
+    elif place.kind == "duplicating":
+        # dup needs the ip family; the copy goes out of the same device.
+        for rule in (
+            f'oifname "{iface}" dup to {net}.2 device "{iface}"',
+            f'iifname "{iface}" dup to {SERVER_IP} device "srv"',
+        ):
+            nft.append(NftRule("rtr", rule, hook="forward", family="ip", table="duplicator"))
 
 
 def _middlebox(rule: str) -> NftRule:
