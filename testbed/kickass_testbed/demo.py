@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -38,6 +39,7 @@ from .topology import cleanup_on_signals
 
 if TYPE_CHECKING:
     from kickass_db.study_store import StudyStore
+    from rich.table import Table
 
 DEMO_PLAN = {"repetitions": 30, "step": 16, "window": 16}
 EXPECTED = {
@@ -89,9 +91,18 @@ def _progress(store: StudyStore, net: ProbeInternet) -> dict[str, tuple[int, int
     return {by_addr[a]: (sent, total, state) for a, sent, total, state in rows if a in by_addr}
 
 
+@dataclasses.dataclass
+class ActOne:
+    """What act one left: each client's JSON output, exit code and seconds."""
+
+    results: dict[str, dict[str, Any]]
+    codes: dict[str, int]
+    took: dict[str, float]
+    seconds: float
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.table import Table
 
     require_root()
     if not shutil.which("nft"):
@@ -100,8 +111,6 @@ def run(args: argparse.Namespace) -> int:
     # The results table is the demo's output: stdout, unless --json owns it.
     out_console = console if args.json else Console(width=None if sys.stdout.isatty() else 110)
     kinds = args.clients or list(CLIENT_KINDS)
-    results: dict[str, dict[str, Any]] = {}
-    codes: dict[str, int] = {}
     # Client outputs and server log; removed also when interrupted.
     with (
         cleanup_on_signals(),
@@ -120,103 +129,8 @@ def run(args: argparse.Namespace) -> int:
                 + ", ".join(f"{k} ({c.address})" for k, c in net.clients.items())
             )
             console.print(f"[bold]plan[/]: {' '.join(plan_args(args))}")
-            procs = {}
-            outs = {}
-            for kind in kinds:
-                outs[kind] = open(out_dir / f"{kind}.json", "w+")  # noqa: SIM115
-                procs[kind] = net.popen_client(
-                    kind,
-                    ["--json", *plan_args(args)],
-                    stdout=outs[kind],
-                    stderr=subprocess.DEVNULL,
-                    start_new_session=True,
-                )
-            t0 = time.monotonic()
-            # Seconds each client ran: a slow act says which client it waited for.
-            took: dict[str, float] = {}
-            try:
-                while any(p.poll() is None for p in procs.values()):
-                    time.sleep(1.0)
-                    for kind, p in procs.items():
-                        if kind not in took and p.poll() is not None:
-                            took[kind] = round(time.monotonic() - t0, 1)
-                    rows = _progress(store, net)
-                    line = "  ".join(
-                        f"{k} {100 * s // max(t, 1)}%" + ("" if st == "probing" else f" {st}")
-                        for k, (s, t, st) in sorted(rows.items())
-                    )
-                    console.print(f"[dim]{time.monotonic() - t0:5.0f}s[/] {line}", highlight=False)
-                    if time.monotonic() - t0 > args.timeout:
-                        raise KickassError(f"the demo took longer than {args.timeout}s")
-                act_one_s = round(time.monotonic() - t0, 1)
-                for kind in procs:
-                    took.setdefault(kind, act_one_s)
-                console.print(f"[bold]act one[/]: every client done in {act_one_s:.0f} s")
-            finally:
-                for kind, p in procs.items():
-                    if p.poll() is None:
-                        p.terminate()
-                    codes[kind] = p.wait(10)
-                    outs[kind].seek(0)
-                    text = outs[kind].read()
-                    outs[kind].close()
-                    with contextlib.suppress(json.JSONDecodeError):
-                        results[kind] = json.loads(text)
-        table = Table(title="Fragment viability on the demo internet")
-        for col in (
-            "client",
-            "verdict",
-            "whole drop",
-            "split drop",
-            "split/whole",
-            "splits as sent",
-            "expected",
-        ):
-            table.add_column(col)
-        summary = []
-        for kind in kinds:
-            r = results.get(kind)
-            if not r:
-                table.add_row(
-                    kind,
-                    f"[red]client failed (exit {codes.get(kind)})[/]",
-                    "",
-                    "",
-                    "",
-                    "",
-                    EXPECTED.get(kind, ""),
-                )
-                continue
-            stored = store.session_results(r["session_id"]) or {}
-            wd = pool(stored.get("whole", []))["drop_rate"]
-            sd = pool(stored.get("split", []))["drop_rate"]
-            ratio = f"{sd / wd:.2f}" if wd and sd is not None else "-"
-            as_sent = sum(x.get("arrived_as_sent") or 0 for x in stored.get("split", []))
-            acked = sum(x.get("acked") or 0 for x in stored.get("split", []))
-            ok = r["verdict"] == EXPECTED.get(kind)
-            table.add_row(
-                kind,
-                f"[{'green' if ok else 'red'}]{r['verdict']}[/]",
-                _pct(wd),
-                _pct(sd),
-                ratio,
-                f"{as_sent}/{acked}",
-                EXPECTED.get(kind, ""),
-            )
-            summary.append(
-                {
-                    "client": kind,
-                    "session_id": r["session_id"],
-                    "verdict": r["verdict"],
-                    "whole_drop_rate": wd,
-                    "split_drop_rate": sd,
-                    "expected": EXPECTED.get(kind),
-                    "state": r.get("state"),
-                    "end_reason": r.get("end_reason"),
-                    "exit_code": codes.get(kind),
-                    "seconds": took.get(kind),
-                }
-            )
+            act_one = _first_act(args, kinds, store, net, out_dir, console)
+        table, summary = _first_act_results(kinds, act_one, store)
         out_console.print(table)
         trial = None if args.no_trials else _second_act(args, url, console, out_console)
         scheduled = _third_act(url, out_dir, console, out_console)
@@ -226,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
                     {
                         "version": 1,
                         "clients": summary,
-                        "act_one_s": act_one_s,
+                        "act_one_s": act_one.seconds,
                         "trial": trial,
                         "schedule": scheduled,
                     },  # fmt: skip
@@ -242,6 +156,129 @@ def run(args: argparse.Namespace) -> int:
     trial_bad = trial is not None and (trial["failed_flows"] or not trial["kickass_flows"])
     schedule_bad = scheduled["exit_code"] != 0 or scheduled.get("status_exit_code") != 0
     return 1 if bad or len(summary) != len(kinds) or trial_bad or schedule_bad else 0
+
+
+def _first_act(
+    args: argparse.Namespace,
+    kinds: list[str],
+    store: StudyStore,
+    net: ProbeInternet,
+    out_dir: Path,
+    console: Any,
+) -> ActOne:
+    """Act one: the probe client from every client namespace at once, with
+    their progress each second until all are done (or the demo's timeout)."""
+    results: dict[str, dict[str, Any]] = {}
+    codes: dict[str, int] = {}
+    procs = {}
+    outs = {}
+    for kind in kinds:
+        outs[kind] = open(out_dir / f"{kind}.json", "w+")  # noqa: SIM115
+        procs[kind] = net.popen_client(
+            kind,
+            ["--json", *plan_args(args)],
+            stdout=outs[kind],
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    t0 = time.monotonic()
+    # Seconds each client ran: a slow act says which client it waited for.
+    took: dict[str, float] = {}
+    try:
+        while any(p.poll() is None for p in procs.values()):
+            time.sleep(1.0)
+            for kind, p in procs.items():
+                if kind not in took and p.poll() is not None:
+                    took[kind] = round(time.monotonic() - t0, 1)
+            rows = _progress(store, net)
+            line = "  ".join(
+                f"{k} {100 * s // max(t, 1)}%" + ("" if st == "probing" else f" {st}")
+                for k, (s, t, st) in sorted(rows.items())
+            )
+            console.print(f"[dim]{time.monotonic() - t0:5.0f}s[/] {line}", highlight=False)
+            if time.monotonic() - t0 > args.timeout:
+                raise KickassError(f"the demo took longer than {args.timeout}s")
+        act_one_s = round(time.monotonic() - t0, 1)
+        for kind in procs:
+            took.setdefault(kind, act_one_s)
+        console.print(f"[bold]act one[/]: every client done in {act_one_s:.0f} s")
+    finally:
+        for kind, p in procs.items():
+            if p.poll() is None:
+                p.terminate()
+            codes[kind] = p.wait(10)
+            outs[kind].seek(0)
+            text = outs[kind].read()
+            outs[kind].close()
+            with contextlib.suppress(json.JSONDecodeError):
+                results[kind] = json.loads(text)
+    return ActOne(results=results, codes=codes, took=took, seconds=act_one_s)
+
+
+def _first_act_results(
+    kinds: list[str], act_one: ActOne, store: StudyStore
+) -> tuple[Table, list[dict[str, Any]]]:
+    """Act one's results table (each client's verdict beside what the stored
+    session says) and its rows for --json."""
+    from rich.table import Table
+
+    results, codes, took = act_one.results, act_one.codes, act_one.took
+    table = Table(title="Fragment viability on the demo internet")
+    for col in (
+        "client",
+        "verdict",
+        "whole drop",
+        "split drop",
+        "split/whole",
+        "splits as sent",
+        "expected",
+    ):
+        table.add_column(col)
+    summary = []
+    for kind in kinds:
+        r = results.get(kind)
+        if not r:
+            table.add_row(
+                kind,
+                f"[red]client failed (exit {codes.get(kind)})[/]",
+                "",
+                "",
+                "",
+                "",
+                EXPECTED.get(kind, ""),
+            )
+            continue
+        stored = store.session_results(r["session_id"]) or {}
+        wd = pool(stored.get("whole", []))["drop_rate"]
+        sd = pool(stored.get("split", []))["drop_rate"]
+        ratio = f"{sd / wd:.2f}" if wd and sd is not None else "-"
+        as_sent = sum(x.get("arrived_as_sent") or 0 for x in stored.get("split", []))
+        acked = sum(x.get("acked") or 0 for x in stored.get("split", []))
+        ok = r["verdict"] == EXPECTED.get(kind)
+        table.add_row(
+            kind,
+            f"[{'green' if ok else 'red'}]{r['verdict']}[/]",
+            _pct(wd),
+            _pct(sd),
+            ratio,
+            f"{as_sent}/{acked}",
+            EXPECTED.get(kind, ""),
+        )
+        summary.append(
+            {
+                "client": kind,
+                "session_id": r["session_id"],
+                "verdict": r["verdict"],
+                "whole_drop_rate": wd,
+                "split_drop_rate": sd,
+                "expected": EXPECTED.get(kind),
+                "state": r.get("state"),
+                "end_reason": r.get("end_reason"),
+                "exit_code": codes.get(kind),
+                "seconds": took.get(kind),
+            }
+        )
+    return table, summary
 
 
 def _second_act(
