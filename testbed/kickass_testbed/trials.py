@@ -121,51 +121,10 @@ def run_trial(
             if prepare is not None:
                 prepare(tb)
             agents = start_agents(tb, secret, work)
-            built.start(
-                Process(
-                    name="server",
-                    host=senders[0],
-                    argv=(
-                        _bin("kickass"),
-                        "server",
-                        "--listen",
-                        server_http,
-                        "--probe-bind",
-                        "127.0.0.1",
-                        "--probe-port",
-                        "9000",
-                        # Its own journal: the default (.kickass/journal in the
-                        # working directory) is shared by every server started
-                        # there, and replaying another's journal races with it.
-                        "--journal-dir",
-                        str(work / "journal"),
-                    ),  # fmt: skip
-                    env={"KICKASS_DATABASE_URL": database_url},
-                    ready_text="listening http",
-                )
-            )
+            _start_server(tb, senders[0], server_http, work, database_url)
             procs = []
             for n, host in enumerate(senders):
-                argv = [
-                    _bin("kickass"), "trials", "run",
-                    *[a for agent in agents for a in ("--agent", agent)],
-                    "--pairs", str(spec.pairs), "--period", str(spec.period_s),
-                    "--mean-gap", str(spec.mean_gap_s), "--mean-packets", str(spec.mean_packets),
-                    "--max-packets", str(spec.max_packets), "--seed", str(spec.seed),
-                    "--sender-index", str(n),
-                    "--protocols", spec.protocols, "--cc", spec.cc, "--handshake", spec.handshake,
-                    *(("--arms", spec.arms) if spec.arms else ()),
-                    "--gap", str(spec.gap_s), "--flow-timeout", str(spec.flow_timeout_s),
-                    "--max-concurrent", str(spec.max_concurrent),
-                    *(("--literal-range",) if spec.literal_range else ()),
-                    "--access-capacity", str(rate_bps(testbed_config.capacity)),
-                    "--router-run-name", tb.prefix,
-                    "--ka-send", str(rust_binary("ka-send")),
-                    "--server", f"http://{server_http}",
-                    "--runner-token-file", str(work / "runner-token"),
-                    "--spool-dir", str(work / f"spool-{host}"),
-                    "--json", *spec.extra_args,
-                ]  # fmt: skip
+                argv = _runner_argv(spec, tb, agents, n, host, server_http, work)
                 procs.append(
                     built[host].popen(
                         argv,
@@ -182,30 +141,10 @@ def run_trial(
             limit = timeout_s or (
                 spec.pairs * arms * (spec.period_s + spec.gap_s) * testbed_config.receivers + 120
             )
-            results = []
-            for p in procs:
-                try:
-                    out, err = p.communicate(timeout=limit)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    out, err = p.communicate()
-                    raise KickassError(
-                        f"the trial did not finish in {limit:.0f}s: {err[-500:]}"
-                    ) from None
-                if p.returncode not in (0, 1) or not out.strip():
-                    raise KickassError(f"kickass trials run failed ({p.returncode}): {err[-800:]}")
-                results.append(json.loads(out))
+            results = _runner_results(procs, limit)
             if after is not None:
                 after(tb)
-            for host, res in zip(senders, results, strict=True):
-                # Counted again (one file per record, kickass_wan.spool): ``after``
-                # may have uploaded what the run left spooled.
-                spooled = sum(1 for _ in (work / f"spool-{host}").glob("*.json"))
-                if res.get("rejected") or spooled:
-                    raise KickassError(
-                        f"trial results not stored: {res.get('rejected')} refused, "
-                        f"{spooled} left spooled: {res.get('upload_errors')}"
-                    )
+            _check_uploaded(senders, results, work)
             telemetry = tb.telemetry()
             prefix = tb.prefix
         trial_ids = [t for r in results for t in r["trials"].values()]
@@ -220,6 +159,95 @@ def run_trial(
     finally:
         if own_work and not keep_logs:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def _start_server(tb: Testbed, host: str, server_http: str, work: Path, database_url: str) -> None:
+    """`kickass server` in ``host``, listening on ``server_http``, storing into the database."""
+    tb.built.start(
+        Process(
+            name="server",
+            host=host,
+            argv=(
+                _bin("kickass"),
+                "server",
+                "--listen",
+                server_http,
+                "--probe-bind",
+                "127.0.0.1",
+                "--probe-port",
+                "9000",
+                # Its own journal: the default (.kickass/journal in the
+                # working directory) is shared by every server started
+                # there, and replaying another's journal races with it.
+                "--journal-dir",
+                str(work / "journal"),
+            ),  # fmt: skip
+            env={"KICKASS_DATABASE_URL": database_url},
+            ready_text="listening http",
+        )
+    )
+
+
+def _runner_argv(
+    spec: TrialSpec,
+    tb: Testbed,
+    agents: list[str],
+    n: int,
+    host: str,
+    server_http: str,
+    work: Path,
+) -> list[str]:
+    """`kickass trials run` of sender ``host`` (the ``n``-th), uploading to the server."""
+    return [
+        _bin("kickass"), "trials", "run",
+        *[a for agent in agents for a in ("--agent", agent)],
+        "--pairs", str(spec.pairs), "--period", str(spec.period_s),
+        "--mean-gap", str(spec.mean_gap_s), "--mean-packets", str(spec.mean_packets),
+        "--max-packets", str(spec.max_packets), "--seed", str(spec.seed),
+        "--sender-index", str(n),
+        "--protocols", spec.protocols, "--cc", spec.cc, "--handshake", spec.handshake,
+        *(("--arms", spec.arms) if spec.arms else ()),
+        "--gap", str(spec.gap_s), "--flow-timeout", str(spec.flow_timeout_s),
+        "--max-concurrent", str(spec.max_concurrent),
+        *(("--literal-range",) if spec.literal_range else ()),
+        "--access-capacity", str(rate_bps(tb.config.capacity)),
+        "--router-run-name", tb.prefix,
+        "--ka-send", str(rust_binary("ka-send")),
+        "--server", f"http://{server_http}",
+        "--runner-token-file", str(work / "runner-token"),
+        "--spool-dir", str(work / f"spool-{host}"),
+        "--json", *spec.extra_args,
+    ]  # fmt: skip
+
+
+def _runner_results(procs: list[subprocess.Popen[str]], limit: float) -> list[dict[str, Any]]:
+    """Each runner's --json result, once it ends; one that runs past ``limit``
+    seconds is killed, and one that failed or printed nothing is an error."""
+    results = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=limit)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate()
+            raise KickassError(f"the trial did not finish in {limit:.0f}s: {err[-500:]}") from None
+        if p.returncode not in (0, 1) or not out.strip():
+            raise KickassError(f"kickass trials run failed ({p.returncode}): {err[-800:]}")
+        results.append(json.loads(out))
+    return results
+
+
+def _check_uploaded(senders: Sequence[str], results: list[dict[str, Any]], work: Path) -> None:
+    """Every record of every sender stored: none refused, none left spooled."""
+    for host, res in zip(senders, results, strict=True):
+        # Counted again (one file per record, kickass_wan.spool): ``after``
+        # may have uploaded what the run left spooled.
+        spooled = sum(1 for _ in (work / f"spool-{host}").glob("*.json"))
+        if res.get("rejected") or spooled:
+            raise KickassError(
+                f"trial results not stored: {res.get('rejected')} refused, "
+                f"{spooled} left spooled: {res.get('upload_errors')}"
+            )
 
 
 def start_agents(tb: Testbed, secret: str, work: Path) -> list[str]:
