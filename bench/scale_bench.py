@@ -1,15 +1,17 @@
-"""Benchmark of issue 28's parts 1 to 3: durable counts, day partitions, retirement (not a test).
+"""Benchmark of issue 28: durable counts, day partitions, the archive and its engines (not a test).
 
-Figures, each from one run on this machine (JSON on stdout, bench/README.md):
+Figures, each from one run on this machine (JSON on stdout, progress on
+stderr; bench/README.md), by the issue's letters (figure a, the dashboards
+and the refresh at scale, is dashboards_bench.py's):
 
-  durable_counts (e)  bytes per full-plan session (36,600 probes) in
+  e  durable_counts   bytes per full-plan session (36,600 probes) in
                       ``unit_counts`` (heap, TOAST and index:
                       pg_total_relation_size over the sessions), against the
                       raw rows' bytes; what ``finish_session`` gains at p50
                       and p95 (finish_session with its counts against the
                       same UPDATE alone, sessions interleaved); the
                       refresh's fold of those sessions.
-  ingest (b)          the store's write path (``record_outcomes``: COPY of a
+  b  ingest           the store's write path (``record_outcomes``: COPY of a
                       batch, an upsert when it repeats a stored seq; batches
                       of 280 rows as the engine flushes) into the partitioned
                       ``probe_outcomes``, against the same code into an
@@ -17,23 +19,39 @@ Figures, each from one run on this machine (JSON on stdout, bench/README.md):
                       a session's rows into the partitioned table,
                       interleaved round by round; rows/s, the ratios, and the
                       full-plan sessions a day the store's path sustains.
-  pruning             EXPLAIN (ANALYZE) of the API's read of one session over
+     pruning          EXPLAIN (ANALYZE) of the API's read of one session over
                       30 daily partitions: partitions executed, never executed.
-  retire (c)          part 3: one past day of full-plan sessions (finished,
-                      with their counts) and a router hour at 10 ms retired by
+  c  retire           one past day of full-plan sessions (finished, with
+                      their counts) and a router hour at 10 ms retired by
                       ``kickass_analysis.archive.retire`` while a reader
                       (``v_session_rollup``) and a writer (``record_outcomes``
                       into today's partition) each run every 20 ms: rows/s
                       archived (written, then re-read and verified), archive
                       bytes per row, the milliseconds of DETACH ... CONCURRENTLY
                       and of DROP, the reader's and the writer's longest call.
+  d  engines          DuckDB (2 threads) and Spark ``local[2]`` (driver 6 GB)
+                      over an archive of 10 M and of 100 M probe rows (3 and
+                      30 days of 91 full-plan sessions: the issue's 100 M-row
+                      window), each day seeded by INSERT ... SELECT into its
+                      partition, its durable counts written and the day
+                      retired by ``archive.retire``: the engine's start-up
+                      seconds, then test 8's query set
+                      (``archive_analysis.analyze``: verify, every result,
+                      write) at 10 M once cold and at each scale warm, and the
+                      10 M -> 100 M growth of the warm times (goal: at most
+                      12x); whether both engines' results are equal; the
+                      seeding's seconds per day.
 
 An embedded PostgreSQL (or KICKASS_DATABASE_URL: a server where this may
-CREATE DATABASE). ``--quick`` runs fewer sessions. The full scale of the
-issue (100 M probe rows, a million sessions of durable counts, a year of
-daily rollups, Spark at 100 M rows) is not run here: see bench/README.md.
+CREATE DATABASE). ``--quick``: fewer sessions for b, c and e, and d at 10 M
+rows only. ``--data-dir DIR`` keeps the cluster (DIR/pgdata), figure d's
+database and its archive (DIR/archive): a second run seeds only the days
+missing (the 100 M run after a ``--quick`` one seeds 27 more) and times.
+Not run here: a million sessions of durable counts, a year of daily rollups,
+a router-day of telemetry (see bench/README.md).
 
-Usage: nice -n 19 .venv/bin/python bench/scale_bench.py [--quick] > scale.json
+Usage: nice -n 19 .venv/bin/python bench/scale_bench.py [--quick] [--only LETTER|NAME]...
+           [--data-dir DIR] > scale.json
 """
 
 from __future__ import annotations
@@ -43,12 +61,14 @@ import json
 import os
 import random
 import secrets
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -58,6 +78,7 @@ import psycopg
 from kickass_core.plan import ProbePlan, expected_max_fragment
 from kickass_core.states import LIVE_STATES
 from kickass_db import partitions, study_store
+from kickass_db.archive_store import SIDECAR
 from kickass_db.study_store import ProbeOutcome, StudyStore
 from kickass_testbed.pg import create_database, drop_database, embedded_postgres
 from sqlalchemy import text, update
@@ -282,7 +303,6 @@ def _copy(conninfo: str, sid: str, rows: list[ProbeOutcome]) -> None:
 
 
 def retire(url: str, sessions: int, rng: random.Random) -> dict[str, Any]:
-    import tempfile
     import threading
 
     import pyarrow.parquet as pq  # type: ignore[import-untyped]
@@ -429,47 +449,378 @@ def pruning(url: str, rng: random.Random) -> dict[str, Any]:
             "execution_ms": plan[0]["Execution Time"]}  # fmt: skip
 
 
-@contextmanager
-def database() -> Iterator[str]:
-    server = os.environ.get("KICKASS_DATABASE_URL")
-    with embedded_postgres() if not server else _given(server) as url:
-        name = f"scale_bench_{secrets.token_hex(4)}"
-        target = create_database(url, name)
+# -- d: Spark and DuckDB over the archive ------------------------------------------------------
+
+# One day of the issue's raw window: 2,732 full-plan sessions over 30 days is
+# about 91 a day (3.33 M probe rows), so 3 days are 10 M rows and 30 are 100 M.
+ENGINE_SESSIONS_PER_DAY = 91
+ENGINE_SCALES = {"10M": 3, "100M": 30}  # rows (label) -> days of the archive
+SPARK_DRIVER_MEMORY = "6g"  # local[2] runs in the driver: its heap is all Spark has
+DUCKDB_THREADS = 2
+
+
+def log(msg: str) -> None:
+    print(f"[scale_bench {datetime.now(UTC):%H:%M:%S}] {msg}", file=sys.stderr, flush=True)
+
+
+def _load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+_PLAN_TABLE = """
+CREATE TABLE IF NOT EXISTS bench_plan (
+    seq integer PRIMARY KEY, phase text NOT NULL, ip_len smallint NOT NULL,
+    received_len integer NOT NULL, frag integer NOT NULL)
+"""
+
+# A day's sessions, finished: as in ``outcomes`` (1% loss, splits lose either
+# piece, RTTs around a base per session), but one in twelve refuses every
+# split (fragment-intolerant) and one in ten loses 5%, so the verdicts and
+# the pooled views see every kind. Straight into the table, as
+# dashboards_bench.py seeds.
+_DAY_SESSIONS = """
+INSERT INTO sessions (session_id, state, plan, server_version, client_version, source_address,
+                      cookie_hash, created_at, started_at, finished_at, verdict, verdict_reason)
+SELECT %(prefix)s || lpad(to_hex(i), 8, '0'), 'complete', %(plan)s::jsonb, 'bench', '0.1.0',
+       ('198.51.' || (n / 250 %% 256) || '.' || (n %% 250 + 1))::inet,
+       sha256(convert_to(%(prefix)s || i, 'UTF8')), c, c, c + interval '20 minutes',
+       'fragments-ok', 'bench'
+FROM (SELECT i, %(n0)s + i AS n,
+             %(low)s::timestamptz + make_interval(secs => i * 86000.0 / %(sessions)s) AS c
+      FROM generate_series(0, %(sessions)s - 1) i) x
+"""
+_DAY_PROBES = """
+INSERT INTO probe_outcomes (session_pk, session_created_at, seq, phase, ip_len, sent_at, outcome,
+                            acked_at, rtt_ms, ack_count, received_len, observed_frag_size)
+SELECT id, created_at, seq, phase, ip_len, sent_at, outcome,
+       CASE WHEN outcome = 'acked' THEN sent_at + make_interval(secs => rtt / 1000.0) END,
+       CASE WHEN outcome = 'acked' THEN rtt END,
+       CASE WHEN outcome = 'acked' THEN 1 ELSE 0 END,
+       CASE WHEN outcome = 'acked' THEN received_len END,
+       CASE WHEN outcome = 'acked' THEN frag END
+FROM (
+    SELECT s.id, s.created_at, p.seq, p.phase, p.ip_len, p.received_len, p.frag,
+           s.created_at + p.seq * interval '2 ms' AS sent_at,
+           CASE WHEN (p.phase = 'split' AND s.intolerant)
+                     OR random() < CASE WHEN p.phase = 'whole' THEN s.loss
+                                        ELSE 1 - (1 - s.loss) ^ 2 END
+                THEN 'lost' ELSE 'acked' END AS outcome,
+           CAST(round(s.base * (1 + 0.25 * random()) * 1000) / 1000 AS real) AS rtt
+    FROM (SELECT id, created_at, id %% 12 = 0 AS intolerant,
+                 CASE WHEN id %% 10 = 1 THEN 0.05 ELSE 0.01 END AS loss,
+                 10 + 190 * random() AS base
+          FROM sessions WHERE created_at >= %(low)s AND created_at < %(high)s
+          OFFSET 0) s
+    CROSS JOIN bench_plan p
+) o
+"""
+_DAY_VERDICTS = """
+UPDATE sessions SET verdict = 'fragment-intolerant'
+WHERE created_at >= %(low)s AND created_at < %(high)s AND id %% 12 = 0
+"""
+_DAY_SEEDED = "SELECT count(*) FROM sessions WHERE created_at >= %(low)s AND created_at < %(high)s"
+_DAY_COUNTS = """
+SELECT count(*) FROM write_unit_counts(ARRAY(
+    SELECT id FROM sessions WHERE created_at >= %(low)s AND created_at < %(high)s))
+"""
+
+
+def archived_days(root: Path) -> list[date]:
+    """The probe_outcomes days published under ``root`` (by their folders)."""
+    folder = root / "probe_outcomes"
+    if not folder.is_dir():
+        return []
+    return sorted(
+        date.fromisoformat(p.name.removeprefix("day="))
+        for p in folder.iterdir()
+        if p.name.startswith("day=") and (p / "_manifest.json").exists()
+    )
+
+
+def seed_archive(url: str, root: Path, days: int) -> dict[str, Any]:
+    """``root`` holding at least ``days`` days of ``ENGINE_SESSIONS_PER_DAY``
+    full-plan sessions: each missing day seeded into its partition, its
+    sessions' durable counts written (write_unit_counts, as finish_session
+    does), then retired by ``kickass_analysis.archive.retire`` (written,
+    verified, detached, dropped: the database never holds more than a day)."""
+    from kickass_analysis import archive
+
+    have = archived_days(root)
+    out: dict[str, Any] = {"days_found": len(have), "days_seeded": 0, "per_day": []}
+    if len(have) >= days:
+        return out
+    conninfo = db.libpq_url(url)
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        conn.execute(_PLAN_TABLE)
+        (planned,) = conn.execute("SELECT count(*) FROM bench_plan").fetchone() or (0,)
+        if planned != FULL_PLAN.total_probes:
+            conn.execute("TRUNCATE bench_plan")
+            with conn.cursor().copy("COPY bench_plan FROM STDIN") as cp:
+                for seq in range(FULL_PLAN.total_probes):
+                    probe = FULL_PLAN.probe(seq)
+                    frag = 0 if probe.phase == "whole" else expected_max_fragment(probe.ip_len)
+                    cp.write_row((seq, probe.phase, probe.ip_len, probe.udp_payload_len, frag))
+        today = conn.execute("SELECT (now() AT TIME ZONE 'UTC')::date").fetchone()
+    assert today is not None
+    # A year and more back: before any day the other figures fill, and a
+    # later run's days continue after those of the kept archive.
+    day = max(have) + timedelta(days=1) if have else today[0] - timedelta(days=400)
+    plan_json = json.dumps(FULL_PLAN.to_json())
+    while len(have) < days:
+        if day >= today[0] - timedelta(days=1):
+            raise RuntimeError(f"no past day left to seed (reached {day}); use a new --data-dir")
+        low = datetime(day.year, day.month, day.day, tzinfo=UTC)
+        args = {"low": low, "high": low + timedelta(days=1), "prefix": f"{day:%Y%m%d}",
+                "plan": plan_json, "sessions": ENGINE_SESSIONS_PER_DAY,
+                "n0": len(have) * ENGINE_SESSIONS_PER_DAY}  # fmt: skip
+        t0 = time.monotonic()
+        with partitions.Partitions(url) as parts:
+            parts.ensure_days("probe_outcomes", day, day)
+        # One transaction: a run stopped while seeding leaves no part of the
+        # day; one stopped while retiring left it whole, and the retire below
+        # finishes it (its claim, or the day still attached).
+        with psycopg.connect(conninfo) as conn:
+            seeded = conn.execute(_DAY_SEEDED, args).fetchone()
+            if not (seeded and seeded[0]):
+                conn.execute(_DAY_SESSIONS, args)
+                conn.execute(_DAY_VERDICTS, args)
+                conn.execute(_DAY_PROBES, args)
+            t1 = time.monotonic()
+            if not (seeded and seeded[0]):
+                conn.execute(_DAY_COUNTS, args)
+            t2 = time.monotonic()
+        keep = (today[0] - day).days - 1  # this day, and none after it
+        result = archive.retire(url, root, {"probe_outcomes": keep}, tables=["probe_outcomes"])
+        retired = [d for d in result.days if d.day == day and d.dropped]
+        if not retired:
+            raise RuntimeError(f"retiring {day} failed: {result.to_json()}")
+        t3 = time.monotonic()
+        step = {"day": day.isoformat(), "rows": retired[0].rows, "insert_s": round(t1 - t0, 1),
+                "counts_s": round(t2 - t1, 1), "retire_s": round(t3 - t2, 1),
+                "load": _load()}  # fmt: skip
+        out["per_day"].append(step)
+        out["days_seeded"] += 1
+        have.append(day)
+        log(f"archive day {len(have)}/{days}: {step}")
+        day += timedelta(days=1)
+    return out
+
+
+def archive_view(root: Path, days: list[date], view: Path) -> Path:
+    """An archive root of ``days`` only: their probe_outcomes and sidecar
+    folders hard-linked from ``root`` (the files are the same bytes)."""
+    from kickass_analysis.archive import day_dir
+
+    if view.exists():
+        shutil.rmtree(view)
+    for day in days:
+        for folder in ("probe_outcomes", SIDECAR):
+            src = day_dir(root, folder, day)
+            dst = day_dir(view, folder, day)
+            dst.mkdir(parents=True)
+            for f in src.iterdir():
+                os.link(f, dst / f.name)
+    return view
+
+
+def _same_results(a: Path, b: Path) -> dict[str, bool]:
+    """Per result: the two engines' rows equal (sorted; floats as they came)."""
+    import pyarrow.parquet as pq
+
+    same = {}
+    for f in sorted(a.glob("*.parquet")):
+        ta, tb = pq.read_table(f), pq.read_table(b / f.name)
+        keys = [(n, "ascending") for n in ta.column_names]
+        same[f.stem] = ta.sort_by(keys).equals(tb.sort_by(keys))
+    return same
+
+
+def engines(url: str, data: Path, scales: dict[str, int]) -> dict[str, Any]:
+    """Test 8's query set (``archive_analysis.analyze``: verify, every result,
+    write) by DuckDB (2 threads) and Spark ``local[2]`` (driver 6 GB) over
+    archives of each scale; start-up once per engine."""
+    from kickass_analysis import archive, archive_analysis
+
+    root = data / "archive"
+    t0 = time.monotonic()
+    seeding = seed_archive(url, root, max(scales.values()))
+    seeding["seconds"] = round(time.monotonic() - t0, 1)
+    all_days = archived_days(root)
+    views: dict[str, Path] = {}
+    out: dict[str, Any] = {"seeding": seeding, "scales": {}}
+    for label, days in scales.items():
+        view = archive_view(root, all_days[:days], data / f"view-{label}")
+        views[label] = view
+        t = time.monotonic()
+        report = archive.verify_archive(view)
+        out["scales"][label] = {
+            "days": days,
+            "sessions": sum(d.rows for d in report.datasets if d.folder == SIDECAR),
+            "rows": sum(d.rows for d in report.datasets if d.folder == "probe_outcomes"),
+            "archive_bytes": sum(d.bytes for d in report.datasets),
+            "verify_s": round(time.monotonic() - t, 2),
+            "verified": report.ok,
+        }
+    results = data / "results"
+    if results.exists():
+        shutil.rmtree(results)
+    for name in archive_analysis.ENGINES:
+        log(f"starting {name}")
+        load = _load()
+        t = time.monotonic()
+        eng: archive_analysis.Engine
+        if name == "duckdb":
+            duck = archive_analysis.DuckDBEngine()
+            duck._con.execute(f"SET threads = {DUCKDB_THREADS}")  # every core it finds, else
+            eng = duck
+        else:
+            eng = archive_analysis.SparkEngine(
+                archive_analysis.LOCAL_MASTER, {"spark.driver.memory": SPARK_DRIVER_MEMORY}
+            )
+        start_s = time.monotonic() - t
+        setting = "threads" if name == "duckdb" else "spark.driver.memory"
+        row = (
+            eng.fetch(f"SELECT current_setting('{setting}') AS v")
+            if name == "duckdb"
+            else eng.fetch(f"SET {setting}")
+        ).to_pylist()[0]
+        timings: dict[str, Any] = {
+            "version": eng.version, "master": eng.master,
+            setting: str(row.get("v", row.get("value"))),
+            "start_s": round(start_s, 2), "load_at_start": load,
+        }  # fmt: skip
         try:
-            db.upgrade(target)
-            yield target
+            # The first analysis after the start is cold (the JVM's JIT, Spark's
+            # planner, DuckDB's first reads): timed on its own, then every scale
+            # warm, so the growth compares like with like.
+            first = next(iter(views))
+            runs = [(first, "cold"), *((label, label) for label in views)]
+            for label, key in runs:
+                log(f"{name}: analyze {label} ({'cold' if key == 'cold' else 'warm'})")
+                load = _load()
+                t = time.monotonic()
+                analysis = archive_analysis.analyze(views[label], eng, results / f"{name}-{key}")
+                seconds = time.monotonic() - t
+                timings[key] = {
+                    "scale": label,
+                    "analyze_s": round(seconds, 2),
+                    # analyze verifies the archive first: what the queries and the writing took
+                    "queries_s": round(seconds - out["scales"][label]["verify_s"], 2),
+                    "result_rows": {k: v["rows"] for k, v in analysis.results.items()},
+                    "load_before": load, "load_after": _load(),
+                }  # fmt: skip
         finally:
-            drop_database(url, name)
+            eng.close()
+        if all(label in timings for label in ("10M", "100M")):
+            timings["growth_10M_to_100M"] = round(
+                timings["100M"]["analyze_s"] / timings["10M"]["analyze_s"], 2
+            )
+        out[name] = timings
+    out["engines_agree"] = {
+        label: _same_results(results / f"duckdb-{label}", results / f"spark-{label}")
+        for label in views
+    }
+    return out
 
 
 @contextmanager
-def _given(url: str) -> Iterator[str]:
-    yield url
+def server(data_dir: Path | None) -> Iterator[str]:
+    """KICKASS_DATABASE_URL's server, or an embedded one (kept in DATA/pgdata)."""
+    given = os.environ.get("KICKASS_DATABASE_URL")
+    if given:
+        yield given
+        return
+    with embedded_postgres(data_dir / "pgdata" if data_dir else None) as url:
+        yield url
+
+
+@contextmanager
+def scratch_database(server_url: str) -> Iterator[str]:
+    """A new database at the head, dropped afterwards (figures b, c, e, pruning)."""
+    name = f"scale_bench_{secrets.token_hex(4)}"
+    target = create_database(server_url, name)
+    try:
+        db.upgrade(target)
+        yield target
+    finally:
+        drop_database(server_url, name)
+
+
+@contextmanager
+def engines_database(server_url: str, data: Path, keep: bool) -> Iterator[str]:
+    """Figure d's database: the one that seeded ``DATA/archive`` (its sessions'
+    ids, its client-key secret), kept with ``--data-dir``; made anew when the
+    archive holds no day yet."""
+    name = "scale_bench_engines"
+    with psycopg.connect(db.libpq_url(server_url), autocommit=True) as admin:
+        exists = admin.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
+    if exists and not archived_days(data / "archive"):
+        drop_database(server_url, name)
+        exists = None
+    target = db.libpq_url(server_url, name) if exists else create_database(server_url, name)
+    try:
+        db.upgrade(target)
+        yield target
+    finally:
+        if not keep:
+            drop_database(server_url, name)
+
+
+# Figures by the issue's letters (a is dashboards_bench.py's) and by name.
+FIGURES = {"b": "ingest", "c": "retire", "d": "engines", "e": "durable_counts"}
+NAMES = ("durable_counts", "ingest", "pruning", "retire", "engines")
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer sessions")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument(
-        "--only", choices=("durable_counts", "ingest", "pruning", "retire"), action="append",
-        help="only these figures (repeat; default: all)",
+        "--quick", action="store_true",
+        help="fewer sessions for b, c and e; figure d at 10 M rows only (default: 10 M and 100 M)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--only", choices=(*FIGURES, *NAMES), action="append",
+        help="only these figures, by letter or name (repeat; default: all)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--data-dir", type=Path, metavar="DIR",
+        help="keep the PostgreSQL cluster (DIR/pgdata), figure d's database and its "
+        "archive (DIR/archive) here: a second run seeds only the days missing and times",
     )  # fmt: skip
     args = parser.parse_args()
     rng = random.Random(28)
     sessions, rounds = (20, 2) if args.quick else (80, 9)
     # One day of the issue's 100 M rows is about 90 full-plan sessions (3.3 M rows).
     retire_sessions = 10 if args.quick else 90
-    only = set(args.only or ("durable_counts", "ingest", "pruning", "retire"))
-    out: dict[str, Any] = {"quick": args.quick, "load": os.getloadavg()}
-    with database() as url:
-        if "durable_counts" in only:
-            out["durable_counts"] = durable_counts(url, sessions, rng)
-        if "ingest" in only:
-            out["ingest"] = ingest(url, rounds, rng)
-        if "pruning" in only:
-            out["pruning"] = pruning(url, rng)
-        if "retire" in only:
-            out["retire"] = retire(url, retire_sessions, rng)
+    only = {FIGURES.get(f, f) for f in args.only or NAMES}
+    scales = {"10M": ENGINE_SCALES["10M"]} if args.quick else ENGINE_SCALES
+    out: dict[str, Any] = {
+        "when": datetime.now(UTC).isoformat(timespec="seconds"),
+        "quick": args.quick,
+        "load": os.getloadavg(),
+    }
+    if args.data_dir:
+        args.data_dir.mkdir(parents=True, exist_ok=True)
+    data = args.data_dir or Path(tempfile.mkdtemp(prefix="kickass-scale-bench-"))
+    try:
+        with server(args.data_dir) as server_url:
+            if only - {"engines"}:
+                with scratch_database(server_url) as url:
+                    if "durable_counts" in only:
+                        out["durable_counts"] = durable_counts(url, sessions, rng)
+                    if "ingest" in only:
+                        out["ingest"] = ingest(url, rounds, rng)
+                    if "pruning" in only:
+                        out["pruning"] = pruning(url, rng)
+                    if "retire" in only:
+                        out["retire"] = retire(url, retire_sessions, rng)
+            if "engines" in only:
+                with engines_database(server_url, data, keep=args.data_dir is not None) as url:
+                    out["engines"] = engines(url, data, scales)
+    finally:
+        if args.data_dir is None:
+            shutil.rmtree(data, ignore_errors=True)
     out["load_after"] = os.getloadavg()
     json.dump(out, sys.stdout, indent=2, default=str)
     print()
