@@ -9,7 +9,7 @@ cannon. Three layers keep it honest:
 * pacing — token buckets in packets/s per address, per /24 and globally,
   checked before every probe leaves (pacing.py).
 
-Probes go only to an address that proved return routability (probe_core.py);
+Probes go only to an address that proved return routability (probe_core/);
 these limits bound what even a proven address can draw. Everything here is
 pure: time is passed in.
 """

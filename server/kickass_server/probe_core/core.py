@@ -1,56 +1,13 @@
-"""The probe engine's sans-IO core: every protocol decision, and no IO at all.
+"""``ProbeCore``: every session of one server, composed from the parts of the
+package (the overview is ``kickass_server.probe_core``'s docstring).
 
-``ProbeCore`` is fed the current time with everything that happens —
-datagrams ``on_datagram(now, addr, data, local_ip)``, timers ``on_timer(now)``
-whenever ``next_deadline()`` has passed, and the HTTP side's calls (``admit``,
-``register``, ``cancel``, ``end``, ``touch``) — and answers with a list of
-actions, in the order they must happen:
-
-* what to send: ``SendDatagram`` (CHALLENGE and DONE on the probe UDP socket)
-  and ``SendProbe`` (a probe's raw IP packets: one, or two fragments);
-* what to persist: ``RunProbing``, ``OutcomeBatch``, ``Heartbeat``,
-  ``RunFinished`` (``kickass_core.study_events``: the one definition the
-  database's writer, journal and store read).
-
-No sockets, threads, clock reads or database in here: the shell
-(``engine.ProbeEngine``) owns those, and tests drive this class on a
-simulated clock (quinn-proto / boringtun style; the volunteer client's
-``ProbeSession`` is the same shape).
-
-The engine's live state of one study session is a ``ProbeRun`` (the
-database's row of it is ``kickass_db.models.SessionRow``). The HTTP API only
-ever sees a ``RunSnapshot``: a frozen copy.
-
-Handshake (ARCHITECTURE.md, "The probe protocol"): HELLO must carry the session's secret
-cookie; the answer is a CHALLENGE smaller than the HELLO, to the HELLO's
-source; probes start only after the ECHO of that challenge arrives from the
-same address:port. A spoofed HELLO therefore costs its victim one small
-packet, and nothing larger than what arrived is ever sent to an unproven
-address.
-
-Probing: W probes in flight, each with its own timeout (``RttEstimator``),
-paced by ``Pacer``. In an adaptive run a probe older than the estimator's
-``window_timeout`` (RFC 6298's RTO, a little over half the study's timeout) no
-longer counts against W: it is presumed lost for the window, not for the
-study, whose outcome waits for the timeout, nor for the split credit, which
-protects the client's memory. A fixed window (``--window N``, stop-and-wait at
-1) keeps its meaning: at most N probes unresolved. W is the plan's window, or,
-for an adaptive plan, what the run's ``WindowController`` (window.py) allows
-up to it: it grows from the measured RTT and shrinks on a standing queue or on
-loss the window causes, and paces the run to the access-link rate. A client
-that announced flow control (``split_credit`` at admission) also bounds the
-split phase: its REPORTs (about 20 per second) carry ``split_limit``, and no
-split probe with a higher seq is sent, so the study's own unfinished datagrams
-never fill the client's reassembly memory (kickass_probe.reassembly explains
-the budget). REPORTs also name ranges of
-seqs measured while the client's kernel refused fragments: a probe there that
-was not acknowledged is *invalid* (``reassembly_invalid``), not lost, and
-stays out of the verdict's counts. Such a run finishes ``REPORT_GRACE_S``
-after its last probe resolved, so the client's last REPORT can still arrive.
-No ACK before the timeout: ``lost`` (the paper's rule); an ACK after it
-turns the probe ``late``; duplicates are counted. A probe the shell could not
-put on the wire is handed back (``probes_not_sent``) and
-never counted as sent, so a full socket buffer is not mistaken for path loss.
+The core owns what spans runs: the handshake, admission, the pacer, the
+round-robin of runs that may send, the timers of every probe, each run's
+life cycle and the batching of what is persisted. It composes per run the
+plan's iteration (plan_iter.py: which seq, its phase and size, its state)
+and the window and credit control (credit.py, and the adaptive
+``WindowController`` of window.py), and turns what they answer into actions:
+sends and study events. No sockets, threads, clock reads or database.
 """
 
 from __future__ import annotations
@@ -60,15 +17,12 @@ import heapq
 import hmac
 import math
 import secrets
-from array import array
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from types import MappingProxyType
-from typing import NamedTuple
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from kickass_core import verdict as verdicts
 from kickass_core import wire
-from kickass_core.pacing import Pacer, PacingLane
+from kickass_core.pacing import Pacer
 from kickass_core.plan import SPLIT, WHOLE, ProbePlan, plan_bytes
 from kickass_core.states import (
     ACKED,
@@ -85,20 +39,18 @@ from kickass_core.states import (
 from kickass_core.study_events import (
     Heartbeat,
     OutcomeBatch,
-    OutcomeEntry,
     RunFinished,
     RunProbing,
     StudyEvent,
 )
 
-from .packets import SessionPackets
-from .policy import Admission, AdmissionDenied, AdmissionTicket, Policy
-from .rtt_estimator import RttEstimator
-from .window import WindowController
-
-# The client's flow-control mode that counts splits in flight (announced as
-# ``reassembly.credit_mode``; older clients send an absolute limit).
-IN_FLIGHT = "in-flight"
+from ..packets import SessionPackets
+from ..policy import Admission, AdmissionDenied, Policy
+from ..rtt_estimator import RttEstimator
+from . import credit, plan_iter
+from .credit import REPORT_GRACE_S
+from .plan_iter import _ACKED, _LOST, _OUT, _UNSENT
+from .run import ProbeRun, RunSnapshot, _PendingChallenge
 
 # Outcome batches and progress counters go to the database at most this often
 # per run: one statement per batch instead of one per ACK.
@@ -115,14 +67,6 @@ SEND_RETRY_S = 0.001
 SEND_ERROR_HOLD_S = 0.1
 # How often the admission's hourly windows are swept for forgotten addresses.
 SWEEP_INTERVAL_S = 60.0
-# A run with flow control finishes this long after its last probe resolved:
-# the client reports every 50 ms, so its last word on refused fragments is in.
-REPORT_GRACE_S = 0.5
-# Invalid ranges a run keeps (each REPORT names up to 4; merged when adjacent).
-MAX_INVALID_RANGES = 4096
-
-# Per-seq probe state (one byte per probe of the plan).
-_UNSENT, _OUT, _ACKED, _LOST, _LATE = 0, 1, 2, 3, 4
 
 COUNTERS = (
     "datagrams",
@@ -190,235 +134,6 @@ class Admitted:
     source_address: str
 
 
-@dataclass
-class ReassemblyLog:
-    """What a flow-controlled run learnt from its client's REPORTs."""
-
-    initial_credit: int | None
-    reports: int = 0
-    last_report_seq: int = -1
-    max_memory: int = 0
-    high_thresh: int | None = None
-    refused: int = 0
-    credit_waits: int = 0
-    credit_wait_s: float = 0.0
-    waiting_since: float | None = None
-    ranges: list[tuple[int, int]] = field(default_factory=list)
-
-    def to_json(self, invalid: Mapping[str, int]) -> dict[str, object]:
-        return {
-            "budget": "client-credit",
-            "initial_credit": self.initial_credit,
-            "reports": self.reports,
-            "max_memory": self.max_memory,
-            "high_thresh": self.high_thresh,
-            "refused": self.refused,
-            "credit_waits": self.credit_waits,
-            "credit_wait_s": round(self.credit_wait_s, 3),
-            "invalid_ranges": [list(r) for r in self.ranges],
-            "invalid": dict(invalid),
-        }
-
-
-@dataclass(frozen=True)
-class RunSnapshot:
-    """A consistent, immutable copy of one run, for the HTTP threads."""
-
-    session_id: str
-    state: str
-    source_address: str
-    peer: tuple[str, int] | None
-    total_probes: int
-    sent: int
-    acked: int
-    phase_sent: Mapping[str, int]
-    phase_acked: Mapping[str, int]
-    outstanding: int
-    handshake_rtt_ms: float | None
-    timeout_ms: float
-    end_requested: bool
-    end_reason: str | None
-    split_limit: int | None = None
-    invalid: Mapping[str, int] = field(default_factory=dict)
-    # Probes that may be in flight now: the plan's window, or the adaptive one.
-    window: int = 1
-
-
-# -- the live state of one session --------------------------------------------------
-
-
-class _PendingChallenge(NamedTuple):
-    token: bytes
-    sent_at: float
-    local_ip: str
-
-
-@dataclass(eq=False)
-class ProbeRun:
-    """The engine's live state of one study session. Mutable; lives in the core only."""
-
-    session_id: str
-    tag: bytes
-    cookie_hash: bytes
-    plan: ProbePlan
-    source_address: str
-    ticket: AdmissionTicket
-    rtt: RttEstimator
-    ip_id: int
-    created: float = 0.0
-    expires: float = 0.0
-    state: str = CREATED
-    peer: tuple[str, int] | None = None
-    local_ip: str | None = None
-    challenges: dict[tuple[str, int], _PendingChallenge] = field(default_factory=dict)
-    challenges_sent: int = 0
-    handshake_rtt_ms: float | None = None
-    next_seq: int = 0
-    outstanding: dict[int, float] = field(default_factory=dict)  # seq -> send time
-    # Outstanding probes past the window timeout (adaptive runs only): they
-    # leave W, not the split credit.
-    presumed_lost: set[int] = field(default_factory=set)
-    # Per-seq arrays, allocated when probing starts: an unproven session
-    # costs no memory proportional to its plan.
-    codes: bytearray = field(default_factory=bytearray)
-    ack_counts: bytearray = field(default_factory=bytearray)
-    # 1 = measured while the client's kernel refused fragments (REPORT ranges)
-    invalid: bytearray = field(default_factory=bytearray)
-    sent_at: array[float] = field(default_factory=lambda: array("d"))
-    acked_at: array[float] = field(default_factory=lambda: array("d"))
-    sent: int = 0
-    acked: int = 0
-    phase_sent: dict[str, int] = field(default_factory=lambda: {WHOLE: 0, SPLIT: 0})
-    phase_acked: dict[str, int] = field(default_factory=lambda: {WHOLE: 0, SPLIT: 0})
-    # Acknowledged after their timeout: recorded late (lost by the paper's
-    # rule), delivered for the verdict.
-    phase_late: dict[str, int] = field(default_factory=lambda: {WHOLE: 0, SPLIT: 0})
-    # Probes marked invalid and not acknowledged, per phase (out of phase_sent).
-    phase_invalid: dict[str, int] = field(default_factory=lambda: {WHOLE: 0, SPLIT: 0})
-    # Flow control (None: the client sent none): split seqs below this may go.
-    split_limit: int | None = None
-    # IN_FLIGHT flow control (the client asked for it at admission): the
-    # REPORT's limit is split_from + credit, and at most ``credit`` splits are
-    # in flight; a split frees its credit when it is resolved, acknowledged or
-    # timed out, so a path that drops every fragment does not stall.
-    credit_mode: str | None = None
-    reasm: ReassemblyLog | None = None
-    # An adaptive plan's window (None: the plan's window, fixed).
-    ctl: WindowController | None = None
-    # Smallest whole IP length an ACK showed fragmented (a small-MTU hop):
-    # lost whole probes from it up can be refused by a full reassembly memory too.
-    min_fragmented_whole: int = 1 << 16
-    # A flow-controlled run whose plan is done finishes at this time.
-    complete_at: float | None = None
-    last_seen: float = 0.0  # last ACK from the peer, or the owner's HTTP poll
-    packets: SessionPackets | None = None
-    lane: PacingLane | None = None
-    send_hold_until: float = -math.inf
-    pending: list[OutcomeEntry] = field(default_factory=list)
-    reported: tuple[int, int] = (-1, -1)  # (sent, acked) of the last Heartbeat
-    end_requested: str | None = None
-    end_reason: str | None = None
-    finished_at: float | None = None
-
-    def ok_cookie(self, cookie: bytes) -> bool:
-        return hmac.compare_digest(hashlib.sha256(cookie).digest(), self.cookie_hash)
-
-    def may_send(self) -> bool:
-        return (
-            self.state == PROBING
-            and self.end_requested is None
-            and self.next_seq < self.plan.total_probes
-            and self.in_window() < self.window()
-            and not self.credit_blocked()
-        )
-
-    def window(self) -> int:
-        return self.plan.window if self.ctl is None else self.ctl.window
-
-    def in_window(self) -> int:
-        """Probes holding a place in the window: outstanding, not presumed lost."""
-        return len(self.outstanding) - len(self.presumed_lost)
-
-    def credit_blocked(self) -> bool:
-        """The next probe is a split the client has not given credit for."""
-        if self.split_limit is None or self.next_seq < self.plan.split_from:
-            return False
-        if self.credit_mode == IN_FLIGHT:
-            credit = self.split_limit - self.plan.split_from
-            return self.splits_in_flight() >= credit
-        return self.next_seq >= self.split_limit
-
-    def splits_in_flight(self) -> int:
-        """Split probes sent and not yet resolved (at most the window's worth)."""
-        first = self.plan.split_from
-        return sum(1 for seq in self.outstanding if seq >= first)
-
-    def snapshot(self) -> RunSnapshot:
-        return RunSnapshot(
-            session_id=self.session_id,
-            state=self.state,
-            source_address=self.source_address,
-            peer=self.peer,
-            total_probes=self.plan.total_probes,
-            sent=self.sent,
-            acked=self.acked,
-            phase_sent=MappingProxyType(dict(self.phase_sent)),
-            phase_acked=MappingProxyType(dict(self.phase_acked)),
-            outstanding=len(self.outstanding),
-            handshake_rtt_ms=self.handshake_rtt_ms,
-            timeout_ms=self.rtt.timeout * 1000.0,
-            end_requested=self.end_requested is not None,
-            end_reason=self.end_reason,
-            split_limit=self.split_limit,
-            invalid=MappingProxyType(dict(self.phase_invalid)),
-            window=self.window(),
-        )
-
-
-def _uncovered(ranges: list[tuple[int, int]], first: int, end: int) -> list[tuple[int, int]]:
-    """The parts of [first, end) outside the sorted, disjoint ``ranges``."""
-    out, at = [], first
-    for a, b in ranges:
-        if b <= at:
-            continue
-        if a >= end:
-            break
-        if a > at:
-            out.append((at, a))
-        at = max(at, b)
-        if at >= end:
-            break
-    if at < end:
-        out.append((at, end))
-    return out
-
-
-def _cover(ranges: list[tuple[int, int]], first: int, end: int) -> None:
-    """Add [first, end) to the sorted, disjoint ``ranges`` (merging), bounded
-    by MAX_INVALID_RANGES: beyond it the last two merge, and the gap between
-    them counts as walked (the client's end-of-session report, which the store
-    applies, still marks anything there)."""
-    merged = []
-    placed = False
-    for a, b in ranges:
-        if b < first:
-            merged.append((a, b))
-        elif a > end:
-            if not placed:
-                merged.append((first, end))
-                placed = True
-            merged.append((a, b))
-        else:
-            first, end = min(first, a), max(end, b)
-    if not placed:
-        merged.append((first, end))
-        merged.sort()
-    while len(merged) > MAX_INVALID_RANGES:
-        (a, _), (_, d) = merged[-2], merged.pop()
-        merged[-1] = (a, d)
-    ranges[:] = merged
-
-
 # -- the core -------------------------------------------------------------------------
 
 
@@ -472,7 +187,7 @@ class ProbeCore:
         that fails, ``cancel`` gives the admission back. ``split_credit``:
         the client does flow control of the split phase (REPORTs), and this
         many splits may go before its first REPORT arrives. ``credit_mode``
-        ``IN_FLIGHT``: the credit bounds splits in flight (see ProbeRun)."""
+        ``credit.IN_FLIGHT``: the credit bounds splits in flight (see ProbeRun)."""
         nbytes = plan_bytes(plan)
         reason = self.admission.check(source_address, nbytes, now)
         if reason:
@@ -495,11 +210,7 @@ class ProbeCore:
             rtt=RttEstimator(p.min_timeout_ms / 1000.0, p.max_timeout_ms / 1000.0),
             ip_id=int.from_bytes(self._random(2), "big") % 0xFFFF + 1,
         )
-        if split_credit is not None:
-            credit = max(0, split_credit)
-            run.split_limit = min(plan.total_probes, plan.split_from + credit)
-            run.reasm = ReassemblyLog(initial_credit=credit)
-            run.credit_mode = IN_FLIGHT if credit_mode == IN_FLIGHT else None
+        credit.grant(run, split_credit, credit_mode)
         self._admitted[run.session_id] = run
         return Admitted(run.session_id, cookie, run.cookie_hash, plan, source_address)
 
@@ -652,23 +363,11 @@ class ProbeCore:
         if run.state != CREATED:
             return
         rtt = max(now - pending.sent_at, 1e-4)
-        n = run.plan.total_probes
-        run.codes = bytearray(n)
-        run.ack_counts = bytearray(n)
-        run.invalid = bytearray(n)
-        run.sent_at = array("d", bytes(8 * n))
-        run.acked_at = array("d", bytes(8 * n))
+        plan_iter.start(run)
         run.state = PROBING
         run.handshake_rtt_ms = rtt * 1000.0
         run.rtt.seed(rtt)
-        if run.plan.adaptive:
-            run.ctl = WindowController(
-                run.plan.window,
-                now,
-                rate_bps=self.policy.adaptive_rate_bps,
-                initial_window=self.policy.adaptive_initial_window,
-                rtt_seed=rtt,
-            )
+        credit.open_window(run, self.policy, now, rtt)
         run.last_seen = now
         run.expires = now + self.policy.max_session_s
         self._make_ready(run)
@@ -693,26 +392,19 @@ class ProbeCore:
         code = run.codes[seq]
         run.ack_counts[seq] = min(255, run.ack_counts[seq] + 1)
         if msg.observed_frag_size not in (0, wire.FRAG_SIZE_UNKNOWN) and seq < run.plan.split_from:
-            run.min_fragmented_whole = min(run.min_fragmented_whole, self._ip_len(run, seq))
+            run.min_fragmented_whole = min(
+                run.min_fragmented_whole, plan_iter.ip_len(run.plan, seq)
+            )
         if code == _OUT:
-            sent_at = run.outstanding.pop(seq)
-            run.presumed_lost.discard(seq)
+            sent_at = plan_iter.acked(run, seq, now)
             run.rtt.sample(max(now - sent_at, 0.0))
             if run.ctl is not None:
                 run.ctl.on_ack(now, seq, max(now - sent_at, 0.0))
-            run.codes[seq] = _ACKED
-            run.acked_at[seq] = now
-            run.acked += 1
-            run.phase_acked[self._phase(run, seq)] += 1
             self._record(now, run, seq, ACKED, msg)
             self._settle(now, run, out)
             self._make_ready(run)
         elif code == _LOST:
-            if run.invalid and run.invalid[seq]:
-                run.phase_invalid[self._phase(run, seq)] -= 1
-            run.codes[seq] = _LATE
-            run.acked_at[seq] = now
-            run.phase_late[self._phase(run, seq)] += 1
+            plan_iter.late(run, seq, now)
             self.counters["late_acks"] += 1
             self._record(now, run, seq, LATE, msg)
         else:
@@ -726,92 +418,22 @@ class ProbeCore:
         if addr != run.peer or run.state == CREATED:
             self.counters["wrong_peer"] += 1
             return
-        if run.reasm is None:
-            # A client that did not announce flow control at admission: it
-            # starts with its first REPORT.
-            run.reasm = ReassemblyLog(initial_credit=None)
-        log = run.reasm
         self.counters["reports"] += 1
         run.last_seen = max(run.last_seen, now)
-        for first, end in msg.invalid:
-            self._mark_invalid(now, run, first, end)
-        if msg.report_seq <= log.last_report_seq:
+        invalid, fresh = credit.take_report(run, msg)
+        for seq in invalid:
+            self._record(now, run, seq, LOST, None)
+        if not fresh:
             self.counters["stale_reports"] += 1
             return
-        log.last_report_seq = msg.report_seq
-        log.reports += 1
-        if msg.frag_memory != wire.UNKNOWN_U32:
-            log.max_memory = max(log.max_memory, msg.frag_memory)
-        if msg.frag_high_thresh != wire.UNKNOWN_U32:
-            log.high_thresh = msg.frag_high_thresh
-        log.refused = max(log.refused, msg.refused)
         if run.state != PROBING:
             return
-        # In IN_FLIGHT mode the limit is split_from + credit (never capped: the
-        # credit is what counts); else an absolute bound on the next seq.
-        run.split_limit = (
-            msg.split_limit
-            if run.credit_mode == IN_FLIGHT
-            else min(msg.split_limit, run.plan.total_probes)
-        )
         self._credit_wait(now, run)
         self._make_ready(run)
 
     def _credit_wait(self, now: float, run: ProbeRun) -> None:
-        """Account the time a run waits for credit (the client's memory full)."""
-        log = run.reasm
-        if log is None:
-            return
-        waiting = run.credit_blocked() and run.next_seq < run.plan.total_probes
-        if waiting and log.waiting_since is None:
-            log.waiting_since = now
-            log.credit_waits += 1
+        if credit.credit_wait(now, run):
             self.counters["credit_waits"] += 1
-        elif not waiting and log.waiting_since is not None:
-            log.credit_wait_s += now - log.waiting_since
-            log.waiting_since = None
-
-    def _mark_invalid(self, now: float, run: ProbeRun, first: int, end: int) -> None:
-        """Probes in [first, end) were measured while the client's kernel
-        refused fragments: those not acknowledged are invalid, not lost.
-
-        Every REPORT repeats its ranges (20 a second): only the part of a
-        range not covered before is walked, so a repeated range costs nothing.
-        """
-        log = run.reasm
-        assert log is not None
-        first, end = max(0, first), min(end, len(run.codes))
-        if first >= end:
-            return
-        for a, b in _uncovered(log.ranges, first, end):
-            for seq in range(a, b):
-                if run.invalid[seq] or not self._refusable(run, seq):
-                    continue
-                run.invalid[seq] = 1
-                if run.codes[seq] == _LOST:
-                    run.phase_invalid[self._phase(run, seq)] += 1
-                    self._record(now, run, seq, LOST, None)
-        _cover(log.ranges, first, end)
-
-    def _refusable(self, run: ProbeRun, seq: int) -> bool:
-        """Could a full reassembly memory have refused this probe? Splits
-        always; whole packets only from a size the path fragments."""
-        return seq >= run.plan.split_from or self._ip_len(run, seq) >= run.min_fragmented_whole
-
-    @staticmethod
-    def _phase(run: ProbeRun, seq: int) -> str:
-        return SPLIT if seq >= run.plan.split_from else WHOLE
-
-    @staticmethod
-    def _ip_len(run: ProbeRun, seq: int) -> int:
-        """``plan.probe(seq).ip_len`` in O(1) and without the per-plan table
-        (``ProbePlan.seq_ip_len``), whose first use costs tens of
-        milliseconds of the probe clock for every new session."""
-        plan = run.plan
-        first_split = plan.split_from
-        if seq < first_split:
-            return plan.whole[seq % len(plan.whole)]
-        return plan.split[(seq - first_split) % len(plan.split)]
 
     def _record(
         self, now: float, run: ProbeRun, seq: int, outcome: str, ack: wire.Ack | None
@@ -819,25 +441,7 @@ class ProbeCore:
         """Queue one probe's whole row. A seq recorded again (late or duplicate
         ACK) rewrites the row, so the store's last-word-wins upsert loses
         nothing recorded earlier."""
-        run.pending.append(
-            OutcomeEntry(
-                seq,
-                self._phase(run, seq),
-                self._ip_len(run, seq),
-                outcome,
-                run.sent_at[seq],
-                None if outcome == LOST else run.acked_at[seq],
-                run.ack_counts[seq],
-                None if ack is None else ack.received_len,
-                # Unknown (the client's system cannot observe it) is NULL.
-                None
-                if ack is None or ack.observed_frag_size == wire.FRAG_SIZE_UNKNOWN
-                else ack.observed_frag_size,
-                # Only a probe that never arrived can be invalid: a late one
-                # got through, whatever the kernel refused meanwhile.
-                outcome == LOST and bool(run.invalid) and bool(run.invalid[seq]),
-            )
-        )
+        run.pending.append(plan_iter.outcome(run, seq, outcome, ack))
         self._arm_flush(now)
 
     def _arm_flush(self, now: float) -> None:
@@ -918,11 +522,9 @@ class ProbeCore:
                 continue
             del run.outstanding[seq]
             run.presumed_lost.discard(seq)
-            run.codes[seq] = _LOST
+            plan_iter.lost(run, seq)
             if run.ctl is not None:
                 run.ctl.on_loss(now, seq)
-            if run.invalid and run.invalid[seq]:
-                run.phase_invalid[self._phase(run, seq)] += 1
             self._record(now, run, seq, LOST, None)
             self._settle(now, run, out)
             self._make_ready(run)
@@ -971,17 +573,13 @@ class ProbeCore:
         peer, local_ip = run.peer, run.local_ip
         assert peer is not None and local_ip is not None
         seq = run.next_seq
-        phase = self._phase(run, seq)
+        phase = plan_iter.phase(run.plan, seq)
+        ip_len = plan_iter.ip_len(run.plan, seq)
         if run.packets is None:
             run.packets = SessionPackets(local_ip, peer[0], self.probe_port, peer[1], run.tag)
         run.ip_id = run.ip_id % 0xFFFF + 1
-        packets = run.packets.render(phase, self._ip_len(run, seq), seq, run.ip_id)
-        run.next_seq += 1
-        run.codes[seq] = _OUT
-        run.outstanding[seq] = now
-        run.sent_at[seq] = now
-        run.sent += 1
-        run.phase_sent[phase] += 1
+        packets = run.packets.render(phase, ip_len, seq, run.ip_id)
+        plan_iter.sent(run, seq, now)
         self.counters["probes_sent"] += 1
         heapq.heappush(self._timers, (now + run.rtt.timeout, run.session_id, seq))
         self._arm_flush(now)
@@ -989,7 +587,7 @@ class ProbeCore:
         if run.ctl is not None:
             heapq.heappush(self._window_timers, (now + run.rtt.window_timeout, run.session_id, seq))
             nbytes = sum(len(p) for p in packets)
-            run.ctl.on_send(now, seq, phase, self._ip_len(run, seq), nbytes, run.in_window())
+            run.ctl.on_send(now, seq, phase, ip_len, nbytes, run.in_window())
         if run.reasm is not None:
             self._credit_wait(now, run)
 
@@ -1011,14 +609,9 @@ class ProbeCore:
             seq = p.seq
             if seq != run.next_seq - 1 or run.codes[seq] != _OUT:
                 continue  # not the newest probe: leave it to its timeout
-            del run.outstanding[seq]
-            run.presumed_lost.discard(seq)
+            plan_iter.unsent(run, seq)
             if run.ctl is not None:
                 run.ctl.on_unsent(seq, sum(len(pkt) for pkt in p.packets))
-            run.codes[seq] = _UNSENT
-            run.next_seq = seq
-            run.sent -= 1
-            run.phase_sent[self._phase(run, seq)] -= 1
             self.counters["probes_sent"] -= 1
             self.counters["probes_not_sent"] += 1
             if run.lane is not None:
@@ -1070,9 +663,7 @@ class ProbeCore:
         # Probes still in flight when a run ends early were sent but never
         # resolved: record them lost, so what was sent is what was stored.
         for seq in sorted(run.outstanding):
-            run.codes[seq] = _LOST
-            if run.invalid and run.invalid[seq]:
-                run.phase_invalid[self._phase(run, seq)] += 1
+            plan_iter.lost(run, seq)
             self._record(now, run, seq, LOST, None)
         run.outstanding.clear()
         run.presumed_lost.clear()
@@ -1090,12 +681,7 @@ class ProbeCore:
                 split_invalid=inv[SPLIT],
                 late=late[WHOLE] + late[SPLIT],
             )
-        reasm = None
-        if run.reasm is not None:
-            if run.reasm.waiting_since is not None:
-                run.reasm.credit_wait_s += now - run.reasm.waiting_since
-                run.reasm.waiting_since = None
-            reasm = run.reasm.to_json(run.phase_invalid)
+        reasm = credit.final_log(now, run)
         window = None if run.ctl is None else run.ctl.summary(now)
         self._flush_run(run, out)
         run.state = state
