@@ -363,7 +363,7 @@ def test_rows_over_many_blocks_and_rows_larger_than_a_block(
     with blocks of 100 bytes nearly every row (quotes, commas and newlines in its
     text included) is larger than a block, some 3 MiB, and the file still equals the
     view (Arrow's parser refuses a row spread over more than two of its reads)."""
-    monkeypatch.setattr(export, "COPY_BLOCK_BYTES", 100)
+    monkeypatch.setattr(export.readers, "COPY_BLOCK_BYTES", 100)
     for view in ("v_session_summary", "v_flow_results", "v_router_telemetry"):
         result = export_view(seeded, view, fmt, tmp_path)
         _assert_equal(result, _direct(seeded, f"SELECT * FROM {view}"))
@@ -372,7 +372,7 @@ def test_rows_over_many_blocks_and_rows_larger_than_a_block(
             "CREATE VIEW v_export_wide AS SELECT g AS n, repeat(E'a,\\n\"', 1000 * g * g) AS t "
             "FROM generate_series(1, 30) AS g"
         )  # rows of 4 kB to 3.6 MB
-    monkeypatch.setattr(export, "COPY_BLOCK_BYTES", 1024 * 1024)
+    monkeypatch.setattr(export.readers, "COPY_BLOCK_BYTES", 1024 * 1024)
     result = export_view(database_url, "v_export_wide", fmt, tmp_path)
     _assert_equal(result, _direct(database_url, "SELECT * FROM v_export_wide"))
 
@@ -647,7 +647,7 @@ def test_an_existing_file_is_never_replaced(seeded: str, tmp_path: Path, monkeyp
     first = export_view(seeded, "v_flow_summary", "csv", tmp_path)
     before = first.data_path.read_bytes()
     # The same name again (the same view and filters in the same second).
-    monkeypatch.setattr(export, "_stamp", lambda t: first.data_path.stem.rsplit("-", 1)[1])
+    monkeypatch.setattr(export.files, "_stamp", lambda t: first.data_path.stem.rsplit("-", 1)[1])
     with pytest.raises(KickassError, match="already exists"):
         export_view(seeded, "v_flow_summary", "csv", tmp_path)
     assert first.data_path.read_bytes() == before
@@ -726,7 +726,7 @@ def test_sweep_removes_the_partial_files_of_dead_writers_only(tmp_path: Path) ->
 def test_progress_is_reported_for_long_exports(
     seeded: str, tmp_path: Path, monkeypatch: Any
 ) -> None:
-    monkeypatch.setattr(export, "PROGRESS_EVERY_S", 0.0)
+    monkeypatch.setattr(export.readers, "PROGRESS_EVERY_S", 0.0)
     for fmt in export.FORMATS:
         seen: list[tuple[int, float]] = []
 
