@@ -37,12 +37,6 @@ PRUNED = {".git", ".venv", "target", "build", "__pycache__", "node_modules"}
 # progress: remove an entry when its split lands. Keyed by path (the
 # module's size) or path::function (that function's).
 ALLOWED: dict[str, str] = {
-    # Issue 26 part 2: being split into the window and credit control, the
-    # plan's iteration and the core that composes them (a pure move).
-    "server/kickass_server/probe_core.py": "split in progress (issue 26 part 2)",
-    # Issue 26 part 2: being split into the publish primitive, the COPY
-    # readers and the formats (a pure move).
-    "analysis/kickass_analysis/export.py": "split in progress (issue 26 part 2)",
     # 1,100 lines since issue 28's archive and retirement landed (writing,
     # verifying, retiring and restoring days in one module); no one is
     # splitting it yet: its split by subject is still to do.
