@@ -36,12 +36,7 @@ PRUNED = {".git", ".venv", "target", "build", "__pycache__", "node_modules"}
 # What may still exceed a limit, each while the split it waits for is in
 # progress: remove an entry when its split lands. Keyed by path (the
 # module's size) or path::function (that function's).
-ALLOWED: dict[str, str] = {
-    # 1,100 lines since issue 28's archive and retirement landed (writing,
-    # verifying, retiring and restoring days in one module); no one is
-    # splitting it yet: its split by subject is still to do.
-    "analysis/kickass_analysis/archive.py": "over since issue 28; split not started",
-}
+ALLOWED: dict[str, str] = {}
 
 
 @dataclass(frozen=True)

@@ -166,8 +166,10 @@ def test_retire_and_restore_keep_every_row_and_count(
     seeded: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     url, root = seeded, tmp_path / "archive"
-    # Row groups of at least this many rows (128 Ki in use; the seed is small).
-    monkeypatch.setattr(archive, "ROW_GROUP_ROWS", 256)
+    # Row groups of at least this many rows (128 Ki in use; the seed is small),
+    # set where they are read: the writer's and the verifier's (not the package's copy).
+    monkeypatch.setattr(archive.writing, "ROW_GROUP_ROWS", 256)
+    monkeypatch.setattr(archive.verifying, "ROW_GROUP_ROWS", 256)
     now = today(url)
     before_views = views(url)
     before_rows = {t: raw_rows(url, t) for t in RAW}
