@@ -31,6 +31,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kickass_core.cli import group
 from kickass_core.errors import KickassError
 
 from . import service
@@ -55,20 +56,14 @@ SECTION = "atlas"
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = sub.add_parser(
+    cmds = group(
+        sub,
         "atlas",
         help="RIPE Atlas campaigns for the fragment viability study",
         description="Run the fragment viability study from RIPE Atlas probes: plan and create "
         "the ping measurements, run the ICMP responder they ping, fetch and store their "
         "results beside the volunteers'. See atlas/README.md.",
     )
-
-    def usage(_args: argparse.Namespace) -> int:
-        parser.print_help()
-        return 2
-
-    parser.set_defaults(func=usage)
-    cmds = parser.add_subparsers(dest="atlas_command", metavar="ATLAS_COMMAND")
     _add_plan(cmds)
     _add_create(cmds)
     _add_fetch(cmds)
