@@ -2,8 +2,9 @@
 
 The engine's sans-IO core (``kickass_server.probe_core``) emits these events;
 the engine's shell hands them to the database writer, which journals them as
-JSON (``to_json``/``from_json``, the one codec) and applies each through one
-table from event type to store call (``kickass_db.study_store.StudyStore.apply``).
+JSON (``to_json``/``from_json``, the one codec) and stores each through
+``kickass_db.study_store.StudyStore.apply``, the study's one write form for a
+session's run (one case per event type).
 The same definition is read back when a journal is replayed after a crash,
 so the engine, the journal and the store cannot drift apart.
 
@@ -29,7 +30,10 @@ _SLOTS: dict[str, bool] = {"slots": True} if sys.version_info >= (3, 10) else {}
 
 
 class OutcomeEntry(NamedTuple):
-    """One probe's outcome, as recorded (times are the core's monotonic ``now``)."""
+    """One probe's outcome, as recorded: the study's one outcome type, from the
+    engine's core to the store's row (times are the core's monotonic ``now``,
+    mapped to UTC by the batch's ``ClockAnchor``; the RTT is ``acked_at -
+    sent_at``)."""
 
     seq: int
     phase: str
@@ -93,8 +97,10 @@ class RunFinished:
 
     session_id: str
     state: str
-    verdict: str
-    verdict_reason: str
+    # The engine always decides one; None (a final session without one, as
+    # the sessions table and the views allow) is what tests seed.
+    verdict: str | None
+    verdict_reason: str | None
     end_reason: str | None
     # What the server learnt of the client's reassembly memory (None: the
     # client sent no flow control); stored in the session's metadata.
@@ -200,8 +206,8 @@ _FIELDS: dict[str, tuple[tuple[str, str], ...]] = {
     "finished": (
         ("session_id", "text"),
         ("state", "text"),
-        ("verdict", "text"),
-        ("verdict_reason", "text"),
+        ("verdict", "text?"),
+        ("verdict_reason", "text?"),
         ("end_reason", "text?"),
         ("reassembly", "object?"),
         ("window", "object?"),
