@@ -204,19 +204,25 @@ def pooled_speedups(database: str) -> list[dict[str, Any]]:
 
 
 def offered_load(flows: list[dict[str, Any]], periods: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per arm, the payload bytes its flows asked for over its periods' time
-    (bit/s), as the runner recorded it per period where it did (closed loop:
-    what the senders offered), else from the flow sizes."""
+    """Per arm, the payload bit/s its flows asked for over its periods, all
+    senders together: as the runners recorded it per period (summed over
+    the senders' trials, averaged over the arm's periods), and from the flow
+    sizes over the periods' time."""
     out: dict[str, Any] = {}
     for arm in sorted({p["arm"] for p in periods}):
-        recorded = [p["offered_load_bps"] for p in periods
-                    if p["arm"] == arm and p.get("offered_load_bps") is not None]  # fmt: skip
-        seconds = sum(float(p["duration_s"]) for p in periods if p["arm"] == arm)
+        mine = [p for p in periods if p["arm"] == arm]
+        by_index: dict[int, list[float]] = defaultdict(list)
+        for p in mine:
+            if p.get("offered_load_bps") is not None:
+                by_index[p["period_index"]].append(float(p["offered_load_bps"]))
+        seconds = sum({p["period_index"]: float(p["duration_s"]) for p in mine}.values())
         asked = sum(
             (f.get("size_bytes") or f["size_packets"] * 1440) * 8 for f in flows if f["arm"] == arm
         )
         out[arm] = {
-            "recorded_bps_mean": round(statistics.fmean(recorded)) if recorded else None,
+            "recorded_bps": round(statistics.fmean(sum(v) for v in by_index.values()))
+            if by_index
+            else None,
             "from_sizes_bps": round(asked / seconds) if seconds else None,
         }
     return out
