@@ -675,7 +675,7 @@ def add_new_data(url: str, s: Scale) -> dict[str, int]:
             )
         ]
         insert_probes(conn, min(ids), max(ids), s.per_session, partitioned=True)
-        # Finished: their durable counts, as StudyStore.finish_session stores them (0020).
+        # Finished: their durable counts, as StudyStore stores them at a RunFinished (0020).
         conn.execute("SELECT count(*) FROM write_unit_counts(%s)", (ids,))
         conn.execute("ANALYZE sessions")
     return {"router_samples_10ms": 360_000, "sessions": 5, "probe_rows": 5 * s.per_session}

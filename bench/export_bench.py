@@ -95,7 +95,7 @@ FROM (
 """
 
 # Finished sessions are read from their durable counts (migration 0020): stored
-# as StudyStore.finish_session stores them.
+# as StudyStore stores them when it applies a RunFinished.
 _COUNTS = """
 SELECT count(*) FROM write_unit_counts(ARRAY(
     SELECT id FROM sessions

@@ -77,9 +77,16 @@ import kickass_db as db
 import psycopg
 from kickass_core.plan import ProbePlan, expected_max_fragment
 from kickass_core.states import LIVE_STATES
+from kickass_core.study_events import (
+    ClockAnchor,
+    OutcomeBatch,
+    OutcomeEntry,
+    RunFinished,
+    RunProbing,
+)
 from kickass_db import partitions, study_store
 from kickass_db.archive_store import SIDECAR
-from kickass_db.study_store import ProbeOutcome, StudyStore
+from kickass_db.study_store import StudyStore
 from kickass_testbed.pg import create_database, drop_database, embedded_postgres
 from sqlalchemy import text, update
 
@@ -88,24 +95,25 @@ FULL_PLAN = ProbePlan.build()  # the paper's: 184 whole sizes, 182 splits, 100 r
 SECONDS_PER_DAY = 86_400
 
 
-def outcomes(plan: ProbePlan, rng: random.Random, t0: datetime) -> list[ProbeOutcome]:
+def outcomes(plan: ProbePlan, rng: random.Random) -> list[OutcomeEntry]:
     """A plausible clean path: 1% loss (splits lose either piece), a Linux
-    client's IP_RECVFRAGSIZE, RTTs around its base."""
+    client's IP_RECVFRAGSIZE, RTTs around its base (times: seconds from the start)."""
     base = rng.uniform(10.0, 200.0)
     out = []
     for seq in range(plan.total_probes):
         probe = plan.probe(seq)
-        sent = t0 + timedelta(milliseconds=2 * seq)
+        sent = 0.002 * seq
         loss = 0.01 if probe.phase == "whole" else 1 - 0.99**2
         if rng.random() < loss:
-            out.append(ProbeOutcome(seq, probe.phase, probe.ip_len, sent, "lost"))
+            out.append(
+                OutcomeEntry(seq, probe.phase, probe.ip_len, "lost", sent, None, 0, None, None)
+            )
             continue
         rtt = round(base * rng.uniform(1.0, 1.25), 3)
         frag = 0 if probe.phase == "whole" else expected_max_fragment(probe.ip_len)
         out.append(
-            ProbeOutcome(seq, probe.phase, probe.ip_len, sent, "acked",
-                         acked_at=sent + timedelta(milliseconds=rtt), rtt_ms=rtt, ack_count=1,
-                         received_len=probe.udp_payload_len, observed_frag_size=frag)
+            OutcomeEntry(seq, probe.phase, probe.ip_len, "acked", sent, acked_at=sent + rtt / 1000,
+                         ack_count=1, received_len=probe.udp_payload_len, observed_frag_size=frag)
         )  # fmt: skip
     return out
 
@@ -120,9 +128,14 @@ def new_session(store: StudyStore, rng: random.Random) -> str:
     return sid
 
 
-def record(store: StudyStore, sid: str, rows: list[ProbeOutcome]) -> None:
+def stamped(sid: str, rows: list[OutcomeEntry], t0: datetime) -> OutcomeBatch:
+    return OutcomeBatch(sid, tuple(rows), ClockAnchor(t0.timestamp(), 0.0))  # rows' 0 is t0
+
+
+def record(store: StudyStore, sid: str, rows: list[OutcomeEntry]) -> None:
+    t0 = datetime.now(UTC)
     for start in range(0, len(rows), BATCH):
-        store.record_outcomes(sid, rows[start : start + BATCH])
+        store.apply(stamped(sid, rows[start : start + BATCH], t0))
 
 
 def pct(values: list[float], q: float) -> float:
@@ -159,11 +172,11 @@ def durable_counts(url: str, sessions: int, rng: random.Random) -> dict[str, Any
     try:
         for i in range(sessions):
             sid = new_session(store, rng)
-            record(store, sid, outcomes(FULL_PLAN, rng, datetime.now(UTC)))
+            record(store, sid, outcomes(FULL_PLAN, rng))
             pid = _backend(store)
             c0, t0 = _cpu_s(pid), time.perf_counter()
             if i % 2 == 0:
-                assert store.finish_session(sid, "complete", "fragments-ok", "bench")
+                assert store.apply(RunFinished(sid, "complete", "fragments-ok", "bench", None))
                 with_counts.append(time.perf_counter() - t0)
                 if _backend(store) == pid:  # the pool's one connection: its CPU time
                     cpu_ms.append((_cpu_s(pid) - c0) * 1000)
@@ -257,7 +270,7 @@ def ingest(url: str, rounds: int, rng: random.Random) -> dict[str, Any]:
             rng.shuffle(order)
             for how in order:
                 sid = new_session(store, rng)
-                rows = outcomes(FULL_PLAN, rng, datetime.now(UTC))
+                rows = outcomes(FULL_PLAN, rng)
                 t0 = time.perf_counter()
                 if how == "store":
                     record(store, sid, rows)
@@ -265,7 +278,7 @@ def ingest(url: str, rounds: int, rng: random.Random) -> dict[str, Any]:
                     with unpartitioned():
                         record(store, sid, rows)
                 else:
-                    _copy(conninfo, sid, rows)
+                    _copy(conninfo, sid, rows, datetime.now(UTC))
                 times[how].append(time.perf_counter() - t0)
                 rows_done[how] += len(rows)
     finally:
@@ -287,16 +300,14 @@ def ingest(url: str, rounds: int, rng: random.Random) -> dict[str, Any]:
     }
 
 
-def _copy(conninfo: str, sid: str, rows: list[ProbeOutcome]) -> None:
+def _copy(conninfo: str, sid: str, rows: list[OutcomeEntry], t0: datetime) -> None:
     with psycopg.connect(conninfo) as conn:
         pk, created = conn.execute(
             "SELECT id, created_at FROM sessions WHERE session_id = %s", (sid,)
         ).fetchone() or (None, None)
         with conn.cursor().copy(f"COPY probe_outcomes ({', '.join(_COLUMNS)}) FROM STDIN") as cp:
-            for o in rows:
-                cp.write_row((pk, created, o.seq, o.phase, o.ip_len, o.sent_at, o.outcome,
-                              o.acked_at, o.rtt_ms, o.ack_count, o.received_len,
-                              o.observed_frag_size, o.reassembly_invalid))  # fmt: skip
+            for row in study_store._outcome_rows(stamped(sid, rows, t0)):  # the store's own rows
+                cp.write_row((pk, created, *row))
 
 
 # -- c: retire one day ------------------------------------------------------------------------
@@ -321,8 +332,8 @@ def retire(url: str, sessions: int, rng: random.Random) -> dict[str, Any]:
             sid = new_session(store, rng)
             with psycopg.connect(conninfo, autocommit=True) as conn:
                 conn.execute("UPDATE sessions SET created_at = %s WHERE session_id = %s", (t0, sid))
-            _copy(conninfo, sid, outcomes(FULL_PLAN, rng, t0))
-            store.finish_session(sid, "complete", None, None)
+            _copy(conninfo, sid, outcomes(FULL_PLAN, rng), t0)
+            store.apply(RunFinished(sid, "complete", None, None, None))
         with psycopg.connect(conninfo, autocommit=True) as conn:
             conn.execute(
                 """INSERT INTO router_runs (run_name, router_kind, capacity_bps, options,
@@ -344,7 +355,7 @@ def retire(url: str, sessions: int, rng: random.Random) -> dict[str, Any]:
         rollups.refresh(url)
         # Today's live session, which the writer fills while the day retires.
         live = new_session(store, rng)
-        store.mark_probing(live, "198.51.100.2", 40000, 20.0)
+        store.apply(RunProbing(live, "198.51.100.2", 40000, 20.0))
     finally:
         store.close()
     seeded_s = time.monotonic() - started
@@ -361,12 +372,12 @@ def retire(url: str, sessions: int, rng: random.Random) -> dict[str, Any]:
 
     def writer() -> None:
         w = StudyStore(url)
-        rows = outcomes(FULL_PLAN, rng, datetime.now(UTC))
+        rows = outcomes(FULL_PLAN, rng)
         try:
             n = 0
             while not stop.is_set():
                 t = time.monotonic()
-                w.record_outcomes(live, rows[n : n + BATCH])
+                w.apply(stamped(live, rows[n : n + BATCH], datetime.now(UTC)))
                 waits["writer"].append(time.monotonic() - t)
                 n = (n + BATCH) % len(rows)
                 stop.wait(0.02)
@@ -422,8 +433,8 @@ def pruning(url: str, rng: random.Random) -> dict[str, Any]:
         with partitions.Partitions(url) as p:
             p.ensure_days("probe_outcomes", today - timedelta(days=22), today)
         sid = new_session(store, rng)
-        store.mark_probing(sid, "198.51.100.1", 40000, 20.0)
-        record(store, sid, outcomes(FULL_PLAN, rng, datetime.now(UTC))[:5000])
+        store.apply(RunProbing(sid, "198.51.100.1", 40000, 20.0))
+        record(store, sid, outcomes(FULL_PLAN, rng)[:5000])
     finally:
         store.close()
     with psycopg.connect(db.libpq_url(url)) as conn:

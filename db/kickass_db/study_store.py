@@ -18,10 +18,9 @@ from __future__ import annotations
 import hmac
 import logging
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from collections.abc import Mapping, Sequence
 from datetime import UTC, date, datetime, timedelta
-from typing import Any, cast
+from typing import Any, assert_never, cast
 
 import psycopg
 from kickass_core.errors import KickassError
@@ -86,24 +85,6 @@ class SessionRetired(KickassError):
         self.day = day
 
 
-@dataclass
-class ProbeOutcome:
-    seq: int
-    phase: str  # 'whole' | 'split'
-    ip_len: int  # whole: packet IP length; split: leading fragment IP length
-    sent_at: datetime
-    outcome: str  # 'acked' | 'lost' | 'late'
-    acked_at: datetime | None = None
-    rtt_ms: float | None = None
-    ack_count: int = 0
-    received_len: int | None = None
-    observed_frag_size: int | None = None
-    # Measured while the client's kernel refused fragments (only meaningful
-    # with outcome 'lost'). Once set it stays set: the flag comes from the
-    # client's REPORTs and from its end-of-session report, in either order.
-    reassembly_invalid: bool = False
-
-
 # One statement for a whole batch: arrays in, rows out. executemany would
 # cost a round trip (or a statement) per few rows; thousands of outcomes per
 # session make that the engine's bottleneck. Each row carries its session's
@@ -111,6 +92,8 @@ class ProbeOutcome:
 # an error, which the writer sets aside (failed-*). The session row is share-locked:
 # a batch and the session's finish never interleave, so the counts the finish
 # stores include every row (and a batch for a final session rewrites them).
+# A probe's reassembly_invalid, once set, stays set: the flag comes from the
+# client's REPORTs and from its end-of-session report, in either order.
 _UPSERT_OUTCOMES = text(f"""
 WITH s AS (
     SELECT id, created_at, state IN {tuple(FINAL_STATES)} AS final FROM sessions
@@ -143,14 +126,15 @@ WITH s AS (
 )
 SELECT s.id, s.final, (SELECT count(*) FROM written) AS written FROM s
 """)
-_OUTCOME_FIELDS = tuple(f.name for f in fields(ProbeOutcome))  # the statement's arrays
 
 # New rows go in by COPY (about three times the upsert's rows/s: bench/README.md,
 # scale_bench); a batch that repeats a seq already stored (a re-sent batch, a
 # lost probe whose ack came late) fails it on the primary key, is rolled back to
-# its savepoint and upserted instead, the last word winning.
+# its savepoint and upserted instead, the last word winning. A row's values, in
+# this order, are the COPY's columns after the session's and the upsert's arrays.
 _COPIED = ("seq", "phase", "ip_len", "sent_at", "outcome", "acked_at", "rtt_ms", "ack_count",
            "received_len", "observed_frag_size", "reassembly_invalid")  # fmt: skip
+_OutcomeRow = tuple[Any, ...]  # one probe_outcomes row: the values of _COPIED
 _BATCH_SESSION = text(f"""
 SELECT id, created_at, state IN {tuple(FINAL_STATES)} AS final FROM sessions
 WHERE session_id = :session_id FOR SHARE
@@ -243,10 +227,30 @@ class StudyStore(StoreBase):
 
     # -- writes -----------------------------------------------------------
 
-    def apply(self, event: StudyEvent) -> None:
-        """Store one of the probe engine's events: the one entry of its writer
-        and of a journal's replay (one table, event type -> store call)."""
-        _APPLY[type(event)](self, event)
+    def apply(self, event: StudyEvent) -> bool:
+        """Store one of the probe engine's events: the one way a session's run
+        is written (the engine's writer, a journal's replay, the tests' seeds).
+
+        False when the event changed nothing: its session is unknown, or (a
+        ``RunProbing``, a ``RunFinished``) already final. An ``OutcomeBatch``
+        is never dropped quietly: UnknownSession for a session the database
+        does not have, SessionRetired for a final one whose day is archived
+        (the writer sets either aside in its journal's ``failed-*``).
+        """
+        # A match, not a table: mypy checks each handler against its event
+        # type, and assert_never fails the check when StudyEvent gains a type
+        # no case handles.
+        match event:
+            case RunProbing():
+                return self._mark_probing(event)
+            case OutcomeBatch():
+                return self._record_outcomes(event)
+            case Heartbeat():
+                return self._heartbeat(event)
+            case RunFinished():
+                return self._finish_session(event)
+            case _:
+                assert_never(event)
 
     def create_session(
         self,
@@ -347,42 +351,37 @@ class StudyStore(StoreBase):
             return
         self._partition_day = day
 
-    def mark_probing(
-        self, session_id: str, probe_address: str, probe_port: int, rtt_ms: float | None
-    ) -> bool:
+    def _mark_probing(self, event: RunProbing) -> bool:
         """The client proved its UDP address: probing starts. False if the
         session is unknown or already over (it is never brought back)."""
         stmt = (
             update(_sessions)
-            .where(_sessions.c.session_id == session_id, _sessions.c.state.in_(LIVE_STATES))
+            .where(_sessions.c.session_id == event.session_id, _sessions.c.state.in_(LIVE_STATES))
             .values(
                 state="probing",
-                probe_address=probe_address,
-                probe_port=probe_port,
-                rtt_ms=rtt_ms,
+                probe_address=event.probe_address,
+                probe_port=event.probe_port,
+                rtt_ms=event.rtt_ms,
                 started_at=func.coalesce(_sessions.c.started_at, func.now()),
             )
         )
         return self.run(lambda conn: conn.execute(stmt).rowcount > 0)
 
-    def record_outcomes(self, session_id: str, outcomes: Sequence[ProbeOutcome]) -> None:
+    def _record_outcomes(self, batch: OutcomeBatch) -> bool:
         """Store a batch of outcomes (COPY, else one upsert); the last word on a seq wins.
 
         Re-sending a batch is harmless, and a probe first recorded 'lost'
         becomes 'late' when its ack turns up after all. Raises UnknownSession
         rather than dropping data for a session the database does not have,
-        and SessionRetired for a final session whose day is archived (the
-        writer sets either aside in its journal's ``failed-*``).
+        and SessionRetired for a final session whose day is archived.
         """
-        if not outcomes:
-            return
-        latest: dict[int, ProbeOutcome] = {}
-        for o in outcomes:
-            _check_outcome(o)
-            latest[o.seq] = o  # one row may not be updated twice in one statement
-        params: dict[str, Any] = {
-            f: [getattr(o, f) for o in latest.values()] for f in _OUTCOME_FIELDS
-        }
+        session_id = batch.session_id
+        rows = _outcome_rows(batch)
+        if not rows:
+            return True
+        # One row may not be updated twice in one statement: the last word on a seq.
+        latest = list({row[0]: row for row in rows}.values())
+        params: dict[str, Any] = {f: [row[i] for row in latest] for i, f in enumerate(_COPIED)}
         params["session_id"] = session_id
 
         def work(conn: Connection) -> int:
@@ -396,8 +395,8 @@ class StudyStore(StoreBase):
                 with conn.begin_nested():
                     cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
                     with cursor.copy(_COPY_OUTCOMES) as copy:
-                        for o in latest.values():
-                            copy.write_row((pk, created, *(getattr(o, f) for f in _COPIED)))
+                        for values in latest:
+                            copy.write_row((pk, created, *values))
             except psycopg.errors.UniqueViolation:
                 conn.execute(_UPSERT_OUTCOMES, params)
             if final:  # a batch for a finished session (a replay): its counts follow
@@ -406,26 +405,18 @@ class StudyStore(StoreBase):
 
         if self.run(work) == 0:
             raise UnknownSession(f"no session {session_id} to record outcomes for")
+        return True
 
-    def heartbeat(self, session_id: str, sent: int, acked: int) -> bool:
+    def _heartbeat(self, event: Heartbeat) -> bool:
         """Progress counters while probing (what a client polling the API sees)."""
         stmt = (
             update(_sessions)
-            .where(_sessions.c.session_id == session_id)
-            .values(sent=sent, acked=acked)
+            .where(_sessions.c.session_id == event.session_id)
+            .values(sent=event.sent, acked=event.acked)
         )
         return self.run(lambda conn: conn.execute(stmt).rowcount > 0)
 
-    def finish_session(
-        self,
-        session_id: str,
-        state: str,
-        verdict: str | None,
-        verdict_reason: str | None,
-        end_reason: str | None = None,
-        reassembly: dict[str, Any] | None = None,
-        window: dict[str, Any] | None = None,
-    ) -> bool:
+    def _finish_session(self, event: RunFinished) -> bool:
         """Put a live session in a final state, and store its counts (per phase
         and IP length, from its outcomes: ``unit_counts``) in the same
         transaction. The first final state wins: False (and nothing changed)
@@ -434,20 +425,21 @@ class StudyStore(StoreBase):
         as ``client_metadata.reassembly.server``; ``window``: an adaptive
         run's window record (kickass_server.window), kept as
         ``client_metadata.window``."""
+        state, verdict = event.state, event.verdict
         if state not in FINAL_STATES:
             raise ValueError(f"state must be one of {FINAL_STATES}, got {state!r}")
         if verdict is not None and verdict not in VERDICTS:
             raise ValueError(f"verdict must be one of {VERDICTS} or None, got {verdict!r}")
         stmt = (
             update(_sessions)
-            .where(_sessions.c.session_id == session_id, _sessions.c.state.in_(LIVE_STATES))
+            .where(_sessions.c.session_id == event.session_id, _sessions.c.state.in_(LIVE_STATES))
             .values(
                 state=state,
                 verdict=verdict,
-                verdict_reason=verdict_reason,
-                end_reason=end_reason,
+                verdict_reason=event.verdict_reason,
+                end_reason=event.end_reason,
                 finished_at=func.now(),
-                **_metadata_update(reassembly, window),
+                **_metadata_update(event.reassembly, event.window),
             )
             .returning(_sessions.c.id)
         )
@@ -648,55 +640,47 @@ class StudyStore(StoreBase):
         return self.run(work, isolation="REPEATABLE READ")
 
 
-def outcome_rows(batch: OutcomeBatch) -> list[ProbeOutcome]:
-    """A stamped batch's entries as rows (monotonic times mapped to UTC)."""
+def _outcome_rows(batch: OutcomeBatch) -> list[_OutcomeRow]:
+    """A stamped batch's entries as rows (monotonic times mapped to UTC by
+    its anchor, the RTT from them), each entry's phase and outcome checked."""
     anchor = batch.anchor
     if anchor is None:
         raise ValueError(f"outcomes of session {batch.session_id} without a clock anchor")
-    return [
-        ProbeOutcome(
-            seq=e.seq,
-            phase=e.phase,
-            ip_len=e.ip_len,
-            sent_at=anchor.utc(e.sent_at),
-            outcome=e.outcome,
-            acked_at=None if e.acked_at is None else anchor.utc(e.acked_at),
-            rtt_ms=None if e.acked_at is None else (e.acked_at - e.sent_at) * 1000.0,
-            ack_count=e.ack_count,
-            received_len=e.received_len,
-            observed_frag_size=e.observed_frag_size,
-            reassembly_invalid=bool(e.reassembly_invalid),
+    rows = []
+    for e in batch.entries:
+        if e.phase not in PHASES:
+            raise ValueError(f"phase must be one of {PHASES}, got {e.phase!r} (seq {e.seq})")
+        if e.outcome not in OUTCOMES:
+            raise ValueError(f"outcome must be one of {OUTCOMES}, got {e.outcome!r} (seq {e.seq})")
+        acked = e.acked_at
+        rows.append(
+            (
+                e.seq,
+                e.phase,
+                e.ip_len,
+                anchor.utc(e.sent_at),
+                e.outcome,
+                None if acked is None else anchor.utc(acked),
+                None if acked is None else (acked - e.sent_at) * 1000.0,
+                e.ack_count,
+                e.received_len,
+                e.observed_frag_size,
+                bool(e.reassembly_invalid),
+            )
         )
-        for e in batch.entries
-    ]
-
-
-_APPLY: dict[type, Any] = {
-    OutcomeBatch: lambda s, e: s.record_outcomes(e.session_id, outcome_rows(e)),
-    Heartbeat: lambda s, e: s.heartbeat(e.session_id, e.sent, e.acked),
-    RunProbing: lambda s, e: s.mark_probing(e.session_id, e.probe_address, e.probe_port, e.rtt_ms),
-    RunFinished: lambda s, e: s.finish_session(
-        e.session_id,
-        e.state,
-        e.verdict,
-        e.verdict_reason,
-        e.end_reason,
-        None if e.reassembly is None else dict(e.reassembly),
-        None if e.window is None else dict(e.window),
-    ),
-}
+    return rows
 
 
 def _metadata_update(
-    reassembly: dict[str, Any] | None, window: dict[str, Any] | None
+    reassembly: Mapping[str, object] | None, window: Mapping[str, object] | None
 ) -> dict[str, Any]:
-    """The ``client_metadata`` assignment of finish_session (none: unchanged)."""
+    """The ``client_metadata`` assignment of a finish (none: unchanged)."""
     meta: Any = _sessions.c.client_metadata
     if reassembly is not None:
-        meta = _with_server(meta, reassembly)
+        meta = _with_server(meta, dict(reassembly))
     if window is not None:
         meta = func.jsonb_set(
-            meta, literal_column("'{window}'"), bindparam("window", window, type_=JSONB)
+            meta, literal_column("'{window}'"), bindparam("window", dict(window), type_=JSONB)
         )
     return {} if reassembly is None and window is None else {"client_metadata": meta}
 
@@ -804,12 +788,3 @@ def _check_aware(name: str, value: datetime | None) -> None:
     # rather than store a time that is off by hours.
     if value is not None and value.utcoffset() is None:
         raise ValueError(f"{name} must be timezone-aware, got {value!r}")
-
-
-def _check_outcome(o: ProbeOutcome) -> None:
-    if o.phase not in PHASES:
-        raise ValueError(f"phase must be one of {PHASES}, got {o.phase!r} (seq {o.seq})")
-    if o.outcome not in OUTCOMES:
-        raise ValueError(f"outcome must be one of {OUTCOMES}, got {o.outcome!r} (seq {o.seq})")
-    _check_aware("sent_at", o.sent_at)
-    _check_aware("acked_at", o.acked_at)

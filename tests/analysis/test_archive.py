@@ -50,7 +50,14 @@ from kickass_analysis import archive, export, rollups
 from kickass_analysis.report import Filters, ReportStore
 from kickass_core import cli
 from kickass_core.errors import KickassError
-from kickass_db.study_store import ProbeOutcome, SessionRetired, StudyStore
+from kickass_core.study_events import (
+    ClockAnchor,
+    OutcomeBatch,
+    OutcomeEntry,
+    RunFinished,
+    RunProbing,
+)
+from kickass_db.study_store import SessionRetired, StudyStore
 from kickass_server.api import ApiConfig, create_app
 from kickass_server.engine import ProbeEngine
 from kickass_server.policy import Policy
@@ -141,19 +148,17 @@ def session_on(url: str, day: date, *, live: bool, cookie: bytes = b"c" * 16) ->
                 "UPDATE sessions SET created_at = %(t)s WHERE session_id = %(s)s",
                 {"t": t0, "s": sid},
             )
-        store.mark_probing(sid, "192.0.2.77", 40000, 20.0)
-        store.record_outcomes(
-            sid,
-            [
-                ProbeOutcome(seq=n, phase="split", ip_len=44 + 8 * n, sent_at=t0,
-                             outcome="lost" if n % 2 else "acked",
-                             acked_at=None if n % 2 else t0, rtt_ms=None if n % 2 else 20.0,
-                             ack_count=0 if n % 2 else 1)
-                for n in range(6)
-            ],
+        store.apply(RunProbing(sid, "192.0.2.77", 40000, 20.0))
+        entries = tuple(
+            OutcomeEntry(seq=n, phase="split", ip_len=44 + 8 * n,
+                         outcome="lost" if n % 2 else "acked", sent_at=0.0,
+                         acked_at=None if n % 2 else 0.020, ack_count=0 if n % 2 else 1,
+                         received_len=None, observed_frag_size=None)
+            for n in range(6)
         )  # fmt: skip
+        store.apply(OutcomeBatch(sid, entries, ClockAnchor(t0.timestamp(), 0.0)))
         if not live:
-            assert store.finish_session(sid, "complete", "fragments-ok", "seeded")
+            assert store.apply(RunFinished(sid, "complete", "fragments-ok", "seeded", None))
     finally:
         store.close()
     return sid
@@ -401,9 +406,8 @@ def test_a_late_report_for_a_retired_session_is_refused(seeded: str, tmp_path: P
     try:
         t0 = datetime(day.year, day.month, day.day, 12, tzinfo=UTC)
         with pytest.raises(SessionRetired):
-            store.record_outcomes(
-                sid, [ProbeOutcome(seq=0, phase="whole", ip_len=44, sent_at=t0, outcome="lost")]
-            )
+            lost = OutcomeEntry(0, "whole", 44, "lost", 0.0, None, 0, None, None)
+            store.apply(OutcomeBatch(sid, (lost,), ClockAnchor(t0.timestamp(), 0.0)))
     finally:
         store.close()
     # The day is never made again.

@@ -35,7 +35,14 @@ import pytest
 import yaml
 from kickass_analysis import rollups, stats
 from kickass_core import verdict
-from kickass_db.study_store import ProbeOutcome, StudyStore
+from kickass_core.study_events import (
+    ClockAnchor,
+    OutcomeBatch,
+    OutcomeEntry,
+    RunFinished,
+    RunProbing,
+)
+from kickass_db.study_store import StudyStore
 from psycopg import sql
 from support.grafana import (
     DASHBOARD_DIR,
@@ -579,7 +586,7 @@ def seed_known(store: StudyStore, k: KnownSession, n: int) -> dict[str, Any]:
         source_address="192.0.2.7", expires_at=t0 + timedelta(hours=3),
         server_version="0.1.0", client_version="0.1.0", install_id=f"known-{n}",
     )  # fmt: skip
-    store.mark_probing(sid, "192.0.2.7", 40000, 20.0)
+    store.apply(RunProbing(sid, "192.0.2.7", 40000, 20.0))
     seen = {"whole": 0, "split": 0}
     outcomes = []
     for seq in range(plan.total_probes):
@@ -589,16 +596,16 @@ def seed_known(store: StudyStore, k: KnownSession, n: int) -> dict[str, Any]:
         if k.probes is not None and i >= k.probes:
             continue
         lost = i < (k.whole_lost if probe.phase == "whole" else k.split_lost)
-        sent_at = t0 + timedelta(milliseconds=2 * seq)
+        sent_at = 0.002 * seq  # seconds after t0, the batch's anchor
         outcomes.append(
-            ProbeOutcome(seq, probe.phase, probe.ip_len, sent_at, "lost",
+            OutcomeEntry(seq, probe.phase, probe.ip_len, "lost", sent_at, None, 0, None, None,
                          reassembly_invalid=probe.phase == "split" and i < k.split_invalid)
             if lost
-            else ProbeOutcome(seq, probe.phase, probe.ip_len, sent_at, "acked",
-                              acked_at=sent_at + timedelta(milliseconds=20), rtt_ms=20.0,
-                              ack_count=1, received_len=probe.udp_payload_len)
+            else OutcomeEntry(seq, probe.phase, probe.ip_len, "acked", sent_at, sent_at + 0.020,
+                              ack_count=1, received_len=probe.udp_payload_len,
+                              observed_frag_size=None)
         )  # fmt: skip
-    store.record_outcomes(sid, outcomes)
+    store.apply(OutcomeBatch(sid, tuple(outcomes), ClockAnchor(t0.timestamp(), 0.0)))
     counts = {
         phase: (
             sum(o.phase == phase and not o.reassembly_invalid for o in outcomes),
@@ -607,7 +614,7 @@ def seed_known(store: StudyStore, k: KnownSession, n: int) -> dict[str, Any]:
         for phase in ("whole", "split")
     }
     v = verdict.decide(*counts["whole"], *counts["split"], split_invalid=k.split_invalid)
-    assert store.finish_session(sid, "complete", v.verdict, v.reason)
+    assert store.apply(RunFinished(sid, "complete", v.verdict, v.reason, None))
     return {"session_id": sid, "counts": counts, "verdict": v}
 
 

@@ -18,9 +18,16 @@ from alembic.runtime.migration import MigrationContext
 from kickass_core import cli
 from kickass_core.errors import KickassError
 from kickass_core.plan import ProbePlan, expected_max_fragment
+from kickass_core.study_events import (
+    ClockAnchor,
+    OutcomeBatch,
+    OutcomeEntry,
+    RunFinished,
+    RunProbing,
+)
 from kickass_db.models import Base
 from kickass_db.partitions import is_partition
-from kickass_db.study_store import ProbeOutcome, StudyStore
+from kickass_db.study_store import StudyStore
 from sqlalchemy import CheckConstraint, Engine, inspect, text
 
 REPO = Path(__file__).resolve().parents[2]
@@ -500,6 +507,7 @@ def test_alembic_ini_works_for_developers(database_url: str) -> None:
 # -- the views on seeded data ------------------------------------------------
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
+AT_T0 = ClockAnchor(T0.timestamp(), 0.0)  # the batches' monotonic clock reads 0 at T0
 LEAD = 44  # leading fragment IP length of the seeded split
 
 
@@ -518,17 +526,31 @@ def seed_session(
     )
 
 
-def outcome(seq: int, phase: str, ip_len: int, result: str, **kw: object) -> ProbeOutcome:
+def outcome(
+    seq: int,
+    phase: str,
+    ip_len: int,
+    result: str,
+    rtt_ms: float = 20.0,
+    observed_frag_size: int | None = None,
+) -> OutcomeEntry:
+    """Sent at T0; unless lost, acknowledged ``rtt_ms`` later."""
     acked = result != "lost"
-    return ProbeOutcome(
+    return OutcomeEntry(
         seq=seq,
         phase=phase,
         ip_len=ip_len,
-        sent_at=T0,
         outcome=result,
-        acked_at=T0 + timedelta(milliseconds=20) if acked else None,
-        **kw,  # type: ignore[arg-type]
+        sent_at=0.0,
+        acked_at=rtt_ms / 1000 if acked else None,
+        ack_count=0,
+        received_len=None,
+        observed_frag_size=observed_frag_size,
     )
+
+
+def record(store: StudyStore, session_id: str, entries: list[OutcomeEntry]) -> None:
+    store.apply(OutcomeBatch(session_id, tuple(entries), AT_T0))
 
 
 def seeded(store: StudyStore) -> None:
@@ -538,7 +560,7 @@ def seeded(store: StudyStore) -> None:
     (anonymous, complete) none."""
     seed_session(store, "aaaaaaaaaaaaaaaa")
     rows = [outcome(i, "whole", 1500, "acked", rtt_ms=float(10 + i)) for i in range(7)]
-    rows[0].observed_frag_size = 1400  # a tunnel on the path fragmented it
+    rows[0] = rows[0]._replace(observed_frag_size=1400)  # a tunnel on the path fragmented it
     rows += [outcome(7, "whole", 1500, "late", rtt_ms=900.0)]
     rows += [outcome(i, "whole", 1500, "lost") for i in (8, 9)]
     frags = [expected_max_fragment(LEAD)] * 3 + [1500 - 8, 0]
@@ -546,15 +568,15 @@ def seeded(store: StudyStore) -> None:
         outcome(10 + i, "split", LEAD, "acked", observed_frag_size=f) for i, f in enumerate(frags)
     ]
     rows += [outcome(i, "split", LEAD, "lost") for i in range(15, 20)]
-    store.record_outcomes("aaaaaaaaaaaaaaaa", rows)
-    store.finish_session("aaaaaaaaaaaaaaaa", "complete", "inconclusive", "seeded")
+    record(store, "aaaaaaaaaaaaaaaa", rows)
+    store.apply(RunFinished("aaaaaaaaaaaaaaaa", "complete", "inconclusive", "seeded", None))
 
     seed_session(store, "bbbbbbbbbbbbbbbb")
-    store.mark_probing("bbbbbbbbbbbbbbbb", "198.51.100.7", 40000, 30.0)
-    store.record_outcomes("bbbbbbbbbbbbbbbb", [outcome(0, "whole", 1500, "lost")])
+    store.apply(RunProbing("bbbbbbbbbbbbbbbb", "198.51.100.7", 40000, 30.0))
+    record(store, "bbbbbbbbbbbbbbbb", [outcome(0, "whole", 1500, "lost")])
 
     seed_session(store, "cccccccccccccccc", install_id=None)
-    store.finish_session("cccccccccccccccc", "ended", None, None, "client left")
+    store.apply(RunFinished("cccccccccccccccc", "ended", None, None, "client left"))
 
 
 def rows(engine: Engine, sql: str) -> list[dict[str, object]]:
@@ -641,12 +663,13 @@ def test_client_verdicts(store: StudyStore, engine: Engine) -> None:
 def test_pooled_views_count_finished_sessions_only(store: StudyStore, engine: Engine) -> None:
     seeded(store)
     seed_session(store, "dddddddddddddddd", install_id="volunteer-2")
-    store.record_outcomes(
+    record(
+        store,
         "dddddddddddddddd",
         [outcome(i, "whole", 1500, "acked", rtt_ms=50.0) for i in range(10)]
         + [outcome(10 + i, "split", LEAD, "acked") for i in range(10)],
     )
-    store.finish_session("dddddddddddddddd", "complete", "fragments-ok", "seeded")
+    store.apply(RunFinished("dddddddddddddddd", "complete", "fragments-ok", "seeded", None))
     whole = rows(engine, "SELECT * FROM v_size_drop_all")
     # A (10 sent, 7 acked) + D (10 sent, 10 acked); B is live and left out.
     assert [(r["ip_len"], r["sessions"], r["sent"], r["acked"], r["late"]) for r in whole] == [

@@ -6,6 +6,7 @@ import kickass_db as db
 import pytest
 from kickass_core import cli
 from kickass_core.errors import KickassError
+from kickass_core.study_events import Heartbeat
 from kickass_db.retry import DatabaseUnavailable
 from kickass_db.study_store import StudyStore
 from sqlalchemy import make_url
@@ -100,7 +101,7 @@ def test_missing_socket_directory_is_a_clear_error() -> None:
 def test_store_calls_on_an_unreachable_database_raise_database_unavailable() -> None:
     with StudyStore(REFUSED_URL) as store:
         with pytest.raises(DatabaseUnavailable, match="database unavailable") as err:
-            store.heartbeat("0123456789abcdef", 1, 1)
+            store.apply(Heartbeat("0123456789abcdef", 1, 1))
         assert "hunter2" not in str(err.value)
 
 

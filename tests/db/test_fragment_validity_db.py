@@ -19,14 +19,16 @@ import pytest
 from flask.testing import FlaskClient
 from kickass_core import cli
 from kickass_core.plan import ProbePlan
+from kickass_core.study_events import ClockAnchor, OutcomeBatch, OutcomeEntry, RunFinished
 from kickass_core.verdict import decide, excess
-from kickass_db.study_store import ProbeOutcome, StudyStore
+from kickass_db.study_store import StudyStore
 from kickass_server.api import ApiConfig, create_app
 from kickass_server.engine import ProbeEngine
 from kickass_server.policy import Policy
 from sqlalchemy import inspect, text
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
+AT_T0 = ClockAnchor(T0.timestamp(), 0.0)  # the batches' monotonic clock reads 0 at T0
 SID = "abcdefabcdefabcd"
 COOKIE = bytes(range(16))
 PLAN = ProbePlan.build(repetitions=10, step=256, window=4)  # 8 whole, 6 split sizes
@@ -48,21 +50,21 @@ def seed(store: StudyStore, *, lost_splits: int = 20, state: str = "complete") -
         p = PLAN.probe(seq)
         lost = p.phase == "split" and seq - PLAN.split_from < lost_splits
         rows.append(
-            ProbeOutcome(
+            OutcomeEntry(
                 seq=seq,
                 phase=p.phase,
                 ip_len=p.ip_len,
-                sent_at=T0,
                 outcome="lost" if lost else "acked",
-                acked_at=None if lost else T0,
-                rtt_ms=None if lost else 1.0,
+                sent_at=0.0,
+                acked_at=None if lost else 0.001,
                 ack_count=0 if lost else 1,
+                received_len=None,
                 observed_frag_size=0 if p.phase == "whole" else max(p.ip_len, 1520 - p.ip_len),
             )
         )
-    store.record_outcomes(SID, rows)
+    store.apply(OutcomeBatch(SID, tuple(rows), AT_T0))
     if state != "probing":
-        store.finish_session(SID, state, "inconclusive", "seeded", None, {"reports": 3})
+        store.apply(RunFinished(SID, state, "inconclusive", "seeded", None, {"reports": 3}))
 
 
 def summary(store: StudyStore) -> dict[str, Any]:
@@ -107,10 +109,8 @@ def test_a_late_engine_write_keeps_the_flag(store: StudyStore) -> None:
     first = PLAN.split_from
     store.record_client_report(SID, invalid_ranges=[(first, first + 1)])
     # The engine re-writes the row (a duplicate timeout record): the flag stays.
-    store.record_outcomes(
-        SID,
-        [ProbeOutcome(seq=first, phase="split", ip_len=PLAN.split[0], sent_at=T0, outcome="lost")],
-    )
+    lost = OutcomeEntry(first, "split", PLAN.split[0], "lost", 0.0, None, 0, None, None)
+    store.apply(OutcomeBatch(SID, (lost,), AT_T0))
     assert summary(store)["split_reassembly_invalid"] == 1
 
 

@@ -16,15 +16,24 @@ import psycopg
 import pytest
 from kickass_core.errors import KickassError
 from kickass_core.plan import ProbePlan
+from kickass_core.study_events import (
+    ClockAnchor,
+    Heartbeat,
+    OutcomeBatch,
+    OutcomeEntry,
+    RunFinished,
+    RunProbing,
+)
 from kickass_core.verdict import decide
 from kickass_db.retry import DatabaseUnavailable
-from kickass_db.study_store import ProbeOutcome, StudyStore, UnknownSession
+from kickass_db.study_store import StudyStore, UnknownSession
 from kickass_testbed.pg import EmbeddedPostgres
 from sqlalchemy import text
 
 SID = "0123456789abcdef"
 COOKIE = bytes(range(32))
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+AT_T0 = ClockAnchor(T0.timestamp(), 0.0)  # the batches' monotonic clock reads 0 at T0
 
 
 def create(store: StudyStore, session_id: str = SID, **overrides: Any) -> None:
@@ -45,21 +54,31 @@ def create(store: StudyStore, session_id: str = SID, **overrides: Any) -> None:
 
 def outcomes(
     phase: str, n: int, acked: int, start: int = 0, ip_len: int = 1500
-) -> list[ProbeOutcome]:
+) -> list[OutcomeEntry]:
+    """``n`` probes sent 1 ms apart from T0, the first ``acked`` acked 30 ms later."""
     return [
-        ProbeOutcome(
+        OutcomeEntry(
             seq=start + i,
             phase=phase,
             ip_len=ip_len,
-            sent_at=T0 + timedelta(milliseconds=i),
             outcome="acked" if i < acked else "lost",
-            acked_at=T0 + timedelta(milliseconds=i + 30) if i < acked else None,
-            rtt_ms=30.0 if i < acked else None,
+            sent_at=i / 1000,
+            acked_at=(i + 30) / 1000 if i < acked else None,
             ack_count=1 if i < acked else 0,
             received_len=1472 if i < acked else None,
+            observed_frag_size=None,
         )
         for i in range(n)
     ]
+
+
+def batch(entries: list[OutcomeEntry], session_id: str = SID) -> OutcomeBatch:
+    return OutcomeBatch(session_id, tuple(entries), AT_T0)
+
+
+def at(mono: float | None) -> datetime | None:
+    """The UTC time of a monotonic reading of the batches' clock."""
+    return None if mono is None else T0 + timedelta(seconds=mono)
 
 
 def query(store: StudyStore, sql: str, **params: Any) -> list[dict[str, Any]]:
@@ -105,11 +124,18 @@ def test_timestamps_are_utc_whatever_the_server_zone(database_url: str) -> None:
 def test_unknown_session(store: StudyStore) -> None:
     assert store.session_results(SID) is None
     assert store.cookie_hash(SID) is None
-    assert store.mark_probing(SID, "203.0.113.9", 1234, None) is False
-    assert store.heartbeat(SID, 1, 1) is False
-    assert store.finish_session(SID, "expired", None, None) is False
+    assert store.apply(RunProbing(SID, "203.0.113.9", 1234, None)) is False
+    assert store.apply(Heartbeat(SID, 1, 1)) is False
+    assert store.apply(RunFinished(SID, "expired", None, None, None)) is False
     with pytest.raises(UnknownSession):
-        store.record_outcomes(SID, outcomes("whole", 1, 1))
+        store.apply(batch(outcomes("whole", 1, 1)))
+
+
+def test_a_run_is_written_only_through_apply() -> None:
+    """One write form: the engine's events go through ``apply``, which has a
+    case per event type; no store method takes the same write another way."""
+    public = {name for name in vars(StudyStore) if not name.startswith("_")}
+    assert not public & {"mark_probing", "record_outcomes", "heartbeat", "finish_session"}
 
 
 def test_clients_are_upserted_by_install_id(store: StudyStore) -> None:
@@ -160,63 +186,68 @@ def test_naive_datetimes_are_refused(store: StudyStore) -> None:
     with pytest.raises(ValueError, match="timezone-aware"):
         create(store, expires_at=datetime(2026, 1, 1))
     create(store)
-    naive = outcomes("whole", 1, 1)[0]
-    naive.sent_at = naive.sent_at.replace(tzinfo=None)
-    with pytest.raises(ValueError, match="timezone-aware"):
-        store.record_outcomes(SID, [naive])
+    # An outcome's times are monotonic: only its batch's anchor makes them
+    # UTC, so a batch without one is refused, never stored in some zone.
+    with pytest.raises(ValueError, match="without a clock anchor"):
+        store.apply(OutcomeBatch(SID, tuple(outcomes("whole", 1, 1))))
 
 
 def test_mark_probing(store: StudyStore) -> None:
     create(store)
-    assert store.mark_probing(SID, "203.0.113.9", 40123, 31.5) is True
+    assert store.apply(RunProbing(SID, "203.0.113.9", 40123, 31.5)) is True
     r = store.session_results(SID)
     assert r is not None and r["state"] == "probing" and r["rtt_ms"] == pytest.approx(31.5)
     started = r["started_at"]
     assert started is not None
     # NAT rebinding: the client proves a new port; the start time stays.
-    assert store.mark_probing(SID, "203.0.113.9", 40999, 30.0) is True
+    assert store.apply(RunProbing(SID, "203.0.113.9", 40999, 30.0)) is True
     row = query(store, "SELECT host(probe_address) AS a, probe_port, started_at FROM sessions")[0]
     assert (row["a"], row["probe_port"]) == ("203.0.113.9", 40999)
     assert row["started_at"].isoformat() == started
     # A finished session is never brought back.
-    store.finish_session(SID, "expired", "inconclusive", "too few probes")
-    assert store.mark_probing(SID, "203.0.113.9", 1, None) is False
+    store.apply(RunFinished(SID, "expired", "inconclusive", "too few probes", None))
+    assert store.apply(RunProbing(SID, "203.0.113.9", 1, None)) is False
     assert query(store, "SELECT state FROM sessions") == [{"state": "expired"}]
 
 
 def test_record_outcomes_round_trip(store: StudyStore) -> None:
     create(store)
     rows = outcomes("whole", 3, 2) + outcomes("split", 2, 1, start=3, ip_len=500)
-    rows[3].observed_frag_size = 1020
-    rows[0].ack_count = 2
-    store.record_outcomes(SID, rows)
+    rows[3] = rows[3]._replace(observed_frag_size=1020)
+    rows[0] = rows[0]._replace(ack_count=2)
+    store.apply(batch(rows))
     stored = query(
         store,
         "SELECT seq, phase, ip_len, sent_at, outcome, acked_at, rtt_ms, ack_count, "
         "received_len, observed_frag_size FROM probe_outcomes ORDER BY seq",
     )
-    assert [ProbeOutcome(**r) for r in stored] == rows
+    assert stored == [
+        {
+            "seq": o.seq, "phase": o.phase, "ip_len": o.ip_len, "sent_at": at(o.sent_at),
+            "outcome": o.outcome, "acked_at": at(o.acked_at),
+            "rtt_ms": None if o.acked_at is None else 30.0, "ack_count": o.ack_count,
+            "received_len": o.received_len, "observed_frag_size": o.observed_frag_size,
+        }
+        for o in rows
+    ]  # fmt: skip
 
 
 def test_a_resent_batch_changes_nothing(store: StudyStore) -> None:
     create(store)
-    batch = outcomes("whole", 50, 40)
-    store.record_outcomes(SID, batch)
+    sent = batch(outcomes("whole", 50, 40))
+    store.apply(sent)
     before = store.session_results(SID)
-    store.record_outcomes(SID, batch)
+    store.apply(sent)
     assert store.session_results(SID) == before
     assert query(store, "SELECT count(*) AS n FROM probe_outcomes") == [{"n": 50}]
 
 
 def test_late_ack_updates_a_lost_probe(store: StudyStore) -> None:
     create(store)
-    store.record_outcomes(SID, outcomes("whole", 10, 7))
+    store.apply(batch(outcomes("whole", 10, 7)))
     late = outcomes("whole", 10, 7)[9]
-    late.outcome = "late"
-    late.acked_at = late.sent_at + timedelta(seconds=3)
-    late.rtt_ms = 3000.0
-    late.ack_count = 1
-    store.record_outcomes(SID, [late])
+    late = late._replace(outcome="late", acked_at=late.sent_at + 3, ack_count=1)
+    store.apply(batch([late]))
     r = store.session_results(SID)
     assert r is not None
     assert r["whole"] == [
@@ -235,42 +266,39 @@ def test_late_ack_updates_a_lost_probe(store: StudyStore) -> None:
         }
     ]
     row = query(store, "SELECT outcome, rtt_ms, acked_at FROM probe_outcomes WHERE seq = 9")
-    assert row == [{"outcome": "late", "rtt_ms": 3000.0, "acked_at": late.acked_at}]
+    assert row == [{"outcome": "late", "rtt_ms": 3000.0, "acked_at": at(late.acked_at)}]
 
 
 def test_the_last_word_on_a_seq_wins_within_a_batch(store: StudyStore) -> None:
     create(store)
     first, again = outcomes("whole", 1, 0)[0], outcomes("whole", 1, 1)[0]
-    store.record_outcomes(SID, [first, again])
+    store.apply(batch([first, again]))
     assert query(store, "SELECT outcome FROM probe_outcomes") == [{"outcome": "acked"}]
 
 
 def test_invalid_outcomes_are_refused(store: StudyStore) -> None:
     create(store)
-    bad = outcomes("whole", 1, 1)[0]
-    bad.phase = "fragmented"
+    bad = outcomes("whole", 1, 1)[0]._replace(phase="fragmented")
     with pytest.raises(ValueError, match="phase"):
-        store.record_outcomes(SID, [bad])
-    bad = outcomes("whole", 1, 1)[0]
-    bad.outcome = "maybe"
+        store.apply(batch([bad]))
+    bad = outcomes("whole", 1, 1)[0]._replace(outcome="maybe")
     with pytest.raises(ValueError, match="outcome"):
-        store.record_outcomes(SID, [bad])
-    store.record_outcomes(SID, [])  # nothing to do is fine
+        store.apply(batch([bad]))
+    store.apply(batch([]))  # nothing to do is fine
 
 
 def test_a_full_paper_plan_is_one_quick_batch(store: StudyStore) -> None:
     plan = ProbePlan.build()  # the paper's N=100: 36,600 probes
     create(store, plan=plan.to_json())
-    batch = [
-        ProbeOutcome(
-            seq=p.seq, phase=p.phase, ip_len=p.ip_len, sent_at=T0, outcome="acked",
-            acked_at=T0, rtt_ms=20.0, ack_count=1, received_len=p.udp_payload_len,
-            observed_frag_size=0,
+    entries = [
+        OutcomeEntry(
+            seq=p.seq, phase=p.phase, ip_len=p.ip_len, outcome="acked", sent_at=0.0,
+            acked_at=0.02, ack_count=1, received_len=p.udp_payload_len, observed_frag_size=0,
         )
         for p in map(plan.probe, range(plan.total_probes))
     ]  # fmt: skip
     started = time.monotonic()
-    store.record_outcomes(SID, batch)
+    store.apply(batch(entries))
     elapsed = time.monotonic() - started
     r = store.session_results(SID)
     assert r is not None and r["sent"] == r["acked"] == plan.total_probes
@@ -281,19 +309,19 @@ def test_a_full_paper_plan_is_one_quick_batch(store: StudyStore) -> None:
 
 def test_heartbeat_counters_until_outcomes_exist(store: StudyStore) -> None:
     create(store)
-    store.mark_probing(SID, "203.0.113.9", 4000, 20.0)
-    assert store.heartbeat(SID, 120, 118) is True
+    store.apply(RunProbing(SID, "203.0.113.9", 4000, 20.0))
+    assert store.apply(Heartbeat(SID, 120, 118)) is True
     r = store.session_results(SID)
     assert r is not None and (r["sent"], r["acked"]) == (120, 118)
-    store.record_outcomes(SID, outcomes("whole", 10, 9))
+    store.apply(batch(outcomes("whole", 10, 9)))
     r = store.session_results(SID)
     assert r is not None and (r["sent"], r["acked"]) == (10, 9)
 
 
 def test_finish_session_first_final_state_wins(store: StudyStore) -> None:
     create(store)
-    assert store.finish_session(SID, "complete", "fragments-ok", "fine", "done") is True
-    assert store.finish_session(SID, "expired", "inconclusive", "late timer") is False
+    assert store.apply(RunFinished(SID, "complete", "fragments-ok", "fine", "done")) is True
+    assert store.apply(RunFinished(SID, "expired", "inconclusive", "late timer", None)) is False
     r = store.session_results(SID)
     assert r is not None
     assert (r["state"], r["verdict"], r["verdict_reason"], r["end_reason"]) == (
@@ -308,20 +336,20 @@ def test_finish_session_first_final_state_wins(store: StudyStore) -> None:
 def test_finish_session_validates(store: StudyStore) -> None:
     create(store)
     with pytest.raises(ValueError, match="state"):
-        store.finish_session(SID, "probing", None, None)
+        store.apply(RunFinished(SID, "probing", None, None, None))
     with pytest.raises(ValueError, match="verdict"):
-        store.finish_session(SID, "complete", "fine", None)
+        store.apply(RunFinished(SID, "complete", "fine", None, None))
 
 
 def test_orphans_become_incomplete_with_a_verdict_from_their_data(store: StudyStore) -> None:
     create(store, "000000000000000a")  # created, never probed
     create(store, "000000000000000b")
-    store.mark_probing("000000000000000b", "203.0.113.9", 4000, 20.0)
-    store.record_outcomes(
-        "000000000000000b", outcomes("whole", 40, 39) + outcomes("split", 30, 29, start=40)
+    store.apply(RunProbing("000000000000000b", "203.0.113.9", 4000, 20.0))
+    store.apply(
+        batch(outcomes("whole", 40, 39) + outcomes("split", 30, 29, start=40), "000000000000000b")
     )
     create(store, "000000000000000c")
-    store.finish_session("000000000000000c", "complete", "fragments-ok", "fine", "done")
+    store.apply(RunFinished("000000000000000c", "complete", "fragments-ok", "fine", "done"))
 
     assert store.mark_orphans_incomplete() == ["000000000000000a", "000000000000000b"]
     a, b, c = (store.session_results(s) for s in ("000000000000000a", "000000000000000b",
@@ -354,8 +382,8 @@ def test_store_is_shared_by_threads(store: StudyStore) -> None:
     def worker(sid: str) -> None:
         try:
             for k in range(10):
-                store.record_outcomes(sid, outcomes("whole", 5, 4, start=5 * k))
-                store.heartbeat(sid, 5 * (k + 1), 4 * (k + 1))
+                store.apply(batch(outcomes("whole", 5, 4, start=5 * k), sid))
+                store.apply(Heartbeat(sid, 5 * (k + 1), 4 * (k + 1)))
                 assert store.session_results(sid) is not None
         except BaseException as exc:  # surfaced in the main thread below
             errors.append(exc)
@@ -376,7 +404,7 @@ def test_store_is_shared_by_threads(store: StudyStore) -> None:
 
 def test_killed_connections_are_survived(store: StudyStore, database_url: str) -> None:
     create(store)
-    store.record_outcomes(SID, outcomes("whole", 5, 5))
+    store.apply(batch(outcomes("whole", 5, 5)))
     # What a restart does to the pool: every server-side backend is gone.
     with psycopg.connect(database_url, autocommit=True) as conn:
         killed = conn.execute(
@@ -384,7 +412,7 @@ def test_killed_connections_are_survived(store: StudyStore, database_url: str) -
             "WHERE datname = current_database() AND pid <> pg_backend_pid()"
         ).fetchone()
     assert killed is not None and killed[0] >= 1  # the store's pooled connection
-    store.record_outcomes(SID, outcomes("whole", 5, 4, start=5))
+    store.apply(batch(outcomes("whole", 5, 4, start=5)))
     r = store.session_results(SID)
     assert r is not None and (r["sent"], r["acked"]) == (10, 9)
 
@@ -403,18 +431,18 @@ def test_a_database_restart_loses_nothing(restartable_pg: EmbeddedPostgres) -> N
     db.upgrade(url)
     with StudyStore(url) as store:
         create(store)
-        store.mark_probing(SID, "203.0.113.9", 4000, 20.0)
-        first = outcomes("whole", 20, 18)
-        store.record_outcomes(SID, first)
+        store.apply(RunProbing(SID, "203.0.113.9", 4000, 20.0))
+        first = batch(outcomes("whole", 20, 18))
+        store.apply(first)
 
         restartable_pg.stop()
-        second = outcomes("whole", 20, 20, start=20)
+        second = batch(outcomes("whole", 20, 20, start=20))
         with pytest.raises(DatabaseUnavailable):
-            store.record_outcomes(SID, second)  # the engine keeps the batch and retries
+            store.apply(second)  # the engine keeps the batch and retries
         restartable_pg.start()
 
-        store.record_outcomes(SID, second)
-        store.heartbeat(SID, 40, 38)
+        store.apply(second)
+        store.apply(Heartbeat(SID, 40, 38))
         r = store.session_results(SID)
         assert r is not None
         assert (r["state"], r["sent"], r["acked"]) == ("probing", 40, 38)

@@ -36,6 +36,7 @@ from flask.testing import FlaskClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kickass_core import flow_record, signing
+from kickass_core.study_events import RunFinished
 from kickass_db.schedule_store import ScheduleStore
 from kickass_db.study_store import StudyStore
 from kickass_db.trial_store import TrialStore
@@ -110,8 +111,8 @@ class Api:
         assert r.status_code == 201, r.json
         self.session_id, self.cookie = r.json["session_id"], r.json["cookie"]
         # Over in the database (the engine's loop is not running here).
-        assert self.study.finish_session(
-            self.session_id, "ended", "inconclusive", "fixture", "ended by the test"
+        assert self.study.apply(
+            RunFinished(self.session_id, "ended", "inconclusive", "fixture", "ended by the test")
         )
         self.trial_id = secrets.token_hex(16)
         # A scheduled run this runner holds (the runs/<run_id> endpoints).

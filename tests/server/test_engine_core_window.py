@@ -472,8 +472,10 @@ def test_the_window_record_is_stored_beside_the_reassembly_record(store) -> None
             client_metadata={"reassembly": {"announced": {"split_credit": 5}}},
         )
     record = WindowController(64, 0.0, rtt_seed=0.1).summary(1.0)
-    store.finish_session(
-        "00000000000000a1", "complete", "inconclusive", "t", None, {"reports": 2}, record
+    store.apply(
+        study_events.RunFinished(
+            "00000000000000a1", "complete", "inconclusive", "t", None, {"reports": 2}, record
+        )
     )
     # Through the journal's codec, as a replay after a crash would store it.
     event = study_events.RunFinished(

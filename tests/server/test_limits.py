@@ -50,6 +50,7 @@ import pytest
 from flask import Flask
 from kickass_core import signing
 from kickass_core.plan import ProbePlan
+from kickass_core.study_events import RunFinished
 from kickass_db.study_store import StudyStore
 from kickass_db.trial_store import TrialStore
 from kickass_server import schemas
@@ -155,7 +156,7 @@ def _finished_session(study: StudyStore) -> tuple[str, str]:
         expires_at=now + timedelta(hours=1),
         server_version="limits",
     )
-    assert study.finish_session(sid, "ended", "inconclusive", "fixture", "ended by the test")
+    assert study.apply(RunFinished(sid, "ended", "inconclusive", "fixture", "ended by the test"))
     return sid, cookie.hex()
 
 

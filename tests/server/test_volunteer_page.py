@@ -34,8 +34,15 @@ from typing import Any
 import pytest
 from flask.testing import FlaskClient
 from kickass_core.plan import ProbePlan
+from kickass_core.study_events import (
+    ClockAnchor,
+    OutcomeBatch,
+    OutcomeEntry,
+    RunFinished,
+    RunProbing,
+)
 from kickass_core.verdict import decide
-from kickass_db.study_store import ProbeOutcome, StudyStore
+from kickass_db.study_store import StudyStore
 from kickass_server.api import ApiConfig, create_app
 from kickass_server.engine import ProbeEngine
 from kickass_server.policy import Policy
@@ -89,29 +96,21 @@ def seed_session(
         server_version="0.1.0",
         install_id=install_id,
     )
-    store.mark_probing(sid, address, 40000, 20.0)
+    store.apply(RunProbing(sid, address, 40000, 20.0))
     outcomes = []
     for seq in range(plan.total_probes):
         p = plan.probe(seq)
         every = loss_every if p.phase == "whole" else split_loss_every
         lost = bool(every) and seq % every == 0
-        sent = now + timedelta(milliseconds=2 * seq)
+        sent = 0.002 * seq  # seconds after ``now``, the batch's anchor
         outcomes.append(
-            ProbeOutcome(seq, p.phase, p.ip_len, sent, "lost")
+            OutcomeEntry(seq, p.phase, p.ip_len, "lost", sent, None, 0, None, None)
             if lost
-            else ProbeOutcome(
-                seq,
-                p.phase,
-                p.ip_len,
-                sent,
-                "acked",
-                sent + timedelta(milliseconds=20),
-                20.0,
-                1,
-                p.udp_payload_len,
+            else OutcomeEntry(
+                seq, p.phase, p.ip_len, "acked", sent, sent + 0.020, 1, p.udp_payload_len, None
             )
         )
-    store.record_outcomes(sid, outcomes)
+    store.apply(OutcomeBatch(sid, tuple(outcomes), ClockAnchor(now.timestamp(), 0.0)))
     count = {
         ph: (
             sum(o.phase == ph for o in outcomes),
@@ -120,7 +119,7 @@ def seed_session(
         for ph in ("whole", "split")
     }
     v = decide(*count["whole"], *count["split"])
-    store.finish_session(sid, "complete", v.verdict, v.reason)
+    store.apply(RunFinished(sid, "complete", v.verdict, v.reason, None))
     return Neighbour(sid, address, install_id)
 
 

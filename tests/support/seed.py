@@ -1,4 +1,5 @@
-"""Realistic fragment-viability data, written through the real StudyStore API.
+"""Realistic fragment-viability data, written through the real StudyStore API
+(the engine's study events, ``StudyStore.apply``).
 
 ``seed_study(store, n_clients=40, rng=7)`` plays a small study: every
 client is created, proves its UDP address, gets per-probe outcomes and a
@@ -40,9 +41,17 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from kickass_core.plan import Probe, ProbePlan, expected_max_fragment
+from kickass_core.study_events import (
+    ClockAnchor,
+    Heartbeat,
+    OutcomeBatch,
+    OutcomeEntry,
+    RunFinished,
+    RunProbing,
+)
 from kickass_core.verdict import decide
 from kickass_db import partitions
-from kickass_db.study_store import ProbeOutcome, StudyStore
+from kickass_db.study_store import StudyStore
 from sqlalchemy import text
 
 PAPER_INTOLERANT_SHARE = 0.083  # 8.3% of 405 clients (Kick-Ass paper)
@@ -204,13 +213,14 @@ def _run_session(
     if backdate:
         _backdate_start(store, session_id, t0)
     handshake_rtt = c.base_rtt_ms * r.uniform(1.0, 1.3)
-    store.mark_probing(session_id, c.address, r.randrange(1024, 65536), handshake_rtt)
+    store.apply(RunProbing(session_id, c.address, r.randrange(1024, 65536), handshake_rtt))
     n = plan.total_probes if stop_after is None else stop_after
-    outcomes = [_outcome(c, plan, seq, r, t0) for seq in range(n)]
+    outcomes = [_outcome(c, plan, seq, r) for seq in range(n)]
+    anchor = ClockAnchor(t0.timestamp(), 0.0)  # the outcomes' clock reads 0 at t0
     for start in range(0, len(outcomes), 500):  # batches, as the engine's writer does
-        store.record_outcomes(session_id, outcomes[start : start + 500])
+        store.apply(OutcomeBatch(session_id, tuple(outcomes[start : start + 500]), anchor))
     if stop_after is not None:
-        store.heartbeat(session_id, n, sum(o.outcome == "acked" for o in outcomes))
+        store.apply(Heartbeat(session_id, n, sum(o.outcome == "acked" for o in outcomes)))
         return SeededSession(session_id, c.install_id, c.kind, "probing", None, c.platform)
     # As the engine decides: a late acknowledgement counts as delivered.
     counts = {
@@ -222,9 +232,9 @@ def _run_session(
     }
     late = sum(o.outcome == "late" for o in outcomes)
     v = decide(*counts["whole"], *counts["split"], late=late)
-    store.finish_session(session_id, "complete", v.verdict, v.reason)
+    store.apply(RunFinished(session_id, "complete", v.verdict, v.reason, None))
     if backdate:
-        end = max(o.acked_at or o.sent_at for o in outcomes)
+        end = t0 + timedelta(seconds=max(o.acked_at or o.sent_at for o in outcomes))
         _backdate(store, session_id, t0, end)
     return SeededSession(session_id, c.install_id, c.kind, "complete", v.verdict, c.platform)
 
@@ -233,14 +243,15 @@ def _expired_session(store: StudyStore, r: random.Random, now: datetime) -> Seed
     install_id = f"seed-expired-{r.getrandbits(32):08x}"
     c = _Client(install_id, "clean", "Windows-AMD64", _address(r), 50.0, 0.0)
     session_id = _create(store, c, default_plan(), r, now)
-    store.finish_session(session_id, "expired", None, None, end_reason="handshake-timeout")
+    store.apply(RunFinished(session_id, "expired", None, None, "handshake-timeout"))
     return SeededSession(session_id, c.install_id, c.kind, "expired", None, c.platform)
 
 
-def _outcome(c: _Client, plan: ProbePlan, seq: int, r: random.Random, t0: datetime) -> ProbeOutcome:
+def _outcome(c: _Client, plan: ProbePlan, seq: int, r: random.Random) -> OutcomeEntry:
     probe = plan.probe(seq)
-    # Paced at ~2 ms per probe: times only need to be plausible and ordered.
-    sent_at = t0 + timedelta(milliseconds=50 + 2 * seq)
+    # Paced at ~2 ms per probe (seconds after the session's t0): times only
+    # need to be plausible and ordered.
+    sent_at = (50 + 2 * seq) / 1000
     if probe.phase == "whole":
         delivered = r.random() >= c.loss
         frag = TUNNEL_MTU if c.kind == "tunnel-mtu" and probe.ip_len > TUNNEL_MTU else 0
@@ -256,28 +267,27 @@ def _outcome(c: _Client, plan: ProbePlan, seq: int, r: random.Random, t0: dateti
         if c.kind == "lossy" and r.random() < 1 / 3:
             rtt = c.base_rtt_ms * r.uniform(4.0, 8.0) + 3000.0
             return _acked(probe, sent_at, rtt, "late", frag, c, r)
-        return ProbeOutcome(seq, probe.phase, probe.ip_len, sent_at, "lost")
+        return OutcomeEntry(seq, probe.phase, probe.ip_len, "lost", sent_at, None, 0, None, None)
     rtt = c.base_rtt_ms * r.uniform(1.0, 1.25) + probe.ip_len * 0.0008
     return _acked(probe, sent_at, rtt, "acked", frag, c, r)
 
 
 def _acked(
     probe: Probe,
-    sent_at: datetime,
+    sent_at: float,
     rtt_ms: float,
     outcome: str,
     frag: int,
     c: _Client,
     r: random.Random,
-) -> ProbeOutcome:
-    return ProbeOutcome(
+) -> OutcomeEntry:
+    return OutcomeEntry(
         seq=probe.seq,
         phase=probe.phase,
         ip_len=probe.ip_len,
-        sent_at=sent_at,
         outcome=outcome,
-        acked_at=sent_at + timedelta(milliseconds=rtt_ms),
-        rtt_ms=round(rtt_ms, 3),
+        sent_at=sent_at,
+        acked_at=sent_at + round(rtt_ms, 3) / 1000,  # the stored RTT: acked_at - sent_at
         ack_count=2 if r.random() < 0.002 else 1,
         received_len=probe.udp_payload_len,
         observed_frag_size=frag if c.platform.startswith("Linux") else None,
