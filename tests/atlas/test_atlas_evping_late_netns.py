@@ -135,7 +135,8 @@ class DelayBridge:
     both ways, at once; an echo reply towards the probe to a sequence number
     in ``held`` (its leading fragment: the only piece with the ICMP header)
     is held until the probe's request with the same identifier and a
-    sequence number two past the last held one has gone by (or HOLD_MAX_S)."""
+    sequence number two past the last held one has gone by (or HOLD_MAX_S);
+    one that arrives after that request is passed on at once."""
 
     def __init__(self, net: Built, host: str, held: frozenset[int]) -> None:
         self.held, self.frames_held = held, 0
@@ -166,6 +167,11 @@ class DelayBridge:
     def _run(self) -> None:
         peer = {self.up: self.dn, self.dn: self.up}
         held: dict[int, list[tuple[float, bytes]]] = defaultdict(list)
+        # The sequence number of each identifier's latest request: a reply
+        # that reaches the bridge after the release request went by (a slow
+        # responder on a busy machine) is late already and goes at once;
+        # held until HOLD_MAX_S it came after the run, and was not counted.
+        latest: dict[int, int] = {}
         while not self.stop.is_set():
             ready, _, _ = select.select([self.up, self.dn], [], [], 0.01)
             for sock in ready:
@@ -173,12 +179,20 @@ class DelayBridge:
                 if addr[2] == socket.PACKET_OUTGOING:  # our own send, seen again
                     continue
                 reply = self._echo(frame, 0) if sock is self.up else None
-                if reply is not None and reply[1] in self.held:
+                if (
+                    reply is not None
+                    and reply[1] in self.held
+                    and latest.get(reply[0], 0) < self.release_seq
+                ):
                     held[reply[0]].append((time.monotonic(), frame))
                     self.frames_held += 1
                     continue
+                if reply is not None and reply[1] in self.held:
+                    self.frames_held += 1
                 peer[sock].send(frame)
                 request = self._echo(frame, 8) if sock is self.dn else None
+                if request is not None:
+                    latest[request[0]] = request[1]
                 if request is not None and request[1] >= self.release_seq:
                     for _, f in held.pop(request[0], []):
                         self.dn.send(f)
@@ -408,6 +422,9 @@ def check_verdicts(url: str, truth: dict[Key, Counter[str]]) -> None:
         ), (prb_id, counts)
         # Drop rates keep the paper's rule: late is lost.
         assert v[prb_id]["whole_drop_rate"] == pytest.approx(1 - wa / ws)
-    # Five of eight replies late on every path: delivered, nothing lost.
+    # Five of eight replies held late on every path: delivered, nothing
+    # lost. (At least five: on a busy machine the responder can answer a
+    # request not held after the probe's timer, and that reply is late too,
+    # in the truth as in the store; the equality above is the claim.)
     assert v[2002]["verdict"] == "fragments-ok", v[2002]["verdict_reason"]
-    assert v[2002]["whole_drop_rate"] == pytest.approx(5 / 8)
+    assert v[2002]["whole_drop_rate"] >= 5 / 8 - 1e-9
