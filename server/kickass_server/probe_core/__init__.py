@@ -87,15 +87,8 @@ from .core import (
     SendProbe,
     Transmit,
 )
-from .credit import (
-    IN_FLIGHT,
-    MAX_INVALID_RANGES,
-    REPORT_GRACE_S,
-    ReassemblyLog,
-    _cover,
-    _uncovered,
-)
-from .run import ProbeRun, RunSnapshot
+from .credit import MAX_INVALID_RANGES, REPORT_GRACE_S, _cover, _uncovered
+from .run import IN_FLIGHT, ProbeRun, ReassemblyLog, RunSnapshot
 
 __all__ = [
     "COUNTERS",

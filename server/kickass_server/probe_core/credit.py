@@ -21,8 +21,6 @@ core (core.py) counts, records and schedules what they answer.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kickass_core import wire
@@ -31,50 +29,18 @@ from kickass_core.states import PROBING
 from ..window import WindowController
 from . import plan_iter
 from .plan_iter import _LOST
+from .run import IN_FLIGHT, ProbeRun, ReassemblyLog
 
 if TYPE_CHECKING:
     from ..policy import Policy
-    from .run import ProbeRun
 
-# The client's flow-control mode that counts splits in flight (announced as
-# ``reassembly.credit_mode``; older clients send an absolute limit).
-IN_FLIGHT = "in-flight"
+__all__ = ["IN_FLIGHT", "MAX_INVALID_RANGES", "REPORT_GRACE_S", "ReassemblyLog"]
 
 # A run with flow control finishes this long after its last probe resolved:
 # the client reports every 50 ms, so its last word on refused fragments is in.
 REPORT_GRACE_S = 0.5
 # Invalid ranges a run keeps (each REPORT names up to 4; merged when adjacent).
 MAX_INVALID_RANGES = 4096
-
-
-@dataclass
-class ReassemblyLog:
-    """What a flow-controlled run learnt from its client's REPORTs."""
-
-    initial_credit: int | None
-    reports: int = 0
-    last_report_seq: int = -1
-    max_memory: int = 0
-    high_thresh: int | None = None
-    refused: int = 0
-    credit_waits: int = 0
-    credit_wait_s: float = 0.0
-    waiting_since: float | None = None
-    ranges: list[tuple[int, int]] = field(default_factory=list)
-
-    def to_json(self, invalid: Mapping[str, int]) -> dict[str, object]:
-        return {
-            "budget": "client-credit",
-            "initial_credit": self.initial_credit,
-            "reports": self.reports,
-            "max_memory": self.max_memory,
-            "high_thresh": self.high_thresh,
-            "refused": self.refused,
-            "credit_waits": self.credit_waits,
-            "credit_wait_s": round(self.credit_wait_s, 3),
-            "invalid_ranges": [list(r) for r in self.ranges],
-            "invalid": dict(invalid),
-        }
 
 
 def grant(run: ProbeRun, split_credit: int | None, credit_mode: str | None) -> None:

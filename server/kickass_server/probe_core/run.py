@@ -28,7 +28,40 @@ from ..packets import SessionPackets
 from ..policy import AdmissionTicket
 from ..rtt_estimator import RttEstimator
 from ..window import WindowController
-from .credit import IN_FLIGHT, ReassemblyLog
+
+# The client's flow-control mode that counts splits in flight (announced as
+# ``reassembly.credit_mode``; older clients send an absolute limit).
+IN_FLIGHT = "in-flight"
+
+
+@dataclass
+class ReassemblyLog:
+    """What a flow-controlled run learnt from its client's REPORTs."""
+
+    initial_credit: int | None
+    reports: int = 0
+    last_report_seq: int = -1
+    max_memory: int = 0
+    high_thresh: int | None = None
+    refused: int = 0
+    credit_waits: int = 0
+    credit_wait_s: float = 0.0
+    waiting_since: float | None = None
+    ranges: list[tuple[int, int]] = field(default_factory=list)
+
+    def to_json(self, invalid: Mapping[str, int]) -> dict[str, object]:
+        return {
+            "budget": "client-credit",
+            "initial_credit": self.initial_credit,
+            "reports": self.reports,
+            "max_memory": self.max_memory,
+            "high_thresh": self.high_thresh,
+            "refused": self.refused,
+            "credit_waits": self.credit_waits,
+            "credit_wait_s": round(self.credit_wait_s, 3),
+            "invalid_ranges": [list(r) for r in self.ranges],
+            "invalid": dict(invalid),
+        }
 
 
 @dataclass(frozen=True)
