@@ -35,25 +35,19 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kickass_db.experiment_store import (
     ExperimentRun,
     FlowSeries,
     experiment_name,
     flow_series,
-    read_rates,
-    read_router_modes,
-    read_runs,
 )
-from sqlalchemy import Connection
 
 from .figures import MAX_POINTS, Figure, Shading, congestion
 
 if TYPE_CHECKING:
-    from .networks import NetworkTable
     from .report.markup import Section
-    from .report.readers import ReportData
 
 # The runs drawn (the latest); the summary table lists every run.
 MAX_RUNS = 8
@@ -482,18 +476,16 @@ def _rtts(x: float | None) -> str:
 # -- the report's section ----------------------------------------------------------------------
 
 
-def read(conn: Connection, data: ReportData, networks: NetworkTable | None) -> None:
-    """The runs (since the report's ``since``), the latest ``MAX_RUNS`` with
-    their rates and router samples."""
-    runs = read_runs(conn, data.filters.since)
-    data.experiment_runs = runs
-    data.experiments = [
-        Experiment.from_stored(r, read_rates(conn, r.run_id), read_router_modes(conn, r))
-        for r in runs[-MAX_RUNS:]
-    ]
+class ExperimentsData(Protocol):
+    """What the section reads of the report's data (report.readers.ReportData,
+    which ``report.readers.read_experiments`` fills): a structural type, so
+    this module never imports the readers that import it."""
+
+    experiment_runs: list[ExperimentRun]
+    experiments: list[Experiment]
 
 
-def section(data: ReportData) -> tuple[Section, dict[str, Any]]:
+def section(data: ExperimentsData) -> tuple[Section, dict[str, Any]]:
     from .report.markup import Section, _figure, _table
 
     sec = Section("experiments", "The paper's congestion experiments")

@@ -18,7 +18,12 @@ from typing import Any
 
 import kickass_db as db
 from kickass_core.errors import KickassError
-from kickass_db.experiment_store import ExperimentRun
+from kickass_db.experiment_store import (
+    ExperimentRun,
+    read_rates,
+    read_router_modes,
+    read_runs,
+)
 from kickass_db.tx import StoreBase
 from sqlalchemy import Connection, text
 
@@ -431,6 +436,20 @@ def read_router(conn: Connection, data: ReportData, networks: NetworkTable | Non
     data.router_runs = runs
 
 
+def read_experiments(conn: Connection, data: ReportData, networks: NetworkTable | None) -> None:
+    """The congestion experiments' runs (since the report's ``since``), the
+    latest ``experiments_section.MAX_RUNS`` with their rates and router
+    samples, for ``experiments_section.section``."""
+    runs = read_runs(conn, data.filters.since)
+    data.experiment_runs = runs
+    data.experiments = [
+        experiments_section.Experiment.from_stored(
+            r, read_rates(conn, r.run_id), read_router_modes(conn, r)
+        )
+        for r in runs[-experiments_section.MAX_RUNS :]
+    ]
+
+
 def read_health(conn: Connection, data: ReportData, networks: NetworkTable | None) -> None:
     p = data.filters.params()
     data.item_outcomes = _rows(conn, _ITEM_OUTCOMES, p)
@@ -444,7 +463,7 @@ READERS = {
     "study": read_study,
     "trials": read_trials,
     "router": read_router,
-    "experiments": experiments_section.read,
+    "experiments": read_experiments,
     "health": read_health,
 }
 
