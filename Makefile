@@ -9,7 +9,7 @@ PYPROJECTS := core/pyproject.toml db/pyproject.toml probe-client/pyproject.toml 
 	server/pyproject.toml testbed/pyproject.toml wan-agents/pyproject.toml requirements-dev.txt
 RUST_BINS := ka-router ka-linkem ka-blast ka-agent-recv ka-send
 
-.PHONY: system install demo test lint bench router rust-build agent-deb clean
+.PHONY: system install demo test lint lint-python lint-rust rust-test bench router rust-build agent-deb clean
 
 system:
 	@tools/setup-system.sh
@@ -56,14 +56,25 @@ demo: install
 	$(BIN)/kickass demo
 
 lint: install
+	@$(MAKE) --no-print-directory -j2 --output-sync=target lint-python lint-rust
+
+lint-python:
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+
+lint-rust:
 	cargo fmt --all -- --check
 	cargo clippy --quiet --workspace --all-targets -- -D warnings
 
-test: install lint
+rust-test: lint-rust
 	cargo test --quiet --workspace
+
+# The Python checks (mypy: one core) beside the Rust ones and the Rust tests'
+# build (both cores): CI has 40 minutes in all. Each part's output is kept
+# together (--output-sync).
+test: install
+	@$(MAKE) --no-print-directory -j2 --output-sync=target lint-python rust-test
 	tools/run-tests.sh $(BIN)/pytest
 
 BENCHES := probe_bench router_bench atlas_bench trials_bench export_bench dashboards_bench schedule_bench
