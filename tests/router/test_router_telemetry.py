@@ -19,7 +19,12 @@ from kickass_testbed.edge import edge_path, ka_router
 from kickass_testbed.topology import build
 from sqlalchemy import text
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for namespaces")
+# netns: it builds namespaces, and the namespace stream compares the machine's
+# namespaces before and after a test, which a test beside it would upset.
+pytestmark = [
+    pytest.mark.netns,
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root for namespaces"),
+]
 KICKASS = Path(sys.executable).parent / "kickass"
 
 

@@ -13,7 +13,12 @@ import kickass_db as db
 import pytest
 from sqlalchemy import text
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for namespaces")
+# netns: it builds namespaces, and the namespace stream compares the machine's
+# namespaces before and after a test, which a test beside it would upset.
+pytestmark = [
+    pytest.mark.netns,
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root for namespaces"),
+]
 KICKASS = Path(sys.executable).parent / "kickass"
 
 # One TCP connect to a closed port on the receiver: SYN out, RST back, one RTT
