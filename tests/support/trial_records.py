@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
+from kickass_analysis import rollups
 from kickass_core.flow_record import flow_id
 
 T0 = datetime(2026, 11, 22, 12, 0, tzinfo=UTC)
@@ -37,3 +39,15 @@ def flow(tid: str, i: int, proto: str, size: int, fct: float | None, frac: float
         "fct_ms": fct,
         "ka_mode_fraction": frac,
     }
+
+
+def overall_speedup(speedups: list[dict[str, Any]], arm: str, base: str) -> dict[str, Any]:
+    """The one speedup row of ``arm`` against ``base`` over all flow sizes
+    (``kickass_analysis.rollups``' rows as a trial's outcome carries them)."""
+    rows = [
+        r
+        for r in speedups
+        if (r["arm"], r["baseline_arm"], r["size_bucket"]) == (arm, base, rollups.ALL_SIZES)
+    ]
+    assert len(rows) == 1, speedups
+    return rows[0]

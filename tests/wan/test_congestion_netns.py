@@ -26,28 +26,18 @@ from typing import Any
 
 import kickass_db as db
 import pytest
-from kickass_analysis import rollups
 from kickass_db.experiment_store import ExperimentStore
 from kickass_testbed.congestion import CongestionOutcome, CongestionSpec, run_congestion
 from kickass_testbed.trials import TrialSpec, run_trial
 from kickass_testbed.wan import TestbedConfig
 from sqlalchemy import create_engine, text
+from support.trial_records import overall_speedup
 
 pytestmark = [pytest.mark.netns, pytest.mark.quiet]
 
 
 def _show(label: str, **kv: Any) -> None:
     print(f"[{label}] " + ", ".join(f"{k}={v}" for k, v in kv.items()))
-
-
-def _row(speedups: list[dict[str, Any]], arm: str, base: str) -> dict[str, Any]:
-    rows = [
-        r
-        for r in speedups
-        if r["arm"] == arm and r["baseline_arm"] == base and r["size_bucket"] == rollups.ALL_SIZES
-    ]
-    assert len(rows) == 1, speedups
-    return rows[0]
 
 
 def _switch_reasons(database_url: str, flows: list[dict[str, Any]]) -> dict[str, int]:
@@ -97,7 +87,7 @@ def test_tcp_mode_floor_kickass_in_tcp_mode_is_as_fast_as_cubic(database_url: st
             max_packets=800, seed=21, arms="kickass,tcp:cubic",
         ),
     )  # fmt: skip
-    row = _row(out.speedups, "kickass", "tcp:cubic")
+    row = overall_speedup(out.speedups, "kickass", "tcp:cubic")
     ka_time, n = _ka_time(out.flows)
     _show("TCP-mode floor", ka_time=round(ka_time, 4), kickass_flows=n, **row)
     assert out.result["failed_flows"] == 0
@@ -181,8 +171,8 @@ def test_experiment_c_tcp_beside_kickass_is_as_fast_as_beside_tcp(database_url: 
             max_packets=800, seed=7, arms="kickass@tcp50,tcp:cubic",
         ),
     )  # fmt: skip
-    tcp = _row(out.speedups, "kickass@tcp50[tcp]", "tcp:cubic")
-    ka = _row(out.speedups, "kickass@tcp50", "tcp:cubic")
+    tcp = overall_speedup(out.speedups, "kickass@tcp50[tcp]", "tcp:cubic")
+    ka = overall_speedup(out.speedups, "kickass@tcp50", "tcp:cubic")
     _show("experiment (c), TCP beside Kick-Ass", **tcp)
     _show("experiment (c), Kick-Ass", **ka)
     failed = [(f["arm"], f["protocol"], f["size_packets"], f["error"]) for f in out.flows

@@ -40,6 +40,7 @@ from kickass_testbed.trials import AGENT_CONTROL_PORT, TrialSpec, run_trial, sta
 from kickass_testbed.wan import TestbedConfig, receiver_address
 from kickass_testbed.wan import testbed as build_testbed
 from scipy.stats import t as student_t
+from support.trial_records import overall_speedup
 
 pytestmark = [
     pytest.mark.netns,
@@ -68,14 +69,6 @@ def _planted_answer(flows: list[dict[str, Any]], handicap_ms: float) -> float:
     return math.exp(sum(math.log(b / (b + handicap_ms)) for b in base) / len(base))
 
 
-def _row(speedups: list[dict[str, Any]], arm: str, base: str) -> dict[str, Any]:
-    (row,) = [
-        r for r in speedups
-        if (r["arm"], r["baseline_arm"], r["size_bucket"]) == (arm, base, "all")
-    ]  # fmt: skip
-    return row
-
-
 def _show(name: str, **numbers: Any) -> None:
     print(f"\n{name}: {json.dumps(numbers, default=str)}")
 
@@ -89,8 +82,8 @@ def test_a_a_tcp_contains_one_and_a_planted_difference_is_found(database_url: st
             max_packets=400, seed=7, arms="tcp:cubic,tcp:cubic,tcp:cubic+20ms",
         ),
     )  # fmt: skip
-    aa = _row(out.speedups, "tcp:cubic#2", "tcp:cubic")
-    planted = _row(out.speedups, "tcp:cubic+20ms", "tcp:cubic")
+    aa = overall_speedup(out.speedups, "tcp:cubic#2", "tcp:cubic")
+    planted = overall_speedup(out.speedups, "tcp:cubic+20ms", "tcp:cubic")
     _show("A/A TCP", **aa)
     _show("planted +20 ms", **planted, expected=_planted_answer(out.flows, 20.0))
     assert aa["matched"] >= 100, aa
@@ -111,7 +104,7 @@ def test_a_a_kickass_contains_one(database_url: str) -> None:
             max_packets=400, seed=8, arms="kickass,kickass",
         ),
     )  # fmt: skip
-    aa = _row(out.speedups, "kickass#2", "kickass")
+    aa = overall_speedup(out.speedups, "kickass#2", "kickass")
     _show("A/A Kick-Ass", **aa)
     assert aa["matched"] >= 100, aa
     assert aa["clusters"] == 3, aa  # the three pairs, one after the other

@@ -34,12 +34,11 @@ from kickass_core.flow_record import (
     CONGESTION_CONTROLS,
     DEFAULT_CONGESTION_CONTROL,
     HANDSHAKES,
+    PROTOCOLS,
     TRANSPORT_CONGESTION_CONTROLS,
 )
 
-KICKASS = "kickass"
-TCP = "tcp"
-PROTOCOLS = (KICKASS, TCP)
+KICKASS, TCP = PROTOCOLS
 # The grammar, as said to whoever writes an arm.
 ARM_GRAMMAR = (
     f"kickass[:{'|'.join(HANDSHAKES)}][/{'|'.join(TRANSPORT_CONGESTION_CONTROLS)}][@tcpNN], "

@@ -11,6 +11,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
+from kickass_core.flow_record import PROTOCOLS
 from sqlalchemy import (
     REAL,
     BigInteger,
@@ -32,7 +33,6 @@ from sqlalchemy.orm import Mapped, mapped_column
 
 from ..base import Base, bounds_checks, check_in
 
-PROTOCOLS = ("kickass", "tcp")
 TRIAL_ID_PATTERN = "^[0-9a-f]{32}$"
 
 
