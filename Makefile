@@ -9,7 +9,7 @@ PYPROJECTS := core/pyproject.toml db/pyproject.toml probe-client/pyproject.toml 
 	server/pyproject.toml testbed/pyproject.toml wan-agents/pyproject.toml requirements-dev.txt
 RUST_BINS := ka-router ka-linkem ka-blast ka-agent-recv ka-send
 
-.PHONY: system install demo test lint lint-python lint-rust rust-test bench router rust-build agent-deb clean
+.PHONY: system install demo test lint lint-python lint-rust rust-test bench router rust-build install-bins agent-deb clean
 
 system:
 	@tools/setup-system.sh
@@ -18,7 +18,7 @@ system:
 # (pyspark is a 456 MB sdist), cargo on the CPU; CI has 40 minutes in all.
 install: system
 	@$(MAKE) --no-print-directory -j2 $(BIN)/.installed rust-build
-	@$(MAKE) --no-print-directory router zipapp
+	@$(MAKE) --no-print-directory install-bins zipapp
 
 $(BIN)/.installed: $(PYPROJECTS)
 	@echo "install: python packages into $(VENV)"
@@ -31,7 +31,11 @@ rust-build:
 	@echo "install: building the rust binaries ($(RUST_BINS))"
 	@cargo build --quiet --release --workspace
 
+# After a change to the Rust code: build and put the binaries beside the venv's.
 router: $(BIN)/.installed rust-build
+	@$(MAKE) --no-print-directory install-bins
+
+install-bins:
 	@for b in $(RUST_BINS); do install -m 755 target/release/$$b $(BIN)/$$b; done
 
 # The remote receiver as one Debian package (the agent, its dependencies and
