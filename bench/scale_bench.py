@@ -316,7 +316,7 @@ def _copy(conninfo: str, sid: str, rows: list[OutcomeEntry], t0: datetime) -> No
 def retire(url: str, sessions: int, rng: random.Random) -> dict[str, Any]:
     import threading
 
-    import pyarrow.parquet as pq  # type: ignore[import-untyped]
+    import pyarrow.parquet as pq
     from kickass_analysis import archive, rollups
 
     day = datetime.now(UTC).date() - timedelta(days=3)

@@ -641,7 +641,7 @@ def session_verdicts(engine: Engine) -> Any:
     """Each session's verdict by ``kickass_core.verdict.decide`` on its
     per-phase counts: valid sent, delivered (acked or late), invalid, late;
     NULL for a session that sent no probe."""
-    import pyarrow as pa  # type: ignore[import-untyped]
+    import pyarrow as pa
 
     rows = engine.fetch("""
 SELECT session_id, state, whole_sent, whole_acked + whole_late AS whole_delivered, split_sent,
@@ -888,7 +888,7 @@ def analyze(
 def _write(
     folder: Path, result: Result, table: Any, engine: Engine, inputs: Inputs, computed_at: str
 ) -> dict[str, Any]:
-    import pyarrow.parquet as pq  # type: ignore[import-untyped]
+    import pyarrow.parquet as pq
 
     data = folder / f"{result.name}.parquet"
     pq.write_table(table, data, compression=export.PARQUET_COMPRESSION)

@@ -134,7 +134,7 @@ def mark_gid(series: str) -> str:
 def _figure(
     width: float = 7.0, height: float = 3.4, nrows: int = 1, ncols: int = 1, **kw: Any
 ) -> Iterator[tuple[MplFigure, Any]]:
-    with _LOCK, matplotlib.rc_context(RC):  # type: ignore[arg-type]
+    with _LOCK, matplotlib.rc_context(RC):  # type: ignore[arg-type]  # matplotlib types the keys as a Literal of rc names; RC's are str
         fig = MplFigure(figsize=(width, height), layout="constrained")
         axes = fig.subplots(nrows, ncols, squeeze=False, **kw)
         yield fig, axes

@@ -393,7 +393,7 @@ class StudyStore(StoreBase):
                 _refuse_if_retired(conn, session_id, created)
             try:
                 with conn.begin_nested():
-                    cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+                    cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]  # None only once closed; this one is open
                     with cursor.copy(_COPY_OUTCOMES) as copy:
                         for values in latest:
                             copy.write_row((pk, created, *values))

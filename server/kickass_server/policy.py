@@ -119,7 +119,7 @@ class Policy:
                 raise KickassError(
                     f"bad {name} {raw!r}: not a number", hint="see server/README.md, Policy"
                 ) from None
-        return cls(**kwargs)  # type: ignore[arg-type]
+        return cls(**kwargs)  # type: ignore[arg-type]  # each value has its field's type (above); mypy sees object
 
     def plan_from_request(self, req: PlanRequest | object) -> ProbePlan:
         """The plan a client asked for (a ``schemas.PlanRequest``, or the JSON

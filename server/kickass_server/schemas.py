@@ -142,7 +142,7 @@ class PlanRequest(Lenient):
     window: Annotated[
         Annotated[int, Field(ge=1, le=MAX_WINDOW)] | Literal["auto"], BeforeValidator(_window)
     ] = 1
-    phases: Annotated[list[Literal[PHASES]], Field(min_length=1, max_length=len(PHASES))] = (  # type: ignore[valid-type]
+    phases: Annotated[list[Literal[PHASES]], Field(min_length=1, max_length=len(PHASES))] = (  # type: ignore[valid-type]  # Literal of a tuple: pydantic expands it, mypy cannot
         Field(default_factory=lambda: list(PHASES))
     )
 
@@ -195,11 +195,11 @@ class SessionRequest(Lenient):
     """``POST /api/v1/sessions``."""
 
     plan: PlanRequest | None = None
-    client_version: Truncated(64) | None = None  # type: ignore[valid-type]
-    platform: Truncated(128) | None = None  # type: ignore[valid-type]
+    client_version: Truncated(64) | None = None  # type: ignore[valid-type]  # a type made by a call: pydantic reads it, mypy cannot
+    platform: Truncated(128) | None = None  # type: ignore[valid-type]  # a type made by a call: pydantic reads it, mypy cannot
     # Whatever the client calls itself: stored, never used to count anyone
     # (the volunteer page counts address blocks, SQL client_key of 0016).
-    install_id: Truncated(64) | None = None  # type: ignore[valid-type]
+    install_id: Truncated(64) | None = None  # type: ignore[valid-type]  # a type made by a call: pydantic reads it, mypy cannot
     reassembly: AnnouncedReassembly | None = None
 
 
@@ -215,7 +215,7 @@ MAX_OBSERVATION_CHARS = 200_000
 
 
 class FragmentObservation(Lenient):
-    summary: JsonObject(MAX_SUMMARY_BYTES) | None = None  # type: ignore[valid-type]
+    summary: JsonObject(MAX_SUMMARY_BYTES) | None = None  # type: ignore[valid-type]  # a type made by a call: pydantic reads it, mypy cannot
     encoding: Literal["zlib-base64-v1"] | None = None
     leading: Annotated[str, StringConstraints(max_length=MAX_OBSERVATION_CHARS)] | None = None
     fragments: Annotated[str, StringConstraints(max_length=MAX_OBSERVATION_CHARS)] | None = None
@@ -224,7 +224,7 @@ class FragmentObservation(Lenient):
 class ClientReportBody(Lenient):
     """``POST /api/v1/sessions/<id>/report``."""
 
-    reassembly: JsonObject(MAX_SUMMARY_BYTES) | None = None  # type: ignore[valid-type]
+    reassembly: JsonObject(MAX_SUMMARY_BYTES) | None = None  # type: ignore[valid-type]  # a type made by a call: pydantic reads it, mypy cannot
     invalid_ranges: (
         Annotated[
             list[
@@ -253,25 +253,25 @@ _PERIOD = {f.name: f for f in bounds.TRIAL_PERIODS}
 
 
 class TrialPeriod(Strict):
-    index: Bounded(_PERIOD["period_index"])  # type: ignore[valid-type]
-    pair: Bounded(_PERIOD["pair"])  # type: ignore[valid-type]
-    protocol: Literal[flow_record.PROTOCOLS]  # type: ignore[valid-type]
-    start_s: Bounded(_PERIOD["start_offset_s"])  # type: ignore[valid-type]
-    duration_s: Bounded(_PERIOD["duration_s"])  # type: ignore[valid-type]
+    index: Bounded(_PERIOD["period_index"])  # type: ignore[valid-type]  # a type made by a call: pydantic reads it, mypy cannot
+    pair: Bounded(_PERIOD["pair"])  # type: ignore[valid-type]  # a type made by a call: pydantic reads it, mypy cannot
+    protocol: Literal[flow_record.PROTOCOLS]  # type: ignore[valid-type]  # Literal of a tuple: pydantic expands it, mypy cannot
+    start_s: Bounded(_PERIOD["start_offset_s"])  # type: ignore[valid-type]  # a type made by a call: pydantic reads it, mypy cannot
+    duration_s: Bounded(_PERIOD["duration_s"])  # type: ignore[valid-type]  # a type made by a call: pydantic reads it, mypy cannot
     congestion_control: CongestionControl | None = None
     # Written by older runners beside the schedule: the destination's name.
-    destination: Text(255) | None = None  # type: ignore[valid-type]
+    destination: Text(255) | None = None  # type: ignore[valid-type]  # a type made by a call: pydantic reads it, mypy cannot
     # 0010: what the period ran, and when it really started (seconds from the
     # trial's start; known once the period began, re-sent with the trial's end).
     arm: Annotated[str, StringConstraints(pattern=flow_record.ARM_RE.pattern)] | None = None
-    handshake: Literal[flow_record.HANDSHAKES] | None = None  # type: ignore[valid-type]
-    handicap_ms: Bounded(_PERIOD["handicap_ms"]) = None  # type: ignore[valid-type]
-    actual_start_s: Bounded(_PERIOD["actual_start_offset_s"]) = None  # type: ignore[valid-type]
+    handshake: Literal[flow_record.HANDSHAKES] | None = None  # type: ignore[valid-type]  # Literal of a tuple: pydantic expands it, mypy cannot
+    handicap_ms: Bounded(_PERIOD["handicap_ms"]) = None  # type: ignore[valid-type]  # a type made by a call: pydantic reads it, mypy cannot
+    actual_start_s: Bounded(_PERIOD["actual_start_offset_s"]) = None  # type: ignore[valid-type]  # a type made by a call: pydantic reads it, mypy cannot
     # 0021: a Kick-Ass arm's TCP mode, its share of flows run as kernel TCP,
     # and what the period's flows offered (known once it ended).
-    transport_cc: Literal[flow_record.TRANSPORT_CONGESTION_CONTROLS] | None = None  # type: ignore[valid-type]
-    tcp_share: Bounded(_PERIOD["tcp_share"]) = None  # type: ignore[valid-type]
-    offered_load_bps: Bounded(_PERIOD["offered_load_bps"]) = None  # type: ignore[valid-type]
+    transport_cc: Literal[flow_record.TRANSPORT_CONGESTION_CONTROLS] | None = None  # type: ignore[valid-type]  # Literal of a tuple: pydantic expands it, mypy cannot
+    tcp_share: Bounded(_PERIOD["tcp_share"]) = None  # type: ignore[valid-type]  # a type made by a call: pydantic reads it, mypy cannot
+    offered_load_bps: Bounded(_PERIOD["offered_load_bps"]) = None  # type: ignore[valid-type]  # a type made by a call: pydantic reads it, mypy cannot
 
 
 class TrialBody(Strict):
@@ -283,17 +283,17 @@ class TrialBody(Strict):
     destination: Annotated[
         str, StringConstraints(min_length=1, max_length=255), AfterValidator(_printable)
     ]
-    access_capacity_bps: Bounded(bounds.TRIALS[0]) = None  # type: ignore[valid-type]
-    router_run_name: Text(128) | None = None  # type: ignore[valid-type]
-    parameters: JsonObject(64 * 1024) = Field(default_factory=dict)  # type: ignore[valid-type]
-    versions: JsonObject(16 * 1024) = Field(default_factory=dict)  # type: ignore[valid-type]
+    access_capacity_bps: Bounded(bounds.TRIALS[0]) = None  # type: ignore[valid-type]  # a type made by a call: pydantic reads it, mypy cannot
+    router_run_name: Text(128) | None = None  # type: ignore[valid-type]  # a type made by a call: pydantic reads it, mypy cannot
+    parameters: JsonObject(64 * 1024) = Field(default_factory=dict)  # type: ignore[valid-type]  # a type made by a call: pydantic reads it, mypy cannot
+    versions: JsonObject(16 * 1024) = Field(default_factory=dict)  # type: ignore[valid-type]  # a type made by a call: pydantic reads it, mypy cannot
     started_at: AwareTime
     finished_at: AwareTime | None = None
     periods: Annotated[list[TrialPeriod], Field(max_length=MAX_PERIODS)] = Field(
         default_factory=list
     )
     # 0010: both ends' environment record (kickass_wan.environment), free-form.
-    environment: JsonObject(64 * 1024) = Field(default_factory=dict)  # type: ignore[valid-type]
+    environment: JsonObject(64 * 1024) = Field(default_factory=dict)  # type: ignore[valid-type]  # a type made by a call: pydantic reads it, mypy cannot
 
 
 class FlowsBody(Strict):
@@ -329,7 +329,7 @@ def _flow_annotation(f: flow_record.Field) -> Any:
     return base | None if f.nullable else base
 
 
-FlowRecord = create_model(  # type: ignore[call-overload]
+FlowRecord = create_model(  # type: ignore[call-overload]  # fields from a ** mapping: no overload of create_model types them
     "FlowRecord",
     __base__=Strict,
     __doc__="One trial flow record (kickass_core.flow_record.FIELDS).",
@@ -407,8 +407,8 @@ class FinishBody(Strict):
     """``PUT /api/v1/schedule/runs/<run_id>``: the run's outcome."""
 
     outcome: Literal["ok", "failed", "skipped", "timeout"]
-    reason: Text(2000) | None = None  # type: ignore[valid-type]
-    counts: JsonObject(64 * 1024) = Field(default_factory=dict)  # type: ignore[valid-type]
+    reason: Text(2000) | None = None  # type: ignore[valid-type]  # a type made by a call: pydantic reads it, mypy cannot
+    counts: JsonObject(64 * 1024) = Field(default_factory=dict)  # type: ignore[valid-type]  # a type made by a call: pydantic reads it, mypy cannot
 
 
 def claim_example(_args: dict[str, str]) -> dict[str, Any]:

@@ -73,16 +73,15 @@ class EmbeddedPostgres:
         if info is None or not info.is_running():
             return
         try:
-            # pgserver makes one function per PostgreSQL program at import (setattr).
-            pgserver.pg_ctl(  # type: ignore[attr-defined]
+            pgserver.pg_ctl(  # type: ignore[attr-defined]  # made at import, one per program
                 ["-w", "-m", "fast", "stop"],
                 pgdata=self.data_dir,
                 user=self._system_user,
                 timeout=30,
             )
         except (subprocess.CalledProcessError, subprocess.TimeoutExpired):
-            # pgserver sets ``process`` after __init__ (typed None there); is_running() saw it.
-            info.process.kill()  # type: ignore[attr-defined]
+            # is_running() found the process, so ``process`` is set.
+            info.process.kill()  # type: ignore[attr-defined]  # typed None in __init__, set later
 
     def __enter__(self) -> EmbeddedPostgres:
         self.start()

@@ -67,7 +67,7 @@ class ScheduleSettings(_Model):
 
     pairs: Annotated[int, Field(ge=1, le=10_000)] = 3
     period_s: Annotated[float, Field(gt=0, le=86_400)] = 120.0
-    protocols: Annotated[list[Literal[PROTOCOLS]], Field(min_length=1, max_length=2)] = Field(  # type: ignore[valid-type]
+    protocols: Annotated[list[Literal[PROTOCOLS]], Field(min_length=1, max_length=2)] = Field(  # type: ignore[valid-type]  # Literal of a tuple: pydantic expands it, mypy cannot
         default_factory=lambda: list(PROTOCOLS)
     )
     workload: WorkloadSetting = Field(default_factory=WorkloadSetting)
@@ -150,7 +150,7 @@ class RoundSettings(ScheduleSettings):
     congestion_control: Annotated[str, Field(pattern=CONGESTION_CONTROL_RE.pattern)] = (
         DEFAULT_CONGESTION_CONTROL
     )
-    handshake: Literal[HANDSHAKES] = "padded"  # type: ignore[valid-type]
+    handshake: Literal[HANDSHAKES] = "padded"  # type: ignore[valid-type]  # Literal of a tuple: pydantic expands it, mypy cannot
     access_capacity_bps: Annotated[float, Field(gt=0)] | None = None
     router_run_name: str | None = None
     ka_send: str | None = None

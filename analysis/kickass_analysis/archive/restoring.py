@@ -76,9 +76,9 @@ def restore(
 def _copy_in(conn: Connection, name: str, columns: list[str], files: list[Path]) -> None:
     """The files' rows into ``name`` by COPY (Arrow writes them as CSV:
     NULL an unquoted empty field, an empty string a quoted one)."""
-    import pyarrow as pa  # type: ignore[import-untyped]
-    import pyarrow.csv as pacsv  # type: ignore[import-untyped]
-    import pyarrow.parquet as pq  # type: ignore[import-untyped]
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+    import pyarrow.parquet as pq
 
     raw = conn.connection.driver_connection
     assert isinstance(raw, psycopg.Connection)

@@ -217,7 +217,7 @@ def _verify(root: Path, folder: str, key: Key) -> Dataset:
 
 
 def _parquet_problem(file: Path, entry: Mapping[str, Any], columns: list[Any]) -> str | None:
-    import pyarrow.parquet as pq  # type: ignore[import-untyped]
+    import pyarrow.parquet as pq
 
     try:
         meta = pq.ParquetFile(file)
@@ -235,7 +235,7 @@ def file_checks(folder: str, files: Iterable[Path]) -> dict[str, Any]:
     """The day's checks computed from its files (``pg_checks`` computes them in
     PostgreSQL): a boolean flag counts true rows, any other non-NULL ones."""
     import pyarrow as pa
-    import pyarrow.compute as pc  # type: ignore[import-untyped]
+    import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     spec = CHECKS[folder]

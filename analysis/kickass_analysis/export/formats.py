@@ -83,7 +83,7 @@ def write_parquet(
     returns the rows. Row groups of about ``ROW_GROUP_BYTES`` of Arrow data,
     or with ``row_group_rows`` of at least that many rows each (but the last):
     the archive's, which readers split work by."""
-    import pyarrow as pa  # type: ignore[import-untyped]  # lazily: `kickass` starts fast
+    import pyarrow as pa  # lazily: `kickass` starts fast
 
     schema = pa.schema([(c.name, pa_type(pa, c.arrow_type)) for c in columns])
     # Plain CSV: NULL is an unquoted empty field, an empty string a quoted one
@@ -228,8 +228,8 @@ class _Converter(threading.Thread):
 
     def _convert(self) -> None:
         import pyarrow as pa
-        import pyarrow.csv as pacsv  # type: ignore[import-untyped]
-        import pyarrow.parquet as pq  # type: ignore[import-untyped]
+        import pyarrow.csv as pacsv
+        import pyarrow.parquet as pq
 
         schema = self._schema
         with pq.ParquetWriter(str(self._path), schema, compression=PARQUET_COMPRESSION) as writer:
