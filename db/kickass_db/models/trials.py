@@ -11,7 +11,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from kickass_core.flow_record import PROTOCOLS
+from kickass_core.flow_record import HANDSHAKES, PROTOCOLS
 from sqlalchemy import (
     REAL,
     BigInteger,
@@ -94,6 +94,7 @@ class TrialPeriodRow(Base):
     __tablename__ = "trial_periods"
     __table_args__ = (
         CheckConstraint(check_in("protocol", PROTOCOLS), name="protocol"),
+        CheckConstraint(check_in("handshake", HANDSHAKES), name="handshake"),  # 0024
         *bounds_checks("trial_periods"),
     )
 
@@ -126,6 +127,7 @@ class FlowRow(Base):
     __table_args__ = (
         CheckConstraint(check_in("protocol", PROTOCOLS), name="protocol"),
         CheckConstraint(check_in("negotiated_protocol", PROTOCOLS), name="negotiated_protocol"),
+        CheckConstraint(check_in("handshake", HANDSHAKES), name="handshake"),  # 0024
         # Sizes, times, rates and counters within the flow record's bounds
         # (kickass_core.flow_record.FIELDS; migration 0018).
         *bounds_checks("flows"),
