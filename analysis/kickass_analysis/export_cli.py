@@ -17,7 +17,6 @@ from datetime import UTC, datetime
 from types import FrameType
 
 FORMATS = ("csv", "parquet")  # kickass_analysis.export.FORMATS, without importing it
-SOURCES = ("volunteer", "atlas")
 
 DESCRIPTION = """\
 Export one analysis view (a public v_* view) to a dated CSV or Parquet file
@@ -48,7 +47,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--format", required=True, choices=FORMATS, help="csv or parquet")
     p.add_argument("--since", type=_time, metavar="T", help="rows dated at or after T")
     p.add_argument("--until", type=_time, metavar="T", help="rows dated before T")
-    p.add_argument("--source", choices=SOURCES, help="only rows of this source")
+    p.add_argument(
+        "--source",
+        type=_source,
+        metavar="SOURCE",
+        help="only rows of this study source (the registered ones: volunteer, atlas, ...)",
+    )
     p.add_argument("--campaign", metavar="C", help="only rows of this Atlas campaign")
     p.add_argument(
         "-o", "--output", metavar="DIR", default=".", help="directory (default: current)"
@@ -99,6 +103,19 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def _terminate(signum: int, _frame: FrameType | None) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _source(value: str) -> str:
+    # Checked against the registry only when given: loading it imports every
+    # source's package, which `kickass export --help` need not pay for.
+    from kickass_core import sources
+
+    if value not in sources.names():
+        raise argparse.ArgumentTypeError(
+            f"no study source {value!r} here; the registered ones: "
+            + (", ".join(sources.names()) or "none")
+        )
+    return value
 
 
 def _time(value: str) -> datetime:

@@ -43,6 +43,7 @@ from datetime import datetime
 from typing import Any
 
 import matplotlib
+from kickass_core import sources
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure as MplFigure
 from matplotlib.ticker import LogFormatter
@@ -72,9 +73,8 @@ RC: dict[str, Any] = {
 }
 _LOCK = threading.Lock()
 
+# A study source's colour is its own (``kickass_core.sources``: ``colour``).
 COLOURS = {
-    "volunteer": "#1f77b4",
-    "atlas": "#ff7f0e",
     "session": "#111111",
     "all": "#1f77b4",
     "country": "#2ca02c",
@@ -83,6 +83,13 @@ COLOURS = {
     "tcp": "#d62728",
     "paper": "#7f7f7f",
 }
+
+
+def source_colour(name: str) -> str | None:
+    """The study source's colour in every figure (None: no source of that name)."""
+    return next((s.colour for s in sources.sources() if s.name == name), None)
+
+
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2")
 OUTCOME_COLOURS = {
     "ok": "#2ca02c",
@@ -338,7 +345,7 @@ def shares(
         ax = axes[0][0]
         labels = []
         for i, (source, g) in enumerate(rows):
-            colour = COLOURS.get(source, PALETTE[i % len(PALETTE)])
+            colour = source_colour(source) or PALETTE[i % len(PALETTE)]
             value = 100 * g.share.rate
             lo, hi = 100 * g.share.low, 100 * g.share.high
             ax.barh(

@@ -1,6 +1,7 @@
 """What each kind of scheduled item does when its run is claimed.
 
-Each kind is a function ``(item, context) -> Result`` that calls the room
+Each kind is a function ``(item, context) -> Result`` (a study source's
+kind: the source's ``item_runner``, ``kickass_core.sources``) that calls the room
 that owns the work (``kickass_atlas.service``, ``kickass_wan.service``,
 ``kickass_analysis``, ``kickass_db``) and says what it did in counts. The
 rooms are imported when an item of theirs runs, so a trial runner host (core,
@@ -24,9 +25,10 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from kickass_core import sources
 from kickass_core.errors import KickassError
 
-from .schedule_file import DATABASE_KINDS, Item
+from .schedule_file import Item, database_kinds
 
 OK = "ok"
 FAILED = "failed"
@@ -270,7 +272,7 @@ def run_export(item: Item, ctx: Context) -> Result:
     published, so a run that dies half-way and is never taken over (reaped)
     still tells the next run where each of its views goes on from."""
     from kickass_analysis import publish
-    from kickass_analysis.export import VIEWS, export_view, window_name
+    from kickass_analysis.export import export_view, views, window_name
     from kickass_db.schedule_store import ScheduleStore
 
     assert item.directory is not None and item.views is not None
@@ -294,10 +296,11 @@ def run_export(item: Item, ctx: Context) -> Result:
             "swept_partials": swept.to_json(),
         }
         whole, already = [], []
+        known = views()
         for view in item.views:
             if ctx.stop.is_set():
                 return Result(FAILED, "stopped", counts)
-            spec = VIEWS.get(view)
+            spec = known.get(view)
             dated = spec is not None and (spec.time is not None or spec.session_time)
             if dated:
                 lo = max((t for t in (since, published.get(view)) if t is not None), default=None)
@@ -440,6 +443,9 @@ def run_housekeeping(item: Item, ctx: Context) -> Result:
 def check(item: Item, base_dir: Path) -> str | None:
     """What ``schedule check`` can tell of an item's own settings on this host
     (the room that runs it validates them; None: fine). Reads no secret."""
+    unknown = item.unknown_kind()
+    if unknown is not None:
+        return "not run here: " + unknown
     try:
         if item.kind == "trials" and item.trials is not None:
             from kickass_wan.service import RoundSettings
@@ -457,13 +463,26 @@ def check(item: Item, base_dir: Path) -> str | None:
     return None
 
 
+# The built-in kinds; a study source's kind runs its source's ``item_runner``.
 KIND_FUNCTIONS: dict[str, Callable[[Item, Context], Result]] = {
-    "atlas": run_atlas,
     "trials": run_trials,
     "refresh": run_refresh,
     "export": run_export,
     "housekeeping": run_housekeeping,
 }
+
+
+def kind_function(kind: str) -> Callable[[Item, Context], Result]:
+    """What runs an item of ``kind``; a kind no package here brings is a KickassError."""
+    if kind in KIND_FUNCTIONS:
+        return KIND_FUNCTIONS[kind]
+    source = sources.by_kind(kind)
+    if source is None:
+        raise KickassError(
+            f"no kind {kind!r} on this host",
+            hint="a study source's kind is known where its package is installed",
+        )
+    return source.runner()
 
 
 # The database down or full (a restart, too many clients) while an item of a
@@ -474,10 +493,10 @@ DATABASE_RETRY_S = (2.0, 4.0, 8.0)
 
 def execute(item: Item, ctx: Context) -> Result:
     """The item's work; a domain failure is a ``failed`` result with its message."""
-    pauses = list(DATABASE_RETRY_S) if item.kind in DATABASE_KINDS else []
+    pauses = list(DATABASE_RETRY_S) if item.kind in database_kinds() else []
     while True:
         try:
-            return KIND_FUNCTIONS[item.kind](item, ctx)
+            return kind_function(item.kind)(item, ctx)
         except KickassError as exc:
             unavailable = type(exc).__name__ == "DatabaseUnavailable"
             if unavailable and pauses and not ctx.stop.is_set():

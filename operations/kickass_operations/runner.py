@@ -48,7 +48,7 @@ from kickass_core.errors import KickassError
 
 from . import items as kinds
 from .claims import ClaimRefused, Claims
-from .schedule_file import DATABASE_KINDS, Item, Schedule
+from .schedule_file import Item, Schedule, database_kinds
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -161,8 +161,12 @@ class Runner:
             return False
         if item.host is not None and item.host != self.claims.host:
             return False
-        # A host that claims through the server has no database for these.
-        return self.has_database or item.kind not in DATABASE_KINDS
+        # A kind this host does not know (a study source whose package is not
+        # installed here) is left to the hosts that know it; a host that
+        # claims through the server has no database for the database kinds.
+        if not item.known:
+            return False
+        return self.has_database or item.kind not in database_kinds()
 
     def due(self) -> list[tuple[Item, datetime]]:
         now = self.now()

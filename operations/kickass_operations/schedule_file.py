@@ -15,7 +15,8 @@ campaign keeps its own YAML file, named by the item)::
     slip_s = 900                # start somewhere in the 15 minutes after
     campaign = "/etc/kickass/atlas/nightly.yaml"
 
-Kinds and their settings:
+Kinds and their settings (the built-in ones, and each study source's kind
+from the registry, ``kickass_core.sources``: on this platform Atlas's):
 
 * ``atlas``: ``campaign`` (the Atlas campaign file); creates its
   measurements when due (never twice), then fetches on every run until they
@@ -44,6 +45,11 @@ schedule's to say, never the claimer's: a run not heard of for
 ``stale_s`` (at least ``STALE_FACTOR`` heartbeats; that many by default).
 Paths are read relative to the schedule file.
 
+A study source's kind is known where its package is installed: a host
+without it (a trial runner host has no Atlas package) still reads a file
+naming it, and leaves its items to the hosts that know it (``runs_here``);
+``kickass schedule check`` says which kinds are unknown here.
+
 A schedule file is at most ``MAX_FILE_BYTES`` of UTF-8.
 """
 
@@ -59,6 +65,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from croniter import croniter
+from kickass_core import sources
 from kickass_core.errors import KickassError
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -70,9 +77,15 @@ MAX_FILE_BYTES = 1024 * 1024
 STALE_FACTOR = 4
 # Most owners an item names (runner hosts of one round, database hosts).
 MAX_OWNERS = 64  # a Monday: weekday fields start there
-KINDS = ("atlas", "trials", "refresh", "export", "housekeeping")
-# Kinds that need the database (and run only where it is reachable).
-DATABASE_KINDS = ("atlas", "refresh", "export", "housekeeping")
+# The kinds this package runs itself; the study sources bring theirs (``kinds``).
+BUILTIN_KINDS = ("trials", "refresh", "export", "housekeeping")
+# Built-in kinds that need the database (and run only where it is reachable).
+BUILTIN_DATABASE_KINDS = ("refresh", "export", "housekeeping")
+# The settings each built-in kind needs (a source's: its ``item_needs``).
+BUILTIN_NEEDS: dict[str, tuple[str, ...]] = {
+    "trials": ("trials",),
+    "export": ("directory", "views"),
+}
 # The tables housekeeping retires into the archive (kickass_db.models.archive).
 RAW_TABLES = ("probe_outcomes", "router_telemetry")
 
@@ -135,13 +148,37 @@ def _owners(value: str | list[str]) -> str | list[str]:
 Owners = Annotated[str | list[str], AfterValidator(_owners)]
 
 
+def kinds() -> tuple[str, ...]:
+    """The kinds this host knows: the built-in ones, then the study sources'."""
+    return BUILTIN_KINDS + tuple(s.item_kind for s in sources.sources() if s.item_kind)
+
+
+def database_kinds() -> tuple[str, ...]:
+    """The known kinds that need the database."""
+    return BUILTIN_DATABASE_KINDS + tuple(
+        s.item_kind for s in sources.sources() if s.item_kind and s.item_needs_database
+    )
+
+
+def _kind(value: str) -> str:
+    # A kind no package here registers may be a source's whose package this
+    # host lacks (a runner host reads the file with its Atlas items): the
+    # name is checked here, what it is by ``Item.known`` where it matters.
+    if not re.match(sources.NAME_PATTERN, value):
+        raise ValueError(f"not a kind: {value!r} (the known kinds: {', '.join(kinds())})")
+    return value
+
+
+Kind = Annotated[str, AfterValidator(_kind)]
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
 
 
 class Item(_Model):
     name: Name
-    kind: Literal["atlas", "trials", "refresh", "export", "housekeeping"]
+    kind: Kind
     cron: Cron
     # The schedule's spread: each due time starts at a random offset in
     # [0, slip_s), the same on every host (drawn from the item and the time).
@@ -190,11 +227,27 @@ class Item(_Model):
                 raise ValueError(
                     f"keep_raw_days: {table!r} is not a raw table ({', '.join(RAW_TABLES)})"
                 )
-        needs = {"atlas": ("campaign",), "trials": ("trials",), "export": ("directory", "views")}
-        for need in needs.get(self.kind, ()):
-            if getattr(self, need) is None:
+        source = sources.by_kind(self.kind)
+        needs = source.item_needs if source else BUILTIN_NEEDS.get(self.kind, ())
+        for need in needs:
+            if getattr(self, need, None) is None:
                 raise ValueError(f"a {self.kind} item needs {need!r}")
         return self
+
+    @property
+    def known(self) -> bool:
+        """Whether this host knows the item's kind (built in, or a study
+        source's whose package is installed here)."""
+        return self.kind in kinds()
+
+    def unknown_kind(self) -> str | None:
+        """Why this host cannot run the item's kind (None: it can)."""
+        if self.known:
+            return None
+        return (
+            f"kind {self.kind!r} is not known on this host (known: {', '.join(kinds())}); "
+            "a study source's kind is known where its package is installed"
+        )
 
     @property
     def owners(self) -> tuple[str, ...] | None:

@@ -46,7 +46,7 @@ from kickass_core import signing
 from kickass_core.errors import KickassError
 from kickass_db.schedule_store import ScheduleStore
 from kickass_db.trial_store import TrialStore
-from kickass_operations.schedule_file import DATABASE_KINDS, Item, Schedule, load
+from kickass_operations.schedule_file import Item, Schedule, database_kinds, load
 
 from .http import ApiError, Unavailable, accepts, parse_body, signed_runner
 from .schemas import ClaimBody, FinishBody, claim_example, finish_example
@@ -133,7 +133,7 @@ def may_claim(item: Item | None, name: str, runner: str, due: datetime,
     """Why the runner ``runner`` may not claim ``name`` at ``due`` (None: it may)."""
     if item is None:
         return Refusal("not-in-schedule", f"the server's schedule has no item {name!r}")
-    if item.kind in DATABASE_KINDS:
+    if item.kind in database_kinds():
         return Refusal("database-kind", f"{name} is a {item.kind} item: database hosts run it")
     if not item.enabled:
         return Refusal("disabled", f"{name} is disabled in the server's schedule")

@@ -33,7 +33,7 @@ def item(**over: Any) -> dict[str, Any]:
     [
         ({"item": [item(cron="61 * * * *")]}, "item 'refresh': cron"),
         ({"item": [item(cron="* * * *")]}, "not a cron expression with 5 fields"),
-        ({"item": [item(kind="mining")]}, "item 'refresh': kind"),
+        ({"item": [item(kind="Mining!")]}, "item 'refresh': kind"),
         ({"item": [item(kind="atlas")]}, "needs 'campaign'"),
         ({"item": [item(kind="export", directory="x")]}, "needs 'views'"),
         ({"item": [item(), item()]}, "item names must be unique"),

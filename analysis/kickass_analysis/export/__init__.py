@@ -1,9 +1,10 @@
 """`kickass export`: one analysis view to a dated CSV or Parquet file, in constant memory.
 
 Only the public ``v_*`` views are exportable (listed from the database, so a
-view a migration adds is exportable at once); ``VIEWS`` says, for the views
+view a migration adds is exportable at once); ``views()`` says, for the views
 it knows, which column dates a row (for ``since``/``until``) and which
-source every row comes from when the view has no ``source`` column. A view
+source every row comes from when the view has no ``source`` column (each
+study source's own views from the registry, ``kickass_core.sources``). A view
 with a ``source`` or ``campaign`` column can be filtered on it.
 
 How the rows travel, all inside one read-only REPEATABLE READ transaction
@@ -72,7 +73,7 @@ final name that already exists (but a schema a dead attempt published
 without its data file, which the next attempt's replaces).
 
 The package, by subject: ``view.py`` (``export_view``, ``exportable_views``:
-the export proper, one transaction), ``filters.py`` (``VIEWS``, ``SOURCES``,
+the export proper, one transaction), ``filters.py`` (``views()``, ``SHARED_VIEWS``,
 ``Filters`` and their WHERE clause), ``readers.py`` (the COPY readers: the
 catalogue, ``Column`` with its Arrow type, COPY's output in blocks, the
 progress ``Meter``), ``formats.py`` (CSV, and Parquet through Arrow:
@@ -87,7 +88,7 @@ from __future__ import annotations
 
 from . import files, filters, formats, readers, view
 from .files import SCHEMA_VERSION, STAMP, ExportResult, window_name
-from .filters import SOURCES, VIEWS, Filters, ViewSpec
+from .filters import SHARED_VIEWS, Filters, ViewSpec, views
 from .formats import (
     ARROW_READ_BYTES,
     COPY_BLOCKS_AHEAD,
@@ -125,10 +126,9 @@ __all__ = [
     "PROGRESS_EVERY_S",
     "ROW_GROUP_BYTES",
     "SCHEMA_VERSION",
-    "SOURCES",
+    "SHARED_VIEWS",
     "STAMP",
     "STRING",
-    "VIEWS",
     "Column",
     "ExportResult",
     "Filters",
@@ -146,6 +146,7 @@ __all__ = [
     "sha256_file",
     "text_settings",
     "view",
+    "views",
     "window_name",
     "write_parquet",
 ]

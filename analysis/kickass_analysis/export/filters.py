@@ -3,7 +3,9 @@
 ``VIEWS`` says, for the views the export knows, which column dates a row
 (for ``since``/``until``) and which source every row comes from when the
 view has no ``source`` column; a view with a ``source`` or ``campaign``
-column is filtered on it. ``_where`` writes the filters as literals (COPY
+column is filtered on it. The sources and the views that hold only one
+source's rows come from the registry (``kickass_core.sources``): ``views()``
+joins them to the shared views listed here. ``_where`` writes the filters as literals (COPY
 takes no parameters) and says how each was applied, for the schema file; a
 filter a view cannot take is a KickassError naming the views that can.
 """
@@ -14,10 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from kickass_core import sources
 from kickass_core.errors import KickassError
 from psycopg import sql
-
-SOURCES = ("volunteer", "atlas")
 
 
 @dataclass(frozen=True)
@@ -37,20 +38,13 @@ class ViewSpec:
     source: str | None = None
 
 
-# The views this module knows. Any other ``v_*`` view is still exportable, unfiltered by time.
-VIEWS: dict[str, ViewSpec] = {
-    "v_session_summary": ViewSpec(time="created_at", source="volunteer"),
-    "v_whole_drop": ViewSpec(session_time=True, source="volunteer"),
-    "v_split_drop": ViewSpec(session_time=True, source="volunteer"),
-    "v_client_verdicts": ViewSpec(time="latest_finished_at", source="volunteer"),
-    "v_size_drop_all": ViewSpec(source="volunteer"),
-    "v_split_drop_all": ViewSpec(source="volunteer"),
+# The views of no one source that this module knows; each source's own views
+# come from the registry (``views()``). Any other ``v_*`` view is still
+# exportable, unfiltered by time.
+SHARED_VIEWS: dict[str, ViewSpec] = {
     "v_size_drop_by_source": ViewSpec(),
     "v_split_drop_by_source": ViewSpec(),
     "v_verdicts_by_source": ViewSpec(time="finished_at"),
-    "v_atlas_whole_drop": ViewSpec(source="atlas"),
-    "v_atlas_split_drop": ViewSpec(source="atlas"),
-    "v_atlas_measurements": ViewSpec(time="created_at", source="atlas"),
     "v_flow_results": ViewSpec(time="started_at"),
     "v_flow_summary": ViewSpec(),
     "v_trial_periods": ViewSpec(time="period_started_at"),
@@ -58,7 +52,6 @@ VIEWS: dict[str, ViewSpec] = {
     "v_router_telemetry": ViewSpec(time="recorded_at"),
     "v_item_runs": ViewSpec(time="due_at"),
     # 0012: the rollups (dashboards, report).
-    "v_session_rollup": ViewSpec(time="created_at", source="volunteer"),
     "v_verdicts_rollup": ViewSpec(time="finished_at"),
     "v_drop_rollup": ViewSpec(time="day"),  # a row's time: the start of its day
     "v_flow_hourly": ViewSpec(time="hour"),
@@ -66,10 +59,26 @@ VIEWS: dict[str, ViewSpec] = {
     "v_router_runs": ViewSpec(time="started_at"),
     "v_router_telemetry_1s": ViewSpec(time="at"),
     "v_router_telemetry_1m": ViewSpec(time="at"),
-    "v_atlas_campaigns": ViewSpec(time="created_at", source="atlas"),
     "v_item_health": ViewSpec(),
     "v_rollup_status": ViewSpec(),
 }
+
+
+def views() -> dict[str, ViewSpec]:
+    """The views the export knows: each registered source's own views, then
+    the shared ones. A source's view also listed as shared is a KickassError
+    (one view, one description)."""
+    out: dict[str, ViewSpec] = {}
+    for src in sources.sources():
+        for v in src.views:
+            if v.name in out or v.name in SHARED_VIEWS:
+                raise KickassError(
+                    f"the study source {src.name!r} describes the view {v.name}, "
+                    "which another source or the shared views describe already",
+                    hint="a view holds one source's rows, or has a source column",
+                )
+            out[v.name] = ViewSpec(time=v.time, session_time=v.session_time, source=src.name)
+    return out | SHARED_VIEWS
 
 
 @dataclass(frozen=True)
@@ -94,7 +103,8 @@ def _where(
     """The WHERE clause of the filters (values as literals: COPY takes no parameters)
     and how each was applied, for the schema file. ``having(column)``: the views
     with that column, for the hints."""
-    spec = VIEWS.get(view, ViewSpec())
+    known = views()
+    spec = known.get(view, ViewSpec())
     clauses: list[sql.Composable] = []
     applied: dict[str, str | None] = {"time": None}
     if filters.since or filters.until:
@@ -105,10 +115,10 @@ def _where(
             target = sql.SQL("s.created_at")
             applied["time"] = "created_at of the row's session (v_session_summary)"
         else:
-            timed = sorted(v for v, s in VIEWS.items() if s.time or s.session_time)
+            timed = sorted(v for v, s in known.items() if s.time or s.session_time)
             raise KickassError(
                 f"{view} has no time column to filter with --since/--until"
-                + (" (it pools all time)" if view in VIEWS else ""),
+                + (" (it pools all time)" if view in known else ""),
                 hint="views with a time: " + ", ".join(timed),
             )
         window: list[sql.Composable] = []
@@ -130,15 +140,15 @@ def _where(
         if "source" in columns:
             clauses.append(sql.SQL("v.source = {}").format(sql.Literal(filters.source)))
         elif spec.source != filters.source:
-            what = f"only {spec.source} rows" if spec.source else "no volunteer or Atlas rows"
+            what = f"only {spec.source} rows" if spec.source else "no study source's rows"
             raise KickassError(
                 f"{view} holds {what}: --source {filters.source} would select nothing",
                 hint="views with a source column: "
                 + ", ".join(having("source"))
                 + "; "
                 + "; ".join(
-                    f"{src} rows only: " + ", ".join(v for v, x in VIEWS.items() if x.source == src)
-                    for src in SOURCES
+                    f"{src} rows only: " + ", ".join(v for v, x in known.items() if x.source == src)
+                    for src in sources.names()
                 ),
             )
     if filters.campaign is not None:

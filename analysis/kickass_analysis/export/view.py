@@ -15,6 +15,7 @@ from datetime import datetime
 from pathlib import Path
 
 import psycopg
+from kickass_core import sources
 from kickass_core.errors import KickassError
 from kickass_db import engine as db
 from psycopg import sql
@@ -24,7 +25,7 @@ from sqlalchemy.pool import NullPool
 
 from .. import __version__, publish
 from .files import SCHEMA_VERSION, ExportResult, _exists, _file_name, _published
-from .filters import SOURCES, Filters, _utc, _where
+from .filters import Filters, _utc, _where
 from .formats import (
     CSV_CONVENTIONS,
     FORMATS,
@@ -72,8 +73,11 @@ def export_view(
     """
     if fmt not in FORMATS:
         raise KickassError(f"unknown export format {fmt!r}", hint=f"one of: {', '.join(FORMATS)}")
-    if source is not None and source not in SOURCES:
-        raise KickassError(f"unknown source {source!r}", hint=f"one of: {', '.join(SOURCES)}")
+    if source is not None and source not in sources.names():
+        raise KickassError(
+            f"unknown source {source!r}",
+            hint=f"one of: {', '.join(sources.names())} (the study sources registered here)",
+        )
     t0 = time.monotonic()
     filters = Filters(_utc(since), _utc(until), source, campaign)
     if filters.since and filters.until and filters.since >= filters.until:

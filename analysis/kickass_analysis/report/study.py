@@ -7,11 +7,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kickass_core import sources
+
 from .. import figures, stats
 from .markup import Section, _f, _figure, _interval, _table
 from .readers import ReportData
 
-SOURCE_LABELS = {"volunteer": "volunteers", "atlas": "RIPE Atlas probes"}
+
+def source_title(name: str) -> str:
+    """How the report names a study source (its registered title; else its name)."""
+    return next((s.title for s in sources.sources() if s.name == name), name)
+
+
+def _source_order(name: str) -> tuple[int, str]:
+    return next(((s.order, s.name) for s in sources.sources() if s.name == name), (1_000, name))
+
+
 # The two drop-rate figures: phase, the summary's key, what each shows.
 DROP_FIGURES = (
     ("whole", "size", "Drop rate against packet size (whole packets)"),
@@ -71,7 +82,7 @@ def build(data: ReportData) -> Study:
     by_country: dict[str, list[stats.GroupShare]] = {}
     by_asn: dict[str, list[stats.GroupShare]] = {}
     for src, vs in data.verdicts.items():
-        label = SOURCE_LABELS.get(src, src)
+        label = source_title(src)
         intolerant[src] = stats.intolerant_share([v for _, _, v in vs], label)
         by_country[src] = stats.intolerant_by_group((c, v) for c, _, v in vs)
         by_asn[src] = stats.intolerant_by_group((a, v) for _, a, v in vs)
@@ -82,14 +93,14 @@ def build(data: ReportData) -> Study:
 
 
 def _drops_html(m: Study, sec: Section) -> None:
-    sources = sorted({src for by in m.rates.values() for src in by})
+    names = sorted({src for by in m.rates.values() for src in by}, key=_source_order)
     lines = [
         figures.DropLine(
-            SOURCE_LABELS.get(src, src),
+            source_title(src),
             {phase: by[src] for phase, by in m.rates.items() if src in by},
-            figures.COLOURS.get(src),
+            figures.source_colour(src),
         )
-        for src in sources
+        for src in names
     ]
     drawn = figures.drop_by_phase("drop", {ph: what for ph, _, what in DROP_FIGURES}, lines)
     for phase, _, what in DROP_FIGURES:
@@ -107,7 +118,7 @@ def _drops_html(m: Study, sec: Section) -> None:
             sec.empty = False
         rows = [
             [
-                SOURCE_LABELS.get(d.source, d.source),
+                source_title(d.source),
                 d.sizes,
                 d.sessions,
                 f"{d.sent:,}",
