@@ -89,13 +89,14 @@ class Source:
             raise KickassError(f"study source {self.name!r} brings no schedule item kind")
         module, _, attr = self.item_runner.partition(":")
         try:
-            return getattr(importlib.import_module(module), attr)  # type: ignore[no-any-return]
+            run: Callable[..., Any] = getattr(importlib.import_module(module), attr)
         except (ImportError, AttributeError) as exc:
             raise KickassError(
                 f"study source {self.name!r}: its item runner {self.item_runner} "
                 f"cannot be loaded: {exc}",
                 hint="reinstall the source's package",
             ) from None
+        return run
 
 
 @functools.cache
