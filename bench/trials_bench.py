@@ -21,6 +21,14 @@ emulated WAN to a kickass-agent, and prints one JSON object:
 * ``experiment-a``, ``experiment-b``: the paper's §III-D congestion
   experiments (kickass_testbed.congestion), two 40 s TCP epochs in 130 s
   (one 12 s epoch with ``--quick``).
+* ``experiment-d`` (issue 24): the paper's §IV-B in miniature
+  (kickass_testbed.wide_area): one round of Kick-Ass and CUBIC periods from
+  one sender to ten emulated paths (4-250 ms, four behind a legacy drop-tail
+  link of 20-50 Mbit/s), at 10 and at 100 Mbit/s access; per path the
+  matched-flow speedup with its interval and completion per arm, the share
+  finished sooner, the time in Kick-Ass mode and the largest goodput per arm
+  (can the senders fill the link?), the machine's CPU over the round.
+  ``--pairs`` pairs of 20 s periods (2 of 8 s with ``--quick``) per path.
 
 ``--only ROW`` (repeatable) runs some rows; each row reports its offered
 load per arm.
@@ -283,6 +291,8 @@ ROWS = {
     "experiment-c": "the light row with half of each Kick-Ass period's flows TCP (kickass@tcp50)",
     "experiment-a": "8 Kick-Ass + 8 CUBIC flows, TCP switched on and off at ka-router",
     "experiment-b": "the same with the congestion at a legacy bottleneck behind ka-router",
+    "experiment-d": "ten emulated wide-area paths (4-250 ms, some behind a legacy link), "
+    "Kick-Ass vs CUBIC at 10 and 100 Mbit/s access",
 }
 
 
@@ -302,6 +312,29 @@ def experiment(kind: str, quick: bool) -> dict[str, Any]:
         "alone": o.alone,
         "seconds": round(time.monotonic() - t0, 1),
     }
+
+
+def experiment_d(url: str, pairs: int, quick: bool) -> dict[str, Any]:
+    """Experiment (d) at both access rates: per path the figures of
+    kickass_testbed.wide_area, and across paths the speedups' range and the
+    median time in Kick-Ass mode, beside the paper's (1.2-4x; 50% in TCP
+    mode in the median case at 100 Mbit/s)."""
+    from kickass_testbed.wide_area import WideAreaSpec, run_wide_area
+
+    out: dict[str, Any] = {"paper": {"speedup": [1.2, 4.0], "tcp_mode_median_at_100mbit": 0.5}}
+    for access in (10e6, 100e6):
+        spec = WideAreaSpec(
+            capacity_bps=access, pairs=2 if quick else pairs, period_s=8.0 if quick else 20.0
+        )
+        database = create_database(url, f"bench_experiment_d_{int(access / 1e6)}_{os.getpid()}")
+        o = run_wide_area(spec, database)
+        out[f"{access / 1e6:g}mbit"] = {
+            "pairs": spec.pairs,
+            "period_s": spec.period_s,
+            "summary": o.summary,
+            "paths": o.paths,
+        }
+    return out
 
 
 def main() -> int:
@@ -379,6 +412,9 @@ def main() -> int:
         }
         for row in rows:
             print(f"{row} ...", file=sys.stderr, flush=True)
+            if row == "experiment-d":
+                report[row] = experiment_d(url, args.pairs, args.quick)
+                continue
             if row.startswith("experiment-") and row != "experiment-c":
                 report[row] = experiment(
                     "kickass-bottleneck" if row == "experiment-a" else "legacy-bottleneck",

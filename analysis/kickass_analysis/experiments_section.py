@@ -14,6 +14,14 @@ A run (``kickass_testbed.congestion``, stored by
   congestion by their losses;
 * **the TCP-mode floor** (§II-C2, "bounded below by TCP"): ka-router in
   drop-tail mode, no rates: the Kick-Ass flows run in TCP mode throughout.
+* **(d)**, §IV-B in miniature (``kickass_testbed.wide_area``, kind
+  ``wide-area``): one round of paired trials from our edge to ten emulated
+  paths (a few ms to 250 ms, the deeper ones behind a legacy drop-tail
+  link), at one access rate per run: per path the matched-flow speedup with
+  its interval and completion per arm, the share finished sooner with
+  failures kept, and the time in Kick-Ass mode (Σ ka_mode_ms / Σ FCT),
+  beside the paper's 1.2-4x and its median 50% in TCP mode at 100 Mbit/s.
+  Such a run has no rates and no epochs: it is shown as its per-path table.
 
 Per run the section draws every flow's rate over time (Kick-Ass and TCP in
 two colours), the totals against the capacity and the share of Kick-Ass
@@ -61,6 +69,7 @@ TITLES = {
     "a": "experiment (a): TCP cross traffic at the Kick-Ass bottleneck",
     "b": "experiment (b): the bottleneck is a legacy drop-tail router behind ours",
     "floor": "the TCP-mode floor: ka-router in drop-tail mode, no rates",
+    "d": "experiment (d): ten wide-area paths from our edge (§IV-B in miniature)",
 }
 # The paper's words, by experiment: (where, claim, what of ours answers it).
 PAPER: dict[str, list[tuple[str, str, str]]] = {
@@ -86,6 +95,17 @@ PAPER: dict[str, list[tuple[str, str, str]]] = {
          "router_stays"),
         ("§III-D2", "In absence of TCP cross traffic at the second router, Kick-Ass flows "
          "effectively utilize the available bandwidth and achieve fairness", "alone"),
+    ],
+    "d": [
+        ("§IV-B", "Kick-Ass outperforms TCP between 1.2 and 4x, depending on the nature of the "
+         "given paths and the access link bandwidth.", "speedups"),
+        ("§IV-B", "For a 10 Mbps Kick-Ass link, Kick-Ass consistently outperforms TCP in all "
+         "scenarios.", "all_faster"),
+        ("§IV-B", "When the Kick-Ass access link is raised to 100 Mbps, the fraction of time "
+         "spent in the failover TCP mode increases to 50% in the median case.", "tcp_mode"),
+        ("§IV-B", "When destinations are deeper in the Internet, it is more often the case that "
+         "the bottleneck is not the edge Kick-Ass router's link [...] In such cases Kick-Ass "
+         "moves to TCP mode.", "legacy"),
     ],
     "floor": [
         ("§II-C2", "We see that the performance of Kick-Ass is bounded below by TCP", "floor"),
@@ -159,7 +179,7 @@ class Experiment:
             float(spec["rtt_ms"]),
             float(spec.get("interval_s") or 0.1),
             float(spec.get("duration_s") or 0.0),
-            {k: outcome.get(k) for k in ("epochs", "alone", "drivers")},
+            {k: outcome.get(k) for k in ("epochs", "alone", "drivers", "paths", "summary")},
             flow_series(outcome),
             [(float(s[0]), str(s[1])) for s in outcome.get("router") or []],
             outcome.get("router_run_name"),
@@ -193,6 +213,11 @@ class Experiment:
     @property
     def epochs(self) -> list[Mapping[str, Any]]:
         return list(self.figures.get("epochs") or [])
+
+    @property
+    def paths(self) -> list[Mapping[str, Any]]:
+        """A wide-area run's per-path figures (none for the other kinds)."""
+        return list(self.figures.get("paths") or [])
 
     def flow_counts(self) -> dict[str, int]:
         out: dict[str, int] = defaultdict(int)
@@ -321,6 +346,15 @@ class Experiment:
             if self.started_at
             else ""
         )
+        if self.paths:
+            rtts = [float(p["rtt_ms"]) for p in self.paths]
+            sp = self.spec
+            return (
+                f"{self.capacity_bps / 1e6:g} Mbit/s access, {len(self.paths)} paths of "
+                f"{min(rtts):g}-{max(rtts):g} ms, {sp.get('pairs', '?')} pairs of "
+                f"{sp.get('period_s', '?')} s periods per path (Kick-Ass, CUBIC); "
+                f"router {self.router_mode}{when}"
+            )
         return (
             f"{self.capacity_bps / 1e6:g} Mbit/s, {self.rtt_ms:g} ms, "
             f"{c.get('kickass', 0)} Kick-Ass + {c.get('tcp', 0)} TCP flows, "
@@ -367,8 +401,71 @@ class Experiment:
             )  # fmt: skip
         return rows
 
+    PATH_HEAD = (
+        "path",
+        "region",
+        "RTT",
+        "legacy bottleneck",
+        "matched flows",
+        "speedup",
+        "95% interval",
+        "completed Kick-Ass / CUBIC",
+        "finished sooner",
+        "time in Kick-Ass mode",
+        "largest goodput Kick-Ass / CUBIC",
+    )
+
+    def path_table(self) -> list[list[str]]:
+        """A wide-area run's row per path."""
+        out = []
+        for p in self.paths:
+            flows, done = p.get("flows") or {}, p.get("completed") or {}
+            good = p.get("goodput_max_bps") or {}
+            arms = list(flows)
+            low, high = p.get("speedup_low"), p.get("speedup_high")
+            out.append(
+                [str(p.get("path")), str(p.get("region", "-")), f"{float(p['rtt_ms']):g} ms",
+                 "-" if p.get("bottleneck_bps") is None
+                 else f"{float(p['bottleneck_bps']) / 1e6:g} Mbit/s",
+                 _num(p.get("matched"), "{:d}"), _num(p.get("speedup"), "{:.2f}x"),
+                 "-" if low is None or high is None else f"[{low:.2f}, {high:.2f}]",
+                 " / ".join(f"{done.get(a, 0)}/{flows.get(a, 0)}" for a in arms) or "-",
+                 _num(p.get("sooner"), "{:.0%}"), _num(p.get("ka_mode_share"), "{:.1%}"),
+                 " / ".join(_num(None if good.get(a) is None else good[a] / 1e6, "{:.1f}")
+                            for a in arms) + " Mbit/s"]
+            )  # fmt: skip
+        return out
+
+    def _path_claims(self) -> dict[str, str]:
+        paths = self.paths
+        speedups = [p["speedup"] for p in paths if p.get("speedup") is not None]
+        shares = sorted(p["ka_mode_share"] for p in paths if p.get("ka_mode_share") is not None)
+        median = None
+        if shares:
+            n = len(shares)
+            median = (shares[(n - 1) // 2] + shares[n // 2]) / 2
+        legacy = [p for p in paths if p.get("bottleneck_bps") is not None]
+        at = f"at {self.capacity_bps / 1e6:g} Mbit/s: "
+        return {
+            "speedups": at + (f"{min(speedups):.2f}x to {max(speedups):.2f}x over "
+                              f"{len(speedups)} paths" if speedups else "no speedup"),
+            "all_faster": at + f"{sum(s > 1 for s in speedups)} of {len(speedups)} paths "
+            "faster under Kick-Ass (point estimates), "
+            f"{sum((p.get('speedup_low') or 0) > 1 for p in paths)} with the interval above 1",
+            "tcp_mode": at + ("no Kick-Ass flow completed" if median is None else
+                              f"median time in TCP mode {1 - median:.0%} over the paths "
+                              f"({1 - shares[-1]:.0%} to {1 - shares[0]:.0%})"),
+            "legacy": at + ("; ".join(
+                f"{p['path']} ({float(p['bottleneck_bps']) / 1e6:g} Mbit/s legacy link): "
+                f"{_num(_tcp_share(p), '{:.0%}')} in TCP mode" for p in legacy)
+                or "no legacy bottleneck"),
+        }  # fmt: skip
+
     def claims(self) -> list[tuple[str, str, str]]:
         """(where, the paper's words, ours) for this experiment."""
+        if self.paths:
+            mine = self._path_claims()
+            return [(where, words, mine[key]) for where, words, key in PAPER["d"]]
         rows = self.epoch_rows()
         alone = self.figures.get("alone") or {}
 
@@ -413,12 +510,18 @@ class Experiment:
             "alone": dict(self.figures.get("alone") or {}),
             "router_tcp_share": self.router_tcp_share(),
             "shading": self.shading().series,
+            "paths": self.paths,
+            "summary": dict(self.figures.get("summary") or {}),
         }
 
     def text(self) -> str:
         """The command's summary: the epoch table and the paper beside ours."""
-        head = list(self.EPOCH_HEAD)
-        table = [head, *self.epoch_table()]
+        head, rows = (
+            (list(self.PATH_HEAD), self.path_table())
+            if self.paths
+            else (list(self.EPOCH_HEAD), self.epoch_table())
+        )
+        table = [head, *rows]
         widths = [max(len(r[i]) for r in table) for i in range(len(head) - 1)]
         lines = [f"{self.title()}", f"  {self.setting()}"]
         for r in table:
@@ -469,6 +572,12 @@ def _num(x: float | None, fmt: str) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else fmt.format(x)
 
 
+def _tcp_share(path: Mapping[str, Any]) -> float | None:
+    """A path's time in TCP mode: the rest of its Kick-Ass flows' lifetime."""
+    share = path.get("ka_mode_share")
+    return None if share is None else 1 - float(share)
+
+
 def _rtts(x: float | None) -> str:
     return "-" if x is None else f"{x:g} RTT"
 
@@ -497,7 +606,9 @@ def section(data: ExperimentsData) -> tuple[Section, dict[str, Any]]:
     sec.body.append(
         "<p>The paper's partial-deployment experiments (§III-D) on the testbed, run by "
         "<code>kickass experiment run a|b|floor</code> (long-lived flows; TCP cross traffic "
-        "switched on and off). The paper ran 64 Kick-Ass and 64 TCP flows at 150 Mbit/s, "
+        "switched on and off), and its wide-area evaluation (§IV-B) in miniature, "
+        "<code>kickass experiment run d</code> (a round of paired trials to ten emulated paths, "
+        "shown as a table per path). The paper ran 64 Kick-Ass and 64 TCP flows at 150 Mbit/s, "
         "100 ms and a 1000-packet queue; ours are scaled to two cores (by default 8 + 8 flows "
         "at 20 Mbit/s, 100 ms and a one-BDP buffer: 10.4 packets per RTT per flow while TCP is "
         "on, the paper's 9.8). Each epoch's figures are over its second half: Jain's index over "
@@ -512,6 +623,9 @@ def section(data: ExperimentsData) -> tuple[Section, dict[str, Any]]:
     )
     summary_rows = []
     for r in runs:
+        if r.figures.get("paths"):
+            summary_rows.append(_wide_area_row(r))
+            continue
         epochs = r.figures.get("epochs") or []
         jains = [x["jain"] for x in epochs if x.get("jain") is not None]
         ratios = [x["kickass_over_tcp"] for x in epochs if x.get("kickass_over_tcp") is not None]
@@ -537,6 +651,10 @@ def section(data: ExperimentsData) -> tuple[Section, dict[str, Any]]:
     shown = []
     for x in reversed(data.experiments):
         name = f"experiment-{x.run_id}"
+        if x.paths:
+            sec.body.append(_wide_area_html(x, name))
+            shown.append(x.to_json())
+            continue
         fig = x.figure(name)
         shade = x.shading()
         sec.body.append(f'<h3 id="{e(name)}">{e(x.title())}</h3><p>{e(x.setting())}.</p>')
@@ -570,3 +688,48 @@ def section(data: ExperimentsData) -> tuple[Section, dict[str, Any]]:
             )
         shown.append(x.to_json())
     return sec, {"experiments": shown, "experiment_runs": len(runs)}
+
+
+def _wide_area_row(r: ExperimentRun) -> list[Any]:
+    """A wide-area run's line in the runs' table: its paths and speedups."""
+    paths = r.figures.get("paths") or []
+    rtts = [float(p["rtt_ms"]) for p in paths]
+    speedups = [p["speedup"] for p in paths if p.get("speedup") is not None]
+    flows: dict[str, int] = defaultdict(int)
+    for p in paths:
+        for arm, n in (p.get("flows") or {}).items():
+            flows[arm] += int(n)
+    return [
+        r.run_id, r.experiment, f"{r.started_at.astimezone(UTC):%Y-%m-%d %H:%M} UTC",
+        f"{r.capacity_bps / 1e6:g} Mbit/s, {len(paths)} paths of "
+        f"{min(rtts, default=0):g}-{max(rtts, default=0):g} ms",
+        " + ".join(str(n) for n in flows.values()) or "-", "-", "-",
+        f"per path {min(speedups):.2f}x to {max(speedups):.2f}x" if speedups else "-",
+    ]  # fmt: skip
+
+
+def _wide_area_html(x: Experiment, name: str) -> str:
+    """A wide-area run: its setting, the per-path table and the paper's words."""
+    from .report.markup import _table
+
+    e = html.escape
+    parts = [
+        f'<h3 id="{e(name)}">{e(x.title())}</h3><p>{e(x.setting())}. Per path: the paired '
+        "speedup on matched flows (geometric mean of CUBIC's FCT over Kick-Ass's) with its "
+        "95% interval over period pairs and completion per arm; the share of matched flows "
+        "finished sooner under Kick-Ass with failures kept; the time in Kick-Ass mode "
+        "(Σ ka_mode_ms / Σ FCT over the Kick-Ass flows that completed); the largest payload "
+        "rate a flow of each arm reached (below the access rate when the path or the senders "
+        "could not fill it).</p>",
+        _table(list(Experiment.PATH_HEAD), x.path_table(), "experiment-paths"),
+    ]
+    claims = x.claims()
+    if claims:
+        parts.append(
+            _table(
+                ["paper", "the paper's words", "ours"],
+                [[where, f"“{words}”", ours] for where, words, ours in claims],
+                "experiment-claims",
+            )
+        )
+    return "".join(parts)

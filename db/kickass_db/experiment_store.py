@@ -28,7 +28,14 @@ The TCP-mode floor (``kickass experiment run floor``: ka-router
 ``--mode droptail``, no rates, so the Kick-Ass flows run in TCP mode) is the
 ``kickass-bottleneck`` kind with ``router_mode`` ``droptail`` in its
 parameters: the kind says where the bottleneck is, the router's mode is a
-setting of the run (``EXPERIMENTS`` names the three the command runs).
+setting of the run (``EXPERIMENTS`` names the four the command runs).
+
+Experiment (d), the wide-area round (``kickass_testbed.wide_area``, kind
+``wide-area``, migration 0025), is a round of trials: its flows are stored
+as trials, and its run holds no rates, only ``figures.paths`` (per path its
+setting, flows, completion and largest goodput per arm, the speedup with
+its interval, the share finished sooner, the time in Kick-Ass mode) and
+``figures.summary`` (across the paths), every number checked as an epoch's.
 
 Readers take a connection, so the report reads them in its own snapshot;
 the store's methods run them in a transaction of their own.
@@ -62,7 +69,10 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
     "a": ("kickass-bottleneck", "kickass"),
     "b": ("legacy-bottleneck", "kickass"),
     "floor": ("kickass-bottleneck", "droptail"),
+    "d": ("wide-area", "kickass"),
 }
+# A round of trials (experiment (d)): no rates, per-path figures instead.
+WIDE_AREA = "wide-area"
 # The JSON columns: a spec is a few dozen values; figures carry a summary
 # per flow from each driver (about ten values a flow).
 PARAMETERS_MAX_BYTES = 64 * 1024
@@ -225,7 +235,8 @@ def prepare(outcome: Mapping[str, Any]) -> _Prepared:
     # What the readers compute with besides the columns: the sampling
     # interval and the run's length (bounded here, not by a CHECK: they are
     # parameters, free JSON otherwise).
-    _check(_INTERVAL, spec.get("interval_s"), "spec.interval_s")
+    if kind != WIDE_AREA:
+        _check(_INTERVAL, spec.get("interval_s"), "spec.interval_s")
     _check(_DURATION, spec.get("duration_s"), "spec.duration_s")
     router_run = outcome.get("router_run_name")
     if router_run is not None:
@@ -246,6 +257,8 @@ def prepare(outcome: Mapping[str, Any]) -> _Prepared:
             _check(_FIGURE, e.get(k), f"epochs[{i}].{k}")
     for k in ("jain", "utilisation"):
         _check(_FIGURE, alone.get(k), f"alone.{k}")
+    if kind == WIDE_AREA:
+        figures.update(_wide_area_figures(outcome))
     _json(figures, "figures", FIGURES_MAX_BYTES, FIGURES_MAX_VALUES)
 
     protocols = outcome.get("protocols") or {}
@@ -287,6 +300,34 @@ def prepare(outcome: Mapping[str, Any]) -> _Prepared:
         "figures": figures,
     }
     return _Prepared(run, rows)
+
+
+def _numbers(value: Any, where: str) -> None:
+    """Every number in ``value`` (nested objects and lists) a figure: from 0, finite."""
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            _numbers(v, f"{where}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _numbers(v, f"{where}[{i}]")
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        _check(_FIGURE, value, where)
+
+
+def _wide_area_figures(outcome: Mapping[str, Any]) -> dict[str, Any]:
+    """A wide-area run's ``paths`` (each named) and ``summary``, checked."""
+    paths, summary = outcome.get("paths"), outcome.get("summary") or {}
+    if not isinstance(paths, list) or not paths:
+        raise ExperimentRefused("a wide-area run needs its paths: a non-empty JSON list")
+    if not isinstance(summary, Mapping):
+        raise ExperimentRefused("summary must be a JSON object")
+    for i, p in enumerate(paths):
+        if not isinstance(p, Mapping):
+            raise ExperimentRefused(f"paths[{i}] must be an object")
+        _text(p.get("path"), f"paths[{i}].path")
+        _numbers(p, f"paths[{i}]")
+    _numbers(summary, "summary")
+    return {"paths": paths, "summary": dict(summary)}
 
 
 # -- reading ---------------------------------------------------------------------------------

@@ -4,13 +4,17 @@ stored and shown (issue 24 item 6).
     kickass experiment run a|b|floor [--duration S] [--epochs A-B,...] [--flows-kickass N]
                        [--flows-tcp N] [--capacity RATE] [--rtt-ms MS] [--database-url URL]
                        [--json] [--keep-logs]
+    kickass experiment run d [--capacity RATE] [--pairs N] [--period S] --database-url URL
     kickass experiment list [--json]
     kickass experiment show ID [--json]
     kickass experiment store FILE [--json]
 
 ``run`` builds the testbed in namespaces (root), runs
-``kickass_testbed.congestion.run_congestion`` and prints each TCP epoch's
-figures beside the paper's words (``kickass_analysis.experiments_section``);
+``kickass_testbed.congestion.run_congestion`` (experiment (d):
+``kickass_testbed.wide_area.run_wide_area``, a round of trials to ten
+emulated paths, which needs the database its trials go to) and prints each
+TCP epoch's (each path's) figures beside the paper's words
+(``kickass_analysis.experiments_section``);
 with a database (the flag, else ``KICKASS_DATABASE_URL``, else the config
 file) the router's telemetry and the run are stored
 (``kickass_db.experiment_store``). A run the database refuses is kept in a
@@ -39,7 +43,11 @@ EXPERIMENTS_HELP = {
     "b": "the bottleneck is a legacy drop-tail router behind ka-router (§III-D2, Fig. 7)",
     "floor": "ka-router in drop-tail mode (no rates): Kick-Ass flows in TCP mode against TCP "
     "(§II-C2, 'bounded below by TCP')",
+    "d": "one round of Kick-Ass and CUBIC trials to ten emulated wide-area paths, 4-250 ms, the "
+    "deeper ones behind a legacy drop-tail link (§IV-B in miniature)",
 }
+# The access link's default: (a), (b), floor at 20 Mbit/s; (d) the paper's 10 Mbit/s.
+DEFAULT_CAPACITY = {"d": "10mbit"}
 # What the defaults run: 28 s, TCP on from 8 to 20 s (CongestionSpec).
 DEFAULT_DURATION_S = 28.0
 MAX_FILE_BYTES = 64 * 1024 * 1024
@@ -95,9 +103,25 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     run.add_argument("--flows-tcp", type=int, default=8, metavar="N", help="per epoch (default 8)")
     run.add_argument(
         "--capacity",
-        default="20mbit",
+        default=None,
         metavar="RATE",
-        help="the bottleneck's rate: 20mbit, 1gbit or bit/s (default 20mbit)",
+        help="the bottleneck's rate (d: the access link's): 20mbit, 1gbit or bit/s "
+        "(default 20mbit; d: 10mbit, the paper's other is 100mbit)",
+    )
+    run.add_argument(
+        "--pairs",
+        type=int,
+        default=2,
+        metavar="N",
+        help="d: pairs of periods (Kick-Ass, CUBIC) per path (default 2; an interval needs 2)",
+    )
+    run.add_argument(
+        "--period",
+        type=float,
+        default=8.0,
+        metavar="S",
+        help="d: seconds per period (default 8; the round takes pairs x 10 paths x 2 x "
+        "(period + 5 s))",
     )
     run.add_argument(
         "--rtt-ms", type=float, default=100.0, metavar="MS", help="round-trip time (default 100)"
@@ -193,14 +217,17 @@ def build_spec(args: argparse.Namespace) -> Any:
                 f"{flag} must lie within 1 and 256",
                 hint="two cores carry 8 + 8 flows (the default); the paper ran 64 + 64",
             )
+    capacity_text = args.capacity or DEFAULT_CAPACITY.get(args.experiment, "20mbit")
     try:
-        capacity = rate_bps(args.capacity)
+        capacity = rate_bps(capacity_text)
     except ValueError:
         capacity = -1.0
     if not 1e5 <= capacity <= 1e10:
         raise KickassError(
             f"bad --capacity {args.capacity!r}", hint="a rate from 100kbit to 10gbit: 20mbit, 1gbit"
         )
+    if args.experiment == "d":
+        return _wide_area_spec(args, capacity)
     if not 1 <= args.rtt_ms <= 2000:
         raise KickassError(
             "--rtt-ms must lie within 1 and 2000", hint="the paper's experiments: 100 ms"
@@ -227,6 +254,19 @@ def build_spec(args: argparse.Namespace) -> Any:
         raise KickassError(
             f"cannot run this experiment: {exc}", hint="kickass experiment run --help"
         ) from None
+
+
+def _wide_area_spec(args: argparse.Namespace, capacity: float) -> Any:
+    """Experiment (d)'s WideAreaSpec from ``run``'s arguments."""
+    from .wide_area import WideAreaSpec
+
+    if not 1 <= args.pairs <= 50:
+        raise KickassError("--pairs must lie within 1 and 50", hint="an interval needs 2")
+    if not 1 <= args.period <= 600:
+        raise KickassError(
+            "--period must lie within 1 and 600 seconds", hint="the paper's periods: 120 s"
+        )
+    return WideAreaSpec(capacity_bps=capacity, pairs=args.pairs, period_s=args.period)
 
 
 class _Ticker:
@@ -282,6 +322,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     if url:
         store = ExperimentStore(url)
         store.ping()  # before minutes of running, not after
+    if args.experiment == "d":
+        if store is None or not url:
+            raise KickassError(
+                "experiment (d) is a round of trials and needs the database they are stored in",
+                hint="pass --database-url (or set KICKASS_DATABASE_URL)",
+            )
+        return _run_wide_area(args, spec, store, url)
     print(
         f"experiment ({args.experiment}): {EXPERIMENTS_HELP[args.experiment]}; "
         f"{spec.kickass_flows} Kick-Ass + {spec.tcp_flows} TCP flows, "
@@ -321,6 +368,40 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"logs kept in {logs}", file=sys.stderr)
     if run_id is not None:
         print(f"stored as run {run_id}: kickass experiment show {run_id}", file=sys.stderr)
+    return 0
+
+
+def _run_wide_area(args: argparse.Namespace, spec: Any, store: Any, url: str) -> int:
+    """``run d``: the round, stored as trials and as a run, shown per path."""
+    from kickass_analysis.experiments_section import Experiment
+
+    from .wide_area import run_wide_area
+
+    print(
+        f"experiment (d): {EXPERIMENTS_HELP['d']}; {spec.capacity_bps / 1e6:g} Mbit/s access, "
+        f"{spec.pairs} pairs of {spec.period_s:g} s periods per path; storing into {store!r}",
+        file=sys.stderr,
+    )
+    try:
+        with _Ticker(spec.duration_s + 30):
+            outcome = run_wide_area(spec, url, keep_logs=args.keep_logs).to_json()
+        try:
+            run_id = store.store(outcome)
+        except KickassError as exc:
+            path = _save(outcome, "d")
+            raise KickassError(
+                exc.message,
+                hint=f"{exc.hint + '; ' if exc.hint else ''}the outcome is kept in {path}: "
+                f"kickass experiment store {path}",
+            ) from exc
+    finally:
+        store.close()
+    summary = Experiment.from_outcome(outcome, run_id)
+    if args.json:
+        print(json.dumps({"run_id": run_id, "summary": summary.to_json(), "outcome": outcome}))
+    else:
+        print(summary.text())
+    print(f"stored as run {run_id}: kickass experiment show {run_id}", file=sys.stderr)
     return 0
 
 

@@ -29,7 +29,7 @@ from kickass_core.flow_record import DEFAULT_CONGESTION_CONTROL
 from sqlalchemy import create_engine, text
 
 from .binaries import rust_binary
-from .topology import Process
+from .topology import Process, Topology
 from .wan import Testbed, TestbedConfig, receiver_address, sender_address, testbed
 
 AGENT_CONTROL_PORT = 8700
@@ -86,6 +86,7 @@ def run_trial(
     after: Callable[[Testbed], None] | None = None,
     work_dir: Path | None = None,
     agent_secret: str | None = None,
+    topology: Topology | None = None,
 ) -> TrialOutcome:
     """Build the testbed, run one trial per sender in ``senders`` at once, return what was stored.
 
@@ -101,7 +102,8 @@ def run_trial(
     (``agent-<host>``) and each sender's spool (``spool-<host>``); given, it
     is kept, else a temporary directory is used and removed.
     ``agent_secret``: the agents' secret (default a fresh one), for hooks
-    that ask an agent for flow tokens themselves.
+    that ask an agent for flow tokens themselves. ``topology``: the testbed's
+    layout when not ``wan.wan_topology``'s (experiment (d)'s paths).
     """
     db.upgrade(database_url)
     secret = agent_secret or secrets.token_hex(32)
@@ -114,7 +116,9 @@ def run_trial(
     work.mkdir(parents=True, exist_ok=True)
     try:
         (work / "runner-token").write_text(token)
-        with testbed(testbed_config, database_url=database_url, keep_logs=keep_logs) as tb:
+        with testbed(
+            testbed_config, database_url=database_url, keep_logs=keep_logs, topology=topology
+        ) as tb:
             if keep_logs:
                 print(f"trial logs kept in {tb.log_dir} and {work}", file=sys.stderr)
             built = tb.built

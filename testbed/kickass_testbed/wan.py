@@ -212,8 +212,11 @@ def testbed(
     prefix: str | None = None,
     log_dir: Path | None = None,
     keep_logs: bool = False,
+    topology: Topology | None = None,
 ) -> Iterator[Testbed]:
-    spec = wan_topology(config)
+    """The testbed of ``config`` built, or ``topology`` (another layout of the
+    same hosts and addresses: ka-router in "rtr" between "lan" and "wan0")."""
+    spec = topology or wan_topology(config)
     with build(spec, prefix=prefix, log_dir=log_dir, keep_logs=keep_logs) as built:
         tb = Testbed(built, config, database_url)
         try:

@@ -23,8 +23,9 @@ from sqlalchemy.orm import Mapped, mapped_column
 
 from ..base import Base, bounds_checks, check_in
 
-# kickass_testbed.congestion.KINDS (the testbed is not a dependency of db).
-EXPERIMENT_KINDS = ("kickass-bottleneck", "legacy-bottleneck")
+# kickass_testbed.congestion.KINDS and kickass_testbed.wide_area.KIND (the
+# testbed is not a dependency of db); "wide-area" since migration 0025.
+EXPERIMENT_KINDS = ("kickass-bottleneck", "legacy-bottleneck", "wide-area")
 
 
 class ExperimentRunRow(Base):
