@@ -12,14 +12,17 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from datetime import UTC, date, datetime
 from pathlib import Path
 
 import psycopg
 import pytest
 from kickass_core import sources
 from kickass_core.errors import KickassError
+from support.grafana import DASHBOARD_DIR, TimeRange, expand, template_variables
 
 SUPPORT = Path(__file__).parent / "support" / "sources"
+DASHBOARD = DASHBOARD_DIR / "fragment-viability.json"
 KICKASS = str(Path(sys.executable).with_name("kickass"))
 
 
@@ -38,6 +41,13 @@ def registry() -> Iterator[None]:
     sources.sources.cache_clear()
     yield
     sources.sources.cache_clear()
+
+
+def _drop_rollup(conn: psycopg.Connection) -> list[tuple[object, ...]]:
+    return conn.execute(
+        "SELECT source, (day AT TIME ZONE 'UTC')::date, phase, ip_len, sessions::int, sent::int, "
+        "acked::int FROM v_drop_rollup ORDER BY 1, 2, 3, 4"
+    ).fetchall()
 
 
 def _dist(root: Path, name: str, entry: str) -> None:
@@ -95,6 +105,32 @@ def test_a_new_source_is_a_package_of_its_own(database_url: str, tmp_path: Path)
             " ('p1-1400', '2026-11-20T11:00Z', 'whole', 1400, 10, 10),"
             " ('p2-1500', '2026-11-01T10:00Z', 'whole', 1500, 10, 2)"
         )
+    # Its durable counts: in v_drop_rollup (0026), so in the report and the
+    # dashboards' source filter, before and after the refresh folds them.
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(demo.WRITE_COUNTS)
+        counted = [
+            ("demo", date(2026, 11, 1), "whole", 1500, 1, 10, 2),
+            ("demo", date(2026, 11, 20), "whole", 1400, 1, 10, 10),
+            ("demo", date(2026, 11, 20), "whole", 1500, 1, 10, 9),
+        ]
+        assert _drop_rollup(conn) == counted
+        conn.execute("SELECT fold_unit_count_changes()")
+        assert _drop_rollup(conn) == counted
+        (source_filter,) = [v for v in template_variables(DASHBOARD) if v["name"] == "source"]
+        month = TimeRange(datetime(2026, 10, 25, tzinfo=UTC), datetime(2026, 11, 25, tzinfo=UTC))
+        listed = conn.execute(expand(source_filter["query"], month)).fetchall()
+        assert listed == [("demo",)]
+    res = _run(
+        KICKASS, "report", "-o", str(tmp_path / "r.html"), "--json", demo=True, url=database_url
+    )
+    assert res.returncode == 0, res.stderr
+    assert '"size_demo"' in res.stdout, res.stdout
+    page = (tmp_path / "r.html").read_text()
+    assert (
+        "<td>demo university probes</td>" in page and 'data-series="demo-university-probes"' in page
+    )
+    assert "#2ca02c" in page  # its colour
     # export: its view, filtered by its source and its time column.
     out = tmp_path / "out"
     argv = [KICKASS, "export", "v_demo_units", "--format", "csv", "--source", "demo",

@@ -39,6 +39,24 @@ MIGRATION = [
 ]
 
 
+_COUNTERS = ("sent", "acked", "late", "reassembly_invalid", "frag_observed",
+             "largest_fragment_as_sent", "fragments_observed", "fragmented_observed",
+             "leading_as_sent", "leading_swapped")  # fmt: skip
+# What its writer does when a unit is final: the unit's counts per size into
+# the source-neutral queue the scheduled refresh folds (unit_count_changes;
+# unit_counts holds the unit's own row, which no pooled view reads).
+WRITE_COUNTS = f"""
+INSERT INTO unit_count_changes (source, unit, phase, day, ip_lens, units_by_size,
+    {", ".join(f"{c}_by_size" for c in _COUNTERS)}, rtt_ms_sum_by_size, rtt_ms_n_by_size)
+SELECT 'demo', split_part(unit, '-', 1), phase, measured_at::date,
+       array_agg(ip_len ORDER BY ip_len), array_agg(1::smallint),
+       array_agg(sent ORDER BY ip_len), array_agg(acked ORDER BY ip_len),
+       {", ".join("array_agg(0::smallint)" for _ in _COUNTERS[2:])},
+       array_agg(0::float8), array_agg(0::smallint)
+FROM demo_units GROUP BY split_part(unit, '-', 1), phase, measured_at::date
+"""
+
+
 def run_item(item: Any, ctx: Any) -> Any:
     """The ``demo`` kind: says where it would write (the runner's contract)."""
     from kickass_operations.items import OK, Result
