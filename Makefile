@@ -66,6 +66,8 @@ lint-python:
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	@# pytest's second module named conftest: a mypy run has one of each name.
+	$(BIN)/mypy tests/deploy/conftest.py
 
 lint-rust:
 	cargo fmt --all -- --check

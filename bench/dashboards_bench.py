@@ -440,7 +440,7 @@ def exact_views(m: ModuleType) -> list[str]:
         # FROM mv_x [alias] -> FROM (its query) alias
         pattern = re.compile(rf"FROM {name}\b(\s+(?!WHERE|JOIN|GROUP|ORDER|UNION)\w+)?")
         views = [
-            pattern.sub(lambda m, q=query, n=name: f"FROM ({q}) {(m.group(1) or n).strip()}", v)
+            pattern.sub(lambda m, q=query, n=name: f"FROM ({q}) {(m.group(1) or n).strip()}", v)  # type: ignore[misc]  # defaults bind the loop's values
             for v in views
         ]
     for res, trunc in (("1s", "second"), ("1m", "minute")):

@@ -65,6 +65,7 @@ import tempfile
 import time
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any, cast
 
 from kickass_core import wire
 from kickass_core.plan import ProbePlan
@@ -98,7 +99,7 @@ def path_process(conn, server, sessions, rtt_s, loss, seed) -> None:  # noqa: AN
     while not conn.poll():
         timeout = 0.01 if not due else max(0.0, min(0.01, due[0][0] - time.monotonic()))
         for key, _ in sel.select(timeout):
-            s = key.fileobj
+            s = cast(socket.socket, key.fileobj)
             for _ in range(64):
                 try:
                     data = s.recv(2048)
@@ -350,7 +351,7 @@ def compare(a: dict, b: dict) -> dict:
     return out
 
 
-def wan_internet(stack: ExitStack, **wan: str) -> tuple:
+def wan_internet(stack: ExitStack, **wan: Any) -> tuple:
     """The study internet with one "wan" client (WAN_RTT_MS, WAN_LOSS each
     way, plus ``wan`` options), on KICKASS_DATABASE_URL or an embedded
     PostgreSQL; everything is closed with ``stack``. Returns (net, log_dir)."""

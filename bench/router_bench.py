@@ -57,6 +57,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from kickass_testbed.binaries import RUST_BINARIES, rust_binary
 from kickass_testbed.edge import RCV, edge_path, ka_router
@@ -370,7 +371,7 @@ def main() -> None:
         for rep in range(args.repeats):
             run: dict = {}
             for sender in SENDERS:
-                row = {
+                row: dict[str, Any] = {
                     "kernel": run_sender(topo, sender, args.seconds, None),
                     "kernel_frag": kernel_frag(sender),
                 }

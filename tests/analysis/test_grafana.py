@@ -346,7 +346,7 @@ def _load_grant_reader() -> Callable[..., list[str]]:
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.grant_reader  # type: ignore[no-any-return]
+    return module.grant_reader
 
 
 @dataclass

@@ -57,7 +57,7 @@ def execute(path: Path, cwd: Path) -> nbformat.NotebookNode:
     return nb
 
 
-def outputs(nb: nbformat.NotebookNode) -> list[dict[str, Any]]:
+def outputs(nb: nbformat.NotebookNode) -> list[nbformat.NotebookNode]:
     return [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
 
 

@@ -147,7 +147,7 @@ def seed_paired_trial(
 
     tid = secrets.token_hex(16)
     arms = [("kickass", "kickass"), ("tcp:cubic", "tcp")]
-    periods = [
+    periods: list[dict[str, Any]] = [
         {
             "index": 2 * pair + k,
             "pair": pair,

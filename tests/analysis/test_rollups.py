@@ -8,6 +8,7 @@ import secrets
 import threading
 from collections import Counter
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import kickass_db as db
 import psycopg
@@ -24,7 +25,7 @@ T0 = datetime(2026, 11, 25, 12, 0, tzinfo=UTC)
 
 
 def _trial(tid: str, arms: list[tuple[str, str]], pairs: int) -> dict:
-    periods = []
+    periods: list[dict[str, Any]] = []
     for pair in range(pairs):
         for arm, proto in arms:
             periods.append({"index": len(periods), "pair": pair, "protocol": proto, "arm": arm,
@@ -135,6 +136,7 @@ def test_the_runner_s_words_for_a_flow_never_given_its_time() -> None:
     from kickass_analysis.rollups import NOT_GIVEN_ITS_TIME, given_its_time
     from kickass_wan import runner, tcpflow
 
+    error: str | None
     for error in (runner.NOT_RUN_STOPPED, runner.CUT_BY_STOP):
         assert not given_its_time({"completed": False, "error": error}), error
     for error in (runner.CUT_AT_DEADLINE, tcpflow.TIMED_OUT, "no result from the sender", None):

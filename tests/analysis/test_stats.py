@@ -16,7 +16,7 @@ def test_wilson_known_answers() -> None:
     assert low == 0.0 and high == pytest.approx(3.8415 / 13.8415, abs=1e-4)
     # Symmetric around 1/2 at k = n/2; the textbook 95% interval of 50/100.
     low, high = stats.wilson(50, 100)
-    assert (low, high) == (pytest.approx(0.4038, abs=1e-4), pytest.approx(0.5962, abs=1e-4))
+    assert (low, high) == (pytest.approx(0.4038, abs=1e-4), pytest.approx(0.5962, abs=1e-4))  # type: ignore[comparison-overlap]  # approx equals a float
     assert stats.wilson(10, 10)[1] == pytest.approx(1.0)
     assert all(math.isnan(x) for x in stats.wilson(0, 0))
 
@@ -228,5 +228,5 @@ def test_the_sooner_interval_covers_what_it_claims(clusters: int) -> None:
 
 
 def test_ecdf() -> None:
-    xs, ys = stats.ecdf([0.5, None, 1.0, 0.0, float("nan")])
+    xs, ys = stats.ecdf([0.5, None, 1.0, 0.0, float("nan")])  # type: ignore[list-item]  # a NULL, as SQL gives it
     assert xs == [0.0, 0.5, 1.0] and ys == pytest.approx([1 / 3, 2 / 3, 1.0])

@@ -497,7 +497,7 @@ class StandIn:
                 104,
             )
         self.credits -= cost
-        ids = []
+        ids: list[int] = []
         now = int(time.time())
         for d in body["definitions"]:
             msm_id = self.next_id

@@ -88,7 +88,7 @@ def env(
     yield values
 
 
-def kickass(*argv: str) -> int:
+def kickass(*argv: str | Path) -> int:
     return cli.main(["atlas", *map(str, argv)])
 
 

@@ -101,10 +101,10 @@ def test_one_ping_covers_the_split_sweep_and_probes_start_apart() -> None:
     c = core()
     seen = [
         c.on_request(i, request(dst=SPLIT, ip_len=1500, seq=i)).record.ip_len for i in range(23)
-    ]  # type: ignore[union-attr]
+    ]
     assert sorted(seen) == sorted(SPLITS)  # every split exactly once per sweep
     other = [
-        c.on_request(30 + i, request(dst=SPLIT, ip_len=1500, seq=i, icmp_id=0x9999)).record.ip_len  # type: ignore[union-attr]
+        c.on_request(30 + i, request(dst=SPLIT, ip_len=1500, seq=i, icmp_id=0x9999)).record.ip_len
         for i in range(3)
     ]
     assert other[0] != seen[0] or other[1] != seen[1]  # another probe, another start
@@ -157,8 +157,8 @@ def test_a_probes_measurements_are_separate_streams() -> None:
 
 def test_shared_address_answers_1500_split_and_other_sizes_whole() -> None:
     c = core(whole_addresses=frozenset({WHOLE}), split_addresses=frozenset({WHOLE}))
-    assert c.on_request(0, request(ip_len=1500)).record.phase == "split"  # type: ignore[union-attr]
-    assert c.on_request(0, request(ip_len=1000)).record.phase == "whole"  # type: ignore[union-attr]
+    assert c.on_request(0, request(ip_len=1500)).record.phase == "split"
+    assert c.on_request(0, request(ip_len=1000)).record.phase == "whole"
 
 
 @pytest.mark.parametrize(

@@ -101,7 +101,7 @@ def test_an_outcome_entry_of_an_older_server_has_no_invalid_flag() -> None:
         "anchor": [1e9, 5.0],
         "entries": [list(entry[:9])],
     }
-    (back,) = from_json(record).entries  # type: ignore[union-attr]
+    (back,) = from_json(record).entries
     assert back == entry and back.reassembly_invalid is False
 
 

@@ -184,7 +184,7 @@ def test_the_checks_are_the_bounds_table(database_url: str) -> None:
     today (the migration wrote its constraints out; a bound moved later
     needs a migration of its own, and fails here until it has one)."""
     with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
-        held = dict(
+        held: dict[str, str] = dict(
             conn.execute(
                 "SELECT conname, pg_get_constraintdef(oid) FROM pg_constraint "
                 "WHERE contype = 'c' AND conname LIKE 'ck_%_bounds'"

@@ -20,7 +20,10 @@ from kickass_db import journal
 def test_malformed_lines_are_set_aside_or_logged_never_raised(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    good = [Heartbeat("s", 10, 9), RunFinished("s", "complete", "tolerant", "all arrived", None)]
+    good: list[study_events.StudyEvent] = [
+        Heartbeat("s", 10, 9),
+        RunFinished("s", "complete", "tolerant", "all arrived", None),
+    ]
     lines: list[Any] = [
         {"seq": 1, "record": study_events.to_json(good[0])},
         {"seq": 2, "record": {"type": "heartbeat", "session_id": "s", "sent": "x", "acked": 1}},

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import secrets
+from typing import cast
 
 import kickass_db as db
 import pytest
 from kickass_db.trial_store import BadRecord, TrialStore
-from sqlalchemy import create_engine, text
+from sqlalchemy import Table, create_engine, text
 from support.trial_records import flow as _flow
 from support.trial_records import trial as _trial
 
@@ -149,7 +150,7 @@ def test_the_orm_flow_row_is_the_flow_records_table_column_by_column() -> None:
     )
     from sqlalchemy.dialects.postgresql import JSONB
 
-    table = FlowRow.__table__
+    table = cast(Table, FlowRow.__table__)
     keys = {"id", "trial_pk"}
     assert tuple(c.name for c in table.columns if c.name not in keys) == flow_record.FIELD_NAMES
     checks = {
@@ -168,7 +169,7 @@ def test_the_orm_flow_row_is_the_flow_records_table_column_by_column() -> None:
             want = {"bool": Boolean, "str": Text, "time": DateTime, "object": JSONB}[f.kind]
         assert type(column.type) is want, (f.name, column.type, want)
         if f.kind == "time":
-            assert column.type.timezone, f.name
+            assert column.type.timezone, f.name  # type: ignore[attr-defined]  # a time column: DateTime
         assert column.nullable == f.nullable, f.name
         if f.kind in ("int", "float", "time"):
             assert checks.get(f"{f.name}_bounds") == check_bounds(f), f.name

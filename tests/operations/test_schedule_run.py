@@ -11,6 +11,7 @@ import sys
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import kickass_db as db
 import pytest
@@ -333,7 +334,9 @@ def test_a_reaped_trial_round_closes_its_trial_and_no_other(database_url: str) -
     engine = db.make_engine(database_url)
     try:
         with engine.connect() as conn:
-            closed = dict(conn.exec_driver_sql("SELECT trial_id, finished_at FROM trials").all())
+            closed: dict[str, Any] = dict(
+                conn.exec_driver_sql("SELECT trial_id, finished_at FROM trials").all()
+            )
     finally:
         engine.dispose()
     assert closed == {"a" * 32: runs["round"]["heartbeat_at"], "b" * 32: None}

@@ -11,6 +11,7 @@ import io
 import json
 import socket
 import urllib.error
+import urllib.request
 from typing import Any
 
 import pytest
@@ -58,7 +59,7 @@ def scripted(monkeypatch: pytest.MonkeyPatch, outcomes: list[Any]) -> list[Any]:
             raise out
         return out
 
-    monkeypatch.setattr(api.urllib.request, "urlopen", fake_urlopen)
+    monkeypatch.setattr(urllib.request, "urlopen", fake_urlopen)
     return seen
 
 

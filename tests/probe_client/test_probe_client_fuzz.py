@@ -14,6 +14,7 @@ import email.message
 import io
 import json
 import urllib.error
+import urllib.request
 from typing import Any
 
 import pytest
@@ -26,7 +27,7 @@ from kickass_probe.api import ApiClient, parse_plan, printable
 from kickass_probe.errors import ProbeError
 from kickass_probe.output import format_summary, result_json
 from kickass_probe.runner import Runner, _Ctx
-from kickass_probe.session import LocalCounts, Phase, ProbeSession
+from kickass_probe.session import MAX_PLAN_PROBES, LocalCounts, Phase, ProbeSession
 
 SETTINGS = settings(
     max_examples=300,
@@ -154,7 +155,7 @@ def serve(monkeypatch: pytest.MonkeyPatch, *outcomes: Any) -> None:
             raise out
         return out
 
-    monkeypatch.setattr(api.urllib.request, "urlopen", fake_urlopen)
+    monkeypatch.setattr(urllib.request, "urlopen", fake_urlopen)
 
 
 def client() -> ApiClient:
@@ -217,7 +218,7 @@ def test_any_create_reply_is_accepted_or_a_probe_error(
         return
     # Accepted: the runner's uses of it work.
     plan = parse_plan(created["plan"])
-    assert 0 < plan.total_probes <= api.MAX_PLAN_PROBES
+    assert 0 < plan.total_probes <= MAX_PLAN_PROBES
     assert 0 < int(created["probe_port"]) < 65536
     session = ProbeSession(bytes.fromhex(created["session_id"]), bytes.fromhex(COOKIE), plan)
     assert session.start(0.0)
@@ -272,7 +273,7 @@ def test_any_plan_is_a_plan_or_a_probe_error(value: Any) -> None:
         plan = parse_plan(value)
     except ProbeError:
         return
-    assert 0 < plan.total_probes <= api.MAX_PLAN_PROBES
+    assert 0 < plan.total_probes <= MAX_PLAN_PROBES
 
 
 @SETTINGS

@@ -158,11 +158,11 @@ class ScriptedServer:
             p = self.plan.probe(seq)
             rows[p.phase][p.ip_len][0] += 1
             rows[p.phase][p.ip_len][1] += seq in acked
-        whole = [
+        whole: list[dict[str, Any]] = [
             {"ip_len": k, "sent": s, "acked": a, "late": 0, "drop_rate": drop_rate(s, a)}
             for k, (s, a) in rows["whole"].items()
         ]
-        split = [
+        split: list[dict[str, Any]] = [
             {
                 "leading_ip_len": k,
                 "sent": s,

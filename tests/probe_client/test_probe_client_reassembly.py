@@ -95,7 +95,7 @@ def budget(**kw: object) -> ReassemblyBudget:
         "window": 8,
         "start": Sample(0.0, fails=0, timeouts=0, overlaps=0, memory=0, queues=0),
     }
-    return ReassemblyBudget(**{**defaults, **kw})  # type: ignore[arg-type]
+    return ReassemblyBudget(**{**defaults, **kw})
 
 
 def test_credits_are_the_free_half_of_the_memory() -> None:

@@ -172,7 +172,7 @@ def test_corrupted_and_truncated_probes_are_acked_and_counted() -> None:
     assert len(s.on_datagram(bytes(bad), 0, 1.0)) == 1
     short = probe(3)[:-8]
     (ack,) = s.on_datagram(short, 0, 1.0)
-    assert wire.decode(ack).received_len == len(short)  # type: ignore[union-attr]
+    assert wire.decode(ack).received_len == len(short)
     assert s.counts.corrupted == 1
     assert s.counts.wrong_length == 1
     assert s.counts.received == 2
@@ -217,7 +217,7 @@ def test_frag_size_is_clamped_to_16_bits() -> None:
     s = started()
     (ack,) = s.on_datagram(probe(0), 70000, 1.0)
     # Clamped below 0xFFFF, which means "cannot tell" (wire.FRAG_SIZE_UNKNOWN).
-    assert wire.decode(ack).observed_frag_size == 0xFFFE  # type: ignore[union-attr]
+    assert wire.decode(ack).observed_frag_size == 0xFFFE
 
 
 def test_a_system_that_cannot_observe_fragment_sizes_says_so_in_every_ack() -> None:
@@ -225,7 +225,7 @@ def test_a_system_that_cannot_observe_fragment_sizes_says_so_in_every_ack() -> N
     s.start(0.0)
     s.on_datagram(wire.Challenge(TAG, TOKEN).encode(), 0, 0.01)
     (ack,) = s.on_datagram(probe(0), 0, 1.0)
-    assert wire.decode(ack).observed_frag_size == wire.FRAG_SIZE_UNKNOWN  # type: ignore[union-attr]
+    assert wire.decode(ack).observed_frag_size == wire.FRAG_SIZE_UNKNOWN
 
 
 def test_done_is_noted_and_late_probes_still_acked() -> None:

@@ -105,7 +105,7 @@ def test_linux_reassembles_router_fragments(tmp_path: Path, datapath: str) -> No
             for seq in range(210, 220):  # 1499 bytes: not full-size
                 sent[seq] = _datagram(seq, PAYLOAD - 1)
                 tx.sendto(sent[seq], (RCV, PORT))
-            got = {}
+            got: dict[int, bytes] = {}
             while len(got) < len(sent):
                 data = rx.recv(65535)
                 got[struct.unpack("!I", data[:4])[0]] = data

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import struct
+from collections.abc import Callable
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -27,6 +28,7 @@ from kickass_server.probe_core import (
     Action,
     Heartbeat,
     OutcomeBatch,
+    OutcomeEntry,
     ProbeCore,
     RunFinished,
     RunProbing,
@@ -49,7 +51,8 @@ class Sim:
         self.core = ProbeCore(self.policy, T0, probe_port=9000, random_bytes=rng.randbytes)
         self.now = T0
         self.actions: list[Action] = []
-        self.on_probe = None  # callback(SendProbe) -> None, e.g. a client acking
+        # e.g. a client acking
+        self.on_probe: Callable[[SendProbe], object] | None = None
 
     def take(self, out: list[Action]) -> list[Action]:
         self.actions.extend(out)
@@ -141,9 +144,9 @@ class Volunteer:
         done = [e for e in self.sim.of(RunFinished) if e.session_id == self.sid]
         return done[0] if done else None
 
-    def rows(self) -> dict[int, object]:
+    def rows(self) -> dict[int, OutcomeEntry]:
         """The last word on every seq, as the store's upsert keeps it."""
-        last = {}
+        last: dict[int, OutcomeEntry] = {}
         for b in self.sim.of(OutcomeBatch):
             if b.session_id == self.sid:
                 for e in b.entries:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 import pytest
@@ -64,7 +65,7 @@ class Credited(Volunteer):
         return self.send(msg.encode(), addr)
 
 
-def run_acking(sim: Sim, v: Volunteer, lose: set[int] = frozenset()) -> None:  # noqa: B006
+def run_acking(sim: Sim, v: Volunteer, lose: AbstractSet[int] = frozenset()) -> None:
     sim.on_probe = lambda p: None if p.seq in lose else v.ack(p.seq)
 
 

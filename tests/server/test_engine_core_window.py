@@ -150,9 +150,9 @@ class PathSim:
 
             def checked(now: float, seq: int, *args: int) -> None:
                 self.trace.over_window += args[-1] > ctl.window
-                on_send(now, seq, *args)  # type: ignore[arg-type]
+                on_send(now, seq, *args)
 
-            ctl.on_send = checked  # type: ignore[method-assign]
+            ctl.on_send = checked
         end = sim.now + limit
         while sim.now < end:
             d = core.next_deadline()

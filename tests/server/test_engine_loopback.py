@@ -83,7 +83,7 @@ class Peer:
         self.send(wire.Echo(self.tag, ch.token).encode())
 
     def probes(self, n: int, timeout: float = 2.0) -> list[int]:
-        seqs = []
+        seqs: list[int] = []
         deadline = time.monotonic() + timeout
         while len(seqs) < n and time.monotonic() < deadline:
             m = self.recv(max(0.01, deadline - time.monotonic()))
@@ -240,7 +240,7 @@ def test_database_restart_mid_session_loses_nothing(tmp_path) -> None:  # noqa: 
                         # The database vanishes mid-session and comes back at
                         # the same URL, while the peer goes on acknowledging.
                         outage = threading.Thread(
-                            target=lambda: (pg.stop(), time.sleep(2.0), pg.start())
+                            target=lambda: (pg.stop(), time.sleep(2.0), pg.start())  # type: ignore[func-returns-value]  # a tuple: three calls in one lambda
                         )
                         outage.start()
                         restarted = True

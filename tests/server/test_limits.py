@@ -405,9 +405,15 @@ def _at(value: Any, path: tuple[Any, ...], new: Any) -> Any:
 
 
 _ARGS = {"trial_id": "0" * 32}
-_PERIOD = {"index": 0, "pair": 0, "protocol": "tcp", "start_s": 0.0, "duration_s": 1.0}
+_PERIOD: dict[str, Any] = {
+    "index": 0,
+    "pair": 0,
+    "protocol": "tcp",
+    "start_s": 0.0,
+    "duration_s": 1.0,
+}
 # (model, valid example, field, the value at the limit, one more)
-FIELD_EDGES = [
+FIELD_EDGES: list[tuple[Any, ...]] = [
     (schemas.SessionRequest, schemas.session_example, ("client_version",), "v" * 4096, "v" * 4097),
     (schemas.SessionRequest, schemas.session_example, ("platform",), "p" * 4096, "p" * 4097),
     (schemas.SessionRequest, schemas.session_example, ("install_id",), "i" * 4096, "i" * 4097),

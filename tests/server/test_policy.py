@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 from kickass_core.errors import KickassError
-from kickass_core.pacing import TokenBucket
+from kickass_core.pacing import TokenBucket, prefix_of
 from kickass_core.plan import PlanError, ProbePlan, plan_bytes
-from kickass_server.policy import Admission, Policy, prefix_of
+from kickass_server.policy import Admission, Policy
 
 
 def test_plan_bounds() -> None:

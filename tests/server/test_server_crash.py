@@ -80,7 +80,7 @@ class Server:
         self.proc.wait(60)
 
 
-def _stored(url: str, session_id: str) -> tuple[str, int, int]:
+def _stored(url: str, session_id: str) -> tuple[str | None, int, int]:
     engine = create_engine(db.sqlalchemy_url(url))
     try:
         with engine.connect() as conn:

@@ -308,4 +308,4 @@ def test_fragments_refused_by_a_full_memory_are_invalid_not_loss(
             "GROUP BY o.outcome",
             {"sid": out["session_id"]},
         ).all()
-    assert dict(rows).get("lost") == invalid, rows
+    assert dict(rows).get("lost") == invalid, rows  # type: ignore[call-overload]  # (outcome, count) rows

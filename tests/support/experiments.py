@@ -131,7 +131,7 @@ def synthetic_outcome(
         rates=rates,
         protocols=protocols,
         router=router,
-        router_run_name=router_run_name,
+        router_run_name=router_run_name,  # type: ignore[arg-type]  # None: a run without a router, which the store takes
         alone=alone,
         drivers=drivers,
         windows={},

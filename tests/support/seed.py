@@ -39,6 +39,7 @@ import math
 import random
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from kickass_core.plan import Probe, ProbePlan, expected_max_fragment
 from kickass_core.study_events import (
@@ -428,7 +429,7 @@ def seed_paired_trials(
             tid = f"{r.getrandbits(128):032x}"
             ids.append(tid)
             t0 = now - timedelta(days=r.uniform(1, 10))
-            periods = []
+            periods: list[dict[str, Any]] = []
             for pair in range(pairs):
                 order = list(arms)
                 r.shuffle(order)

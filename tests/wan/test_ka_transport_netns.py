@@ -96,7 +96,7 @@ class Net:
         return _ndjson(self.recv_out)
 
 
-def _ndjson(path: Path) -> list[dict]:
+def _ndjson(path: Path | None) -> list[dict]:
     out = []
     for line in path.read_text().splitlines():
         line = line.strip()

@@ -54,7 +54,7 @@ def _trial(
     return json.loads(proc.stdout)
 
 
-def _stored(database_url: str) -> tuple[int, int]:
+def _stored(database_url: str) -> tuple[int | None, int | None]:
     engine = create_engine(db.sqlalchemy_url(database_url))
     try:
         with engine.connect() as conn:

@@ -934,7 +934,7 @@ def test_agent_restart_and_server_outage_lose_and_duplicate_no_flow_record(
         tcp_flows_cut_by_restart=events["tcp_flows_cut"],
         failed=failed,
         failed_started_s_from_nearest_restart=[
-            round(min((_start(f) - r for r in events["restarts"]), key=abs), 2)
+            round(min((_start(f) - r for r in events["restarts"]), key=abs), 2)  # type: ignore[arg-type]  # typeshed: abs as a key for floats
             for f in out.flows
             if not f["completed"]
         ],
