@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.schedule import wait_until
 
 KICKASS = str(Path(sys.executable).parent / "kickass")
 SECRET = "cd" * 32
@@ -225,12 +226,16 @@ def test_a_receiver_that_does_not_come_up_is_named_with_its_error(tmp_path: Path
         assert proc.stderr is not None
         port = next(int(ln.rsplit(" ", 1)[1]) for ln in proc.stderr if "ready on" in ln)
         threading.Thread(target=proc.stderr.read, daemon=True).start()
-        time.sleep(1.0)  # the receiver started and failed at least once
-        from kickass_wan.receivers import check_agent
+        from kickass_wan.receivers import AgentCheck, check_agent
         from kickass_wan.runner import AgentRef
 
         ref = AgentRef("far-1", f"http://127.0.0.1:{port}", SECRET)
-        check = check_agent(ref)
+
+        def failed() -> AgentCheck | None:
+            check = check_agent(ref)
+            return check if any("AF_PACKET" in p for p in check.problems) else None
+
+        check = wait_until(failed, 10, "the receiver to start and fail")
         assert len(check.problems) == 1, check.problems
         assert check.problems[0].startswith(
             "its Kick-Ass receiver is not up (cannot open the AF_PACKET socket: Operation not "

@@ -112,7 +112,11 @@ def test_sigterm_in_the_middle_of_a_run_ends_its_process_and_records_the_run(
             60, "the run's claim",
         )  # fmt: skip
         item = wait_until(lambda: children(proc.pid), 30, "the item's process")
-        time.sleep(1.0)  # it is waiting for the lock by now
+        waiting = text(
+            "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE NOT granted "
+            "AND relation = 'sessions'::regclass)"
+        )
+        wait_until(lambda: conn.execute(waiting).scalar(), 30, "the item to wait for the lock")
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=60)

@@ -29,6 +29,19 @@ LINKTYPE_LINUX_SLL = 113
 LINKTYPE_RAW = 101
 
 
+def wait_listening(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
+    """Returns once tcpdump (``stderr=PIPE``) says "listening on": its filter
+    is attached, so every packet from now on is captured."""
+    deadline = time.monotonic() + timeout
+    assert proc.stderr is not None
+    line = b""
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if b"listening on" in line or not line:
+            break
+    assert b"listening on" in line, f"tcpdump did not start: {line!r}"
+
+
 class Capture:
     """tcpdump on ``iface`` in ``ns`` into ``path``; ``stop()`` returns how
     many packets the filter matched and the file does not hold (the truth is
@@ -48,15 +61,7 @@ class Capture:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
         )  # fmt: skip
-        # tcpdump says "listening on" once the filter is attached.
-        deadline = time.monotonic() + 10
-        assert self.proc.stderr is not None
-        line = b""
-        while time.monotonic() < deadline:
-            line = self.proc.stderr.readline()
-            if b"listening on" in line or not line:
-                break
-        assert b"listening on" in line, f"tcpdump did not start: {line!r}"
+        wait_listening(self.proc)
 
     def stop(self, quiet_s: float = 0.3, limit_s: float = 10.0) -> int:
         # The last packets are written once the file stops growing for quiet_s.

@@ -26,6 +26,7 @@ from kickass_db.trial_store import TrialStore
 from scapy.layers.inet import IP, TCP
 from scapy.utils import rdpcap
 from support.live_server import free_port, server
+from support.pcap_truth import wait_listening
 from test_wan_agent import SECRET, agent, start_agent
 
 KICKASS = str(Path(sys.executable).parent / "kickass")
@@ -100,7 +101,7 @@ def test_a_trial_round_sends_no_secret_and_a_replay_is_refused(
             stderr=subprocess.PIPE,
         )  # fmt: skip
         try:
-            time.sleep(1.0)  # tcpdump listening
+            wait_listening(dump)
             run = subprocess.run(
                 [KICKASS, "trials", "run", "--agent", f"far-1=http://127.0.0.1:{agent_port}",
                  "--protocols", "tcp", "--pairs", "1", "--period", "1.5", "--mean-gap", "0.2",
