@@ -20,6 +20,7 @@ import pytest
 from kickass_core import wire
 from kickass_db.study_store import StudyStore
 from kickass_testbed.internet import PROBE_PORT, SERVER_IP, parse_json_output, probe_internet
+from support.schedule import wait_until
 
 pytestmark = [
     pytest.mark.netns,
@@ -339,7 +340,12 @@ def test_unproven_session_expires(database_url, tmp_path) -> None:  # noqa: ANN0
     env = {"KICKASS_POLICY_HANDSHAKE_TIMEOUT_S": "1.5"}
     with probe_internet(database_url, kinds=("clean",), server_env=env, log_dir=tmp_path) as net:
         sess = _new_session(net)
-        time.sleep(3.0)
-        status, res = _http_json(net, "clean", f"/api/v1/sessions/{sess['session_id']}")
+
+        def ended() -> tuple[int, dict] | None:
+            got = _http_json(net, "clean", f"/api/v1/sessions/{sess['session_id']}")
+            return None if got[0] == 200 and got[1]["state"] == "created" else got
+
+        # The handshake timeout (1.5 s) and the server's next timer.
+        status, res = wait_until(ended, 10, "the session to leave created", step=0.25)
         assert status == 200 and res["state"] == "expired"
         assert res["verdict"] == "inconclusive"
