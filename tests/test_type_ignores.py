@@ -57,9 +57,11 @@ def test_the_check_finds_bare_and_unexplained_ignores() -> None:
 
 
 def test_every_type_ignore_outside_tests_has_a_code_and_a_reason() -> None:
+    sources = {path: path.read_text(encoding="utf-8") for path in python_files()}
     found = [
         f"{path.relative_to(ROOT)}:{line}: {comment}"
-        for path in python_files()
-        for line, comment in unexplained(path.read_text(encoding="utf-8"))
+        for path, source in sources.items()
+        if IGNORE.search(source)  # tokenize only the files that may hold one
+        for line, comment in unexplained(source)
     ]
     assert not found, "write `# type: ignore[code]  # why`:\n" + "\n".join(found)
