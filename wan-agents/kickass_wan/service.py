@@ -22,11 +22,12 @@ from kickass_core.flow_record import (
     CONGESTION_CONTROL_RE,
     DEFAULT_CONGESTION_CONTROL,
     HANDSHAKES,
+    PROTOCOLS,
 )
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .runner import AgentRef, TrialConfig, TrialRunner
-from .schedule import PROTOCOLS, Arm, Period, default_arms, parse_arms
+from .schedule import Arm, Period, default_arms, parse_arms
 from .spool import Spool
 from .uploader import Uploader
 from .workload import Workload
