@@ -36,7 +36,10 @@ is rounded to single precision first, as PostgreSQL computes with it.
 Medians are exact: DuckDB's ``quantile_cont`` and Spark's ``percentile``
 (never ``percentile_approx``); on single-precision values every way of
 interpolating two middle values gives the same double, so they equal
-PostgreSQL's ``percentile_cont(0.5)`` to the bit.
+PostgreSQL's ``percentile_cont(0.5)`` to the bit. The excess over the
+two-fragment bound takes a power, which the engines' libraries round
+differently: it is computed here, from the counts the engine returns
+(``split_excess``), with C's ``pow`` as PostgreSQL's.
 
 Only a verified archive is read (``archive.verify_archive`` first: every
 manifest and sha256), and only the files its manifests list. The results
@@ -52,13 +55,14 @@ Engines: ``duckdb`` (one machine: a researcher's laptop) and ``spark``
 through pyspark's ``spark-submit``). Spark needs Java 17 or later. All the
 work is SQL the engine runs where the data is; only results come back to
 the driver (per session and size at most: a hundredth of the probe rows of
-the paper's plan), and the verdicts are decided there.
+the paper's plan), and the verdicts and the excesses are computed there.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
@@ -604,37 +608,63 @@ GROUP BY s.session_pk, s.session_id, s.state, s.verdict, s.verdict_reason, s.cre
     )
 
 
+def split_excess(
+    whole_sent: int, whole_acked: int, split_sent: int, split_acked: int
+) -> tuple[float, float, float] | None:
+    """``v_session_summary``'s split_excess_drop, _low and _high (None: NULL,
+    a phase without probes), as migration 0007's SQL computes them, term by
+    term in its order of operations. Computed here, not by an engine, so
+    every engine gives PostgreSQL's doubles: its ``^`` is C's ``pow``, as
+    ``math.pow`` is, where Spark's ``power`` is Java's, which differs in the
+    last bit for some counts (and the subtraction of two nearly equal
+    numbers brings that bit into the result's visible digits)."""
+    if whole_sent == 0 or split_sent == 0:
+        return None
+    # An int over an int is the correctly rounded quotient, as PostgreSQL's
+    # division of the two counts cast to double precision is.
+    whole_drop = (whole_sent - whole_acked) / whole_sent
+    split_drop = (split_sent - split_acked) / split_sent
+    w = (whole_sent - whole_acked + 1) / (whole_sent + 2)
+    s = (split_sent - split_acked + 1) / (split_sent + 2)
+    excess = split_drop - (1 - math.pow(1 - whole_drop, 2))
+    half = 1.96 * math.sqrt(
+        s * (1 - s) / split_sent + math.pow(2 * (1 - w), 2) * w * (1 - w) / whole_sent
+    )
+    return excess, excess - half, excess + half
+
+
+EXCESS_COLUMNS = ("split_excess_drop", "split_excess_low", "split_excess_high")
+
+
 def session_summary(engine: Engine) -> Any:
-    """``v_session_summary``'s counts, drop rates and excess (0007's formulas,
-    in PostgreSQL's order of operations, so every rate is the same double)."""
-    return engine.fetch("""
+    """``v_session_summary``'s counts, drop rates and excess (0007's formulas:
+    the rates by the engine, in PostgreSQL's order of operations, so every
+    rate is the same double; the excess by ``split_excess`` from the counts)."""
+    import pyarrow as pa
+
+    table = engine.fetch("""
 SELECT session_id, state, verdict, verdict_reason, created_at, finished_at, client_version,
        whole_sent, whole_acked, whole_drop_rate, split_sent, split_acked, split_drop_rate,
        split_drop_rate / nullif(whole_drop_rate, 0) AS split_to_whole_ratio,
        whole_invalid AS whole_reassembly_invalid, split_invalid AS split_reassembly_invalid,
-       excess AS split_excess_drop, excess - half AS split_excess_low,
-       excess + half AS split_excess_high, whole_fragmented AS whole_fragmented_on_arrival,
+       whole_fragmented AS whole_fragmented_on_arrival,
        split_largest_as_sent AS split_largest_fragment_as_sent,
        split_observed AS split_fragments_observed, split_leading_as_sent, split_leading_swapped
 FROM (
-    SELECT q.*,
-           q.split_drop_rate - (1 - power(1 - q.whole_drop_rate, 2)) AS excess,
-           CAST(1.96 AS DOUBLE) * sqrt(
-               q.s * (1 - q.s) / CAST(nullif(q.split_sent, 0) AS DOUBLE)
-               + power(2 * (1 - q.w), 2) * q.w * (1 - q.w) / CAST(nullif(q.whole_sent, 0) AS DOUBLE)
-           ) AS half
-    FROM (
-        SELECT c.*,
-               CAST(whole_sent - whole_acked AS DOUBLE) / CAST(nullif(whole_sent, 0) AS DOUBLE)
-                   AS whole_drop_rate,
-               CAST(split_sent - split_acked AS DOUBLE) / CAST(nullif(split_sent, 0) AS DOUBLE)
-                   AS split_drop_rate,
-               CAST(whole_sent - whole_acked + 1 AS DOUBLE) / CAST(whole_sent + 2 AS DOUBLE) AS w,
-               CAST(split_sent - split_acked + 1 AS DOUBLE) / CAST(split_sent + 2 AS DOUBLE) AS s
-        FROM per_session c
-    ) q
-) x
+    SELECT c.*,
+           CAST(whole_sent - whole_acked AS DOUBLE) / CAST(nullif(whole_sent, 0) AS DOUBLE)
+               AS whole_drop_rate,
+           CAST(split_sent - split_acked AS DOUBLE) / CAST(nullif(split_sent, 0) AS DOUBLE)
+               AS split_drop_rate
+    FROM per_session c
+) q
 ORDER BY session_id""")
+    counts = table.select(["whole_sent", "whole_acked", "split_sent", "split_acked"])
+    excess = [split_excess(**r) for r in counts.to_pylist()]
+    for i, name in enumerate(EXCESS_COLUMNS):
+        values = [None if e is None else e[i] for e in excess]
+        table = table.append_column(name, pa.array(values, pa.float64()))
+    return table
 
 
 def session_verdicts(engine: Engine) -> Any:

@@ -9,7 +9,10 @@ files alone what PostgreSQL's views show, and each result is compared with
 the database row for row:
 
 - counts exactly; rates, excesses and per-session medians as the same Python
-  float (their ``repr``); stored verdicts and times as they are;
+  float (their ``repr``); stored verdicts and times as they are. One more
+  session is seeded with counts whose excess C's ``pow`` (PostgreSQL's) and a
+  square's ``x * x`` (what Java's, Spark's, gives for a power of 2) round apart
+  in the last bit: an engine computing the excess itself would differ there;
 - each session's verdict decided again by ``kickass_core.verdict.decide``
   equal to the one stored;
 - the pooled median RTT exact (equal to PostgreSQL's ``percentile_cont`` over
@@ -32,6 +35,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import secrets
 import shutil
 import subprocess
@@ -47,6 +51,9 @@ import pytest
 from kickass_analysis import archive, archive_analysis, rollups
 from kickass_core.errors import KickassError
 from kickass_core.states import FINAL_STATES
+from kickass_core.study_events import ClockAnchor, OutcomeBatch, OutcomeEntry, RunFinished
+from kickass_core.verdict import decide
+from kickass_db.study_store import StudyStore
 from kickass_testbed.pg import create_database, drop_database
 from support import seed
 from support.durable import MEDIAN_BOUND, connect, seed_issue_28
@@ -71,6 +78,49 @@ class _Yesterday(datetime):
         return cls.fromtimestamp(t.timestamp(), tz or UTC)
 
 
+# A session's (whole sent, whole acked, split sent, split acked) whose
+# excess ``1 - (1 - whole drop)^2`` takes a square that C's pow and x * x
+# round apart: 1 - 16/82 squared.
+POW_APART = (82, 66, 100, 90)
+
+
+def _pow_apart(whole_sent: int, whole_acked: int, *_: int) -> bool:
+    x = 1 - (whole_sent - whole_acked) / whole_sent
+    return math.pow(x, 2) != x * x
+
+
+def _seed_pow_apart(url: str, counts: tuple[int, int, int, int]) -> str:
+    """One more finished session, created by the seed's clock, with these
+    counts: the first probes of each phase acknowledged, the rest lost."""
+    whole_sent, whole_acked, split_sent, split_acked = counts
+    plan = seed.default_plan()
+    probes = [plan.probe(q) for q in range(plan.total_probes)]
+    whole = [p for p in probes if p.phase == "whole"][:whole_sent]
+    split = [p for p in probes if p.phase == "split"][:split_sent]
+    assert len(whole) == whole_sent and len(split) == split_sent
+    acked = {p.seq for p in whole[:whole_acked]} | {p.seq for p in split[:split_acked]}
+    rows = tuple(
+        OutcomeEntry(p.seq, p.phase, p.ip_len, "acked", 0.002 * i, 0.002 * i + 0.04, 1,
+                     p.udp_payload_len, 0)
+        if p.seq in acked
+        else OutcomeEntry(p.seq, p.phase, p.ip_len, "lost", 0.002 * i, None, 0, None, None)
+        for i, p in enumerate(whole + split)
+    )  # fmt: skip
+    t0 = _Yesterday.now(UTC)
+    client = seed._Client("seed-pow-apart", "clean", "Linux-x86_64", "192.0.2.77", 40.0, 0.0)
+    store = StudyStore(url)
+    try:
+        session_id = seed._create(store, client, plan, random.Random(82), t0)
+        seed._backdate_start(store, session_id, t0)
+        store.apply(OutcomeBatch(session_id, rows, ClockAnchor(t0.timestamp(), 0.0)))
+        v = decide(*counts)
+        store.apply(RunFinished(session_id, "complete", v.verdict, v.reason, None))
+        seed._backdate(store, session_id, t0, t0 + timedelta(seconds=1))
+    finally:
+        store.close()
+    return session_id
+
+
 @dataclass
 class Archived:
     url: str
@@ -89,6 +139,7 @@ def archived(
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(seed, "datetime", _Yesterday)
             seed_issue_28(url)
+            _seed_pow_apart(url, POW_APART)
         rollups.refresh(url)
         exact = _exact_pooled_medians(url)
         root = tmp_path_factory.mktemp("analysis") / "archive"
@@ -230,6 +281,9 @@ def expected(archived: Archived) -> dict[str, list[dict[str, Any]]]:
     assert {r["source"] for r in out["v_size_drop_by_source"]} == {"volunteer", "atlas"}
     assert any(r["sessions"] > 1 for r in out["client_verdicts"])
     assert any(r["split_to_whole_ratio"] is not None for r in out["v_session_summary"])
+    counts = ("whole_sent", "whole_acked", "split_sent", "split_acked")
+    apart = [r for r in out["v_session_summary"] if _pow_apart(*(r[c] for c in counts))]
+    assert [tuple(r[c] for c in counts) for r in apart] == [POW_APART]
     return out
 
 
