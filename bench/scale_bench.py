@@ -8,8 +8,11 @@ and the refresh at scale, is dashboards_bench.py's):
                       ``unit_counts`` (heap, TOAST and index:
                       pg_total_relation_size over the sessions), against the
                       raw rows' bytes; what ``finish_session`` gains at p50
-                      and p95 (finish_session with its counts against the
-                      same UPDATE alone, sessions interleaved); the
+                      and p95 over the same UPDATE alone, with the head's
+                      ``write_unit_counts`` and with 0026's (before 0027),
+                      the three kinds of finish taking turns session by
+                      session (wall clock, and the backend's CPU time), over
+                      the partitions a server keeping 30 raw days has; the
                       refresh's fold of those sessions.
   b  ingest           the store's write path (``record_outcomes``: COPY of a
                       batch, an upsert when it repeats a stored seq; batches
@@ -57,6 +60,7 @@ Usage: nice -n 19 .venv/bin/python bench/scale_bench.py [--quick] [--only LETTER
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import random
@@ -161,26 +165,72 @@ def _scalar(conn: Any, stmt: Any) -> Any:
     return conn.execute(stmt).scalar_one()
 
 
+MIGRATIONS = Path(__file__).resolve().parents[1] / "db" / "migrations" / "versions"
+
+
+def _migration(prefix: str) -> Any:
+    """A migration module of db/migrations/versions, for its SQL."""
+    (path,) = MIGRATIONS.glob(f"{prefix}_*.py")
+    spec = importlib.util.spec_from_file_location(f"_scale_bench_migration_{prefix}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# write_unit_counts as it was before migration 0027 (0020's over 0022's
+# partitions), under another name: the "before" of figure e, in the same run.
+BEFORE_0027 = "bench_write_unit_counts_0026"
+
+
+def _install_before_0027(url: str) -> None:
+    sql = _migration("0020").write_unit_counts(_migration("0022").SESSION_ROWS)
+    assert sql.count("CREATE FUNCTION write_unit_counts(") == 1
+    with psycopg.connect(db.libpq_url(url), autocommit=True) as conn:
+        conn.execute(sql.replace("FUNCTION write_unit_counts(", f"FUNCTION {BEFORE_0027}(", 1))
+
+
+@contextmanager
+def _counted_by(function: str) -> Iterator[None]:
+    """finish_session storing its counts through ``function`` (same arguments)."""
+    saved = study_store._WRITE_COUNTS
+    study_store._WRITE_COUNTS = text(f"SELECT * FROM {function}(CAST(:pks AS bigint[]))")
+    try:
+        yield
+    finally:
+        study_store._WRITE_COUNTS = saved
+
+
+def _stats(ms: list[float]) -> dict[str, float]:
+    return {"p50": pct(ms, 50), "p95": pct(ms, 95), "n": len(ms)}
+
+
 def durable_counts(url: str, sessions: int, rng: random.Random) -> dict[str, Any]:
+    """Sessions in turn: finished with their counts (head), finished with
+    0026's counts (``BEFORE_0027``), or by the UPDATE alone (before 0020)."""
+    from kickass_analysis.archive import KEEP_RAW_DAYS
     from kickass_db.study_store import _sessions
 
+    _install_before_0027(url)
     store = StudyStore(url)
-
-    with_counts: list[float] = []
-    update_only: list[float] = []
-    cpu_ms: list[float] = []
+    # The raw days a server keeps (keep_raw_days): the finish reads one
+    # partition, but is planned over all of them.
+    with store.engine.begin() as conn:
+        today = partitions.today(conn)
+        for back in range(1, KEEP_RAW_DAYS["probe_outcomes"] + 1):
+            partitions.ensure(conn, "probe_outcomes", today - timedelta(days=back))
+        days = len(partitions.days(conn, "probe_outcomes"))
+    arms = ("now", "before_0027", "update_only")
+    wall: dict[str, list[float]] = {arm: [] for arm in arms}
+    cpu: dict[str, list[float]] = {arm: [] for arm in arms[:2]}
+    counted: list[str] = []
     try:
         for i in range(sessions):
+            arm = arms[i % 3]
             sid = new_session(store, rng)
             record(store, sid, outcomes(FULL_PLAN, rng))
             pid = _backend(store)
-            c0, t0 = _cpu_s(pid), time.perf_counter()
-            if i % 2 == 0:
-                assert store.apply(RunFinished(sid, "complete", "fragments-ok", "bench", None))
-                with_counts.append(time.perf_counter() - t0)
-                if _backend(store) == pid:  # the pool's one connection: its CPU time
-                    cpu_ms.append((_cpu_s(pid) - c0) * 1000)
-            else:
+            if arm == "update_only":
                 # finish_session's UPDATE alone: what it cost before 0020.
                 stmt = (
                     update(_sessions)
@@ -189,9 +239,18 @@ def durable_counts(url: str, sessions: int, rng: random.Random) -> dict[str, Any
                             finished_at=datetime.now(UTC))
                     .returning(_sessions.c.id)
                 )  # fmt: skip
+                t0 = time.perf_counter()
                 store.run(partial(_scalar, stmt=stmt))
-                update_only.append(time.perf_counter() - t0)
-        counted = len(with_counts)
+                wall[arm].append((time.perf_counter() - t0) * 1000)
+                continue
+            function = "write_unit_counts" if arm == "now" else BEFORE_0027
+            with _counted_by(function):
+                c0, t0 = _cpu_s(pid), time.perf_counter()
+                assert store.apply(RunFinished(sid, "complete", "fragments-ok", "bench", None))
+                wall[arm].append((time.perf_counter() - t0) * 1000)
+            if _backend(store) == pid:  # the pool's one connection: its CPU time
+                cpu[arm].append((_cpu_s(pid) - c0) * 1000)
+            counted.append(sid)
         with store.engine.connect() as conn:
             sizes = conn.execute(
                 text(
@@ -210,22 +269,40 @@ def durable_counts(url: str, sessions: int, rng: random.Random) -> dict[str, Any
         fold_s = time.perf_counter() - t0
     finally:
         store.close()
-    ms = [x * 1000 for x in with_counts]
-    base = [x * 1000 for x in update_only]
+    base = wall["update_only"]
     return {
-        "sessions_counted": counted,
-        "bytes_per_session": sizes.counts / counted,
-        "heap_bytes_per_session": sizes.heap / counted,
-        "index_bytes_per_session": sizes.idx / counted,
+        "sessions_counted": len(counted),
+        "probe_outcomes_partitions": days,
+        "bytes_per_session": sizes.counts / len(counted),
+        "heap_bytes_per_session": sizes.heap / len(counted),
+        "index_bytes_per_session": sizes.idx / len(counted),
         "raw_bytes_per_session": sizes.raw / sessions,
         "unit_counts_rows": sizes.rows,
-        "finish_ms": {"p50": pct(ms, 50), "p95": pct(ms, 95)},
-        "update_only_ms": {"p50": pct(base, 50), "p95": pct(base, 95)},
-        "finish_gains_ms": {"p50": pct(ms, 50) - pct(base, 50), "p95": pct(ms, 95) - pct(base, 95)},
+        "update_only_ms": _stats(base),
+        # Wall clock of the finish with its counts, and what that gains over
+        # the UPDATE alone, with the counting of the head and of 0026.
+        **{
+            f"finish{suffix}_ms": _stats(wall[arm])
+            for arm, suffix in (("now", ""), ("before_0027", "_before_0027"))
+        },
+        **{
+            f"finish{suffix}_gains_ms": {
+                "p50": pct(wall[arm], 50) - pct(base, 50),
+                "p95": pct(wall[arm], 95) - pct(base, 95),
+            }
+            for arm, suffix in (("now", ""), ("before_0027", "_before_0027"))
+        },
         # The backend's CPU time of a finish with its counts: what it costs on
         # an idle core (the wall times above include waiting for one).
-        "finish_backend_cpu_ms": {"p50": pct(cpu_ms, 50), "p95": pct(cpu_ms, 95), "n": len(cpu_ms)},
-        "fold": {"changes": folded, "seconds": fold_s, "ms_per_session": fold_s * 1000 / counted},
+        **{
+            f"finish{suffix}_backend_cpu_ms": _stats(cpu[arm])
+            for arm, suffix in (("now", ""), ("before_0027", "_before_0027"))
+        },
+        "fold": {
+            "changes": folded,
+            "seconds": fold_s,
+            "ms_per_session": fold_s * 1000 / len(counted),
+        },
     }
 
 
@@ -801,7 +878,8 @@ def main() -> int:
     )  # fmt: skip
     args = parser.parse_args()
     rng = random.Random(28)
-    sessions, rounds = (20, 2) if args.quick else (80, 9)
+    # Figure e takes three kinds of finish in turn: 40 sessions of each in a full run.
+    sessions, rounds = (21, 2) if args.quick else (120, 9)
     # One day of the issue's 100 M rows is about 90 full-plan sessions (3.3 M rows).
     retire_sessions = 10 if args.quick else 90
     only = {FIGURES.get(f, f) for f in args.only or NAMES}
