@@ -422,6 +422,9 @@ def cmd_list(args: argparse.Namespace) -> int:
     rows = [head]
     for r in runs:
         epochs = r.figures.get("epochs") or []
+        if r.figures.get("paths"):
+            rows.append(_wide_area_line(r))
+            continue
         rows.append(
             [str(r.run_id), r.experiment, r.kind, r.router_mode,
              f"{r.started_at.astimezone(UTC):%Y-%m-%d %H:%M:%S}",
@@ -437,6 +440,24 @@ def cmd_list(args: argparse.Namespace) -> int:
     for row in rows:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
     return 0
+
+
+def _wide_area_line(r: Any) -> list[str]:
+    """A wide-area run in ``list``: its paths' RTTs, flows per arm, speedups."""
+    paths = r.figures["paths"]
+    rtts = [float(p["rtt_ms"]) for p in paths]
+    flows: dict[str, int] = {}
+    for p in paths:
+        for arm, n in (p.get("flows") or {}).items():
+            flows[arm] = flows.get(arm, 0) + int(n)
+    speedups = [p["speedup"] for p in paths if p.get("speedup") is not None]
+    return [
+        str(r.run_id), r.experiment, r.kind, r.router_mode,
+        f"{r.started_at.astimezone(UTC):%Y-%m-%d %H:%M:%S}",
+        f"{r.capacity_bps / 1e6:g} Mbit/s {min(rtts):g}-{max(rtts):g} ms",
+        "+".join(str(n) for n in flows.values()) or "-", "-", "-",
+        f"{min(speedups):.2f}-{max(speedups):.2f} per path" if speedups else "-",
+    ]  # fmt: skip
 
 
 def cmd_show(args: argparse.Namespace) -> int:

@@ -57,7 +57,9 @@ def _outcome() -> dict[str, Any]:
     ).to_json()
 
 
-def test_a_wide_area_run_is_stored_and_shown_per_path(database_url: str) -> None:
+def test_a_wide_area_run_is_stored_and_shown_per_path(
+    database_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     outcome = _outcome()
     with ExperimentStore(database_url) as store:
         run_id = store.store(outcome)
@@ -77,6 +79,10 @@ def test_a_wide_area_run_is_stored_and_shown_per_path(database_url: str) -> None
     assert "median time in TCP mode 31%" in page
     assert summary["experiments"][0]["paths"] == outcome["paths"]
     assert "city-1" in x.text() and "time in Kick-Ass mode" in x.text()
+    # `kickass experiment list`: the paths' round trips, flows per arm, speedups.
+    assert cli.main(["experiment", "list", "--database-url", database_url]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert "100 Mbit/s 4-200 ms" in line and "40+40" in line and "1.30-1.90 per path" in line
 
 
 def test_a_path_with_a_number_out_of_bounds_is_refused_whole(database_url: str) -> None:
