@@ -2,7 +2,9 @@
 
 A property test over every writer of the numbers the readers compute with:
 the trial API (a runner's signed uploads through the real Flask app), `kickass
-telemetry ingest` and `kickass atlas import`. Each example gives every
+telemetry ingest`, `kickass atlas import` and the congestion experiments'
+store (`ExperimentStore.store`, what `kickass experiment run|import` call).
+Each example gives every
 bounded field of every writer a value of its own (the field's bounds and just
 past them, NaN, the infinities, 1e308, integers past smallint, integer,
 bigint and a double's mantissa, the smallest subnormal, text, booleans;
@@ -45,6 +47,7 @@ from kickass_atlas.campaign import Campaign
 from kickass_atlas.result_files import SourceLine, import_campaign
 from kickass_atlas.store import AtlasStore
 from kickass_core import bounds, cli, flow_record, signing
+from kickass_db.experiment_store import EPOCH_FIGURES, ExperimentRefused, ExperimentStore
 from kickass_db.partitions import Partitions, day_of
 from kickass_db.study_store import StudyStore
 from kickass_db.telemetry import TelemetryIngest
@@ -52,6 +55,7 @@ from kickass_db.trial_store import TrialStore
 from kickass_server.api import ApiConfig, create_app
 from kickass_server.engine import ProbeEngine
 from kickass_testbed.pg import create_database, drop_database
+from support.experiments import synthetic_outcome
 from support.grafana import TimeRange, expand, panel_interval, panel_queries
 from support.seed import seed_atlas, seed_item_runs, seed_paired_trials, seed_router, seed_study
 from support.trial_records import flow as good_flow
@@ -118,6 +122,13 @@ ATLAS_FIELDS = [
     bounds.renamed(_ATLAS["firmware"], "fw"), *(_ATLAS[n] for n in ("size", "sent", "rcvd", "dup")),
     bounds.renamed(_ATLAS["rtt_ms"], "rtt"),
 ]  # fmt: skip
+# A congestion experiment's numbers: its run's columns, an epoch's figures
+# (the report draws and tabulates them) and one rate sample's.
+_RUN = {f.name: f for f in bounds.EXPERIMENT_RUNS}
+EXPERIMENT_FIELDS = [
+    *bounds.EXPERIMENT_RUNS, *bounds.EXPERIMENT_RATES,
+    *(bounds.Field(k, "float", minimum=0.0, maximum=1e9) for k in EPOCH_FIGURES),
+]  # fmt: skip
 
 
 @st.composite
@@ -136,6 +147,7 @@ def hostile_writes(draw: st.DrawFn) -> dict[str, list[tuple[str, Any]]]:
         "samples": [(f.name, value(f)) for f in SAMPLE_FIELDS],
         "runs": [(f.name, value(f)) for f in RUN_FIELDS],
         "atlas": [(f.name, value(f)) for f in ATLAS_FIELDS],
+        "experiments": [(f.name, value(f)) for f in EXPERIMENT_FIELDS],
     }
 
 
@@ -232,6 +244,37 @@ def write_atlas(url: str, writes: dict[str, list[tuple[str, Any]]]) -> None:
         import_campaign(store, _campaign(), lines)
 
 
+def write_experiments(url: str, writes: dict[str, list[tuple[str, Any]]]) -> None:
+    """One experiment (a) per field, that field hostile: stored, or refused whole
+    by ExperimentRefused (never another error, never a part of it stored)."""
+    with ExperimentStore(url) as store:
+        for i, (name, v) in enumerate(writes["experiments"]):
+            outcome = synthetic_outcome(
+                "a", started_at=NOW - timedelta(hours=2, minutes=i), router_run_name=None
+            )
+            # Two flows' first seconds: the values, not the volume, are the test.
+            keep = (
+                list(outcome["rates"])[:1]
+                + [f for f in outcome["rates"] if f.startswith("tcp")][:1]
+            )
+            outcome["rates"] = {f: outcome["rates"][f][:20] for f in keep}
+            outcome["protocols"] = {f: outcome["protocols"][f] for f in keep}
+            if name == "started_at":
+                outcome["started_at"] = v
+            elif name in _RUN:
+                outcome["spec"][name] = v
+            elif name in EPOCH_FIGURES:
+                outcome["epochs"][0][name] = v
+            else:  # a rate sample: [t_s, rate_bps, ka_mode]
+                flow = next(iter(outcome["rates"]))
+                outcome["rates"][flow][0][0 if name == "t_s" else 1] = v
+            before = len(store.runs())
+            try:
+                store.store(json.loads(json_text(outcome)))
+            except ExperimentRefused:
+                assert len(store.runs()) == before, name
+
+
 def _campaign() -> Campaign:
     # Only its name is read: the measurements are the stored ones.
     return Campaign.from_dict({
@@ -306,6 +349,7 @@ def test_every_reader_reads_what_every_writer_stored(
         write_api(url, writes)
         write_telemetry(url, writes)
         write_atlas(url, writes)
+        write_experiments(url, writes)
         read_everything(url, tmp_path_factory.mktemp("read"))
     finally:
         drop_database(pg_server_url, name)
