@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import re
 import shutil
@@ -612,25 +611,14 @@ def split_excess(
     whole_sent: int, whole_acked: int, split_sent: int, split_acked: int
 ) -> tuple[float, float, float] | None:
     """``v_session_summary``'s split_excess_drop, _low and _high (None: NULL,
-    a phase without probes), as migration 0007's SQL computes them, term by
-    term in its order of operations. Computed here, not by an engine, so
-    every engine gives PostgreSQL's doubles: its ``^`` is C's ``pow``, as
-    ``math.pow`` is, where Spark's ``power`` is Java's, which differs in the
-    last bit for some counts (and the subtraction of two nearly equal
-    numbers brings that bit into the result's visible digits)."""
-    if whole_sent == 0 or split_sent == 0:
-        return None
-    # An int over an int is the correctly rounded quotient, as PostgreSQL's
-    # division of the two counts cast to double precision is.
-    whole_drop = (whole_sent - whole_acked) / whole_sent
-    split_drop = (split_sent - split_acked) / split_sent
-    w = (whole_sent - whole_acked + 1) / (whole_sent + 2)
-    s = (split_sent - split_acked + 1) / (split_sent + 2)
-    excess = split_drop - (1 - math.pow(1 - whole_drop, 2))
-    half = 1.96 * math.sqrt(
-        s * (1 - s) / split_sent + math.pow(2 * (1 - w), 2) * w * (1 - w) / whole_sent
-    )
-    return excess, excess - half, excess + half
+    a phase without probes): ``kickass_core.verdict.excess``, which is 0007's
+    SQL term by term. Computed here from the counts, not by an engine, so
+    every engine gives PostgreSQL's doubles: Spark's ``power`` is Java's,
+    which differs from C's ``pow`` in the last bit for some counts (and the
+    subtraction of two nearly equal numbers brings that bit into the
+    result's visible digits)."""
+    x = verdicts.excess(whole_sent, whole_acked, split_sent, split_acked)
+    return None if x is None else (x.estimate, x.low, x.high)
 
 
 EXCESS_COLUMNS = ("split_excess_drop", "split_excess_low", "split_excess_high")

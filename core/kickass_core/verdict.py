@@ -146,11 +146,16 @@ def detectable_excess(whole_drop: float, split_sent: int, z_power: float = Z_POW
 def excess(whole_sent: int, whole_acked: int, split_sent: int, split_acked: int) -> Excess | None:
     """Split drop minus the two-fragment bound, with its 95% interval (None
     without probes in both phases). The same formula is in the database view
-    ``v_session_summary`` (migration 0007)."""
+    ``v_session_summary`` (migration 0007), and this is the same arithmetic,
+    term by term in its order, so the verdict, the view and the archive's
+    engines (``kickass_analysis.archive_analysis``) give the same doubles:
+    a count over a count is the correctly rounded quotient, as PostgreSQL's
+    division of the two as double precision is, and ``**`` on floats is C's
+    ``pow``, as PostgreSQL's ``^`` is."""
     if whole_sent <= 0 or split_sent <= 0:
         return None
-    w = 1.0 - whole_acked / whole_sent
-    s = 1.0 - split_acked / split_sent
+    w = (whole_sent - whole_acked) / whole_sent
+    s = (split_sent - split_acked) / split_sent
     est = s - two_fragment_bound(w)
     # Agresti-Caffo: one more lost and one more delivered probe per phase.
     wa = (whole_sent - whole_acked + 1) / (whole_sent + 2)
