@@ -50,6 +50,14 @@ def _drop_rollup(conn: psycopg.Connection) -> list[tuple[object, ...]]:
     ).fetchall()
 
 
+def _size_by_source(conn: psycopg.Connection) -> list[tuple[object, ...]]:
+    return conn.execute(
+        "SELECT source, ip_len, sessions::int, sent::int, acked::int, rtt_ms_median, "
+        "fragmented_on_arrival::int FROM v_size_drop_by_source WHERE source = 'demo' "
+        "ORDER BY ip_len"
+    ).fetchall()
+
+
 def _dist(root: Path, name: str, entry: str) -> None:
     info = root / f"{name.replace('-', '_')}-0.1.0.dist-info"
     info.mkdir(parents=True)
@@ -115,8 +123,12 @@ def test_a_new_source_is_a_package_of_its_own(database_url: str, tmp_path: Path)
             ("demo", date(2026, 11, 20), "whole", 1500, 1, 10, 9),
         ]
         assert _drop_rollup(conn) == counted
+        # ... and pooled per size in v_size_drop_by_source (0028), no union of its own.
+        pooled = [("demo", 1400, 1, 10, 10, None, 0), ("demo", 1500, 2, 20, 11, None, 0)]
+        assert _size_by_source(conn) == pooled
         conn.execute("SELECT fold_unit_count_changes()")
         assert _drop_rollup(conn) == counted
+        assert _size_by_source(conn) == pooled
         (source_filter,) = [v for v in template_variables(DASHBOARD) if v["name"] == "source"]
         month = TimeRange(datetime(2026, 10, 25, tzinfo=UTC), datetime(2026, 11, 25, tzinfo=UTC))
         listed = conn.execute(expand(source_filter["query"], month)).fetchall()

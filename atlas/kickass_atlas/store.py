@@ -4,7 +4,9 @@ Bulk rows (the responder's reply log, fetched results and their per-packet
 outcomes) go in with COPY into a temporary table and one ``INSERT ... ON
 CONFLICT DO NOTHING``: COPY is what makes ingest fast, the conflict clause
 what makes a re-sent batch, a re-fetched window or a re-imported file
-harmless. One exception: a result stored ``invalid`` (an unreadable copy)
+harmless; a result's counts are added to its probe's durable counts
+(``unit_counts``) in the same transaction, for a result new to the table
+only, so they too are added once. One exception: a result stored ``invalid`` (an unreadable copy)
 gives way to a readable one with the same key, which then gets its outcomes;
 a readable result is never replaced. A fetched chunk, its outcomes and the
 measurement's watermark (``fetched_until``, or ``rechecked_until`` for the
@@ -264,6 +266,7 @@ class AtlasStore(StoreBase):
                 OUTCOME_COLUMNS,
                 (_astuple(o) for o in outcomes if (o.msm_id, o.prb_id, o.result_at) in fresh),
             )
+            _write_counts(conn, fresh)
             watermark = "rechecked_until" if recheck else "fetched_until"
             conn.execute(
                 text(f"""
@@ -300,13 +303,15 @@ class AtlasStore(StoreBase):
         """The same as store_chunk, one INSERT per row: the benchmark's baseline only."""
 
         def work(conn: Connection) -> int:
-            new = 0
+            fresh: set[ResultKey] = set()
             cols = ", ".join(RESULT_COLUMNS)
             marks = ", ".join(f":{c}" for c in RESULT_COLUMNS)
             ins = text(f"INSERT INTO atlas_results ({cols}) VALUES ({marks}) {_REPLACE_INVALID}")
             for r in results:
                 values = dict(zip(RESULT_COLUMNS, _result_tuple(r), strict=True))
-                new += conn.execute(ins, values).rowcount
+                if conn.execute(ins, values).rowcount:
+                    fresh.add((r.msm_id, r.prb_id, r.result_at))
+            new = len(fresh)
             cols = ", ".join(OUTCOME_COLUMNS)
             marks = ", ".join(f":{c}" for c in OUTCOME_COLUMNS)
             ins = text(
@@ -314,6 +319,7 @@ class AtlasStore(StoreBase):
             )
             for o in outcomes:
                 conn.execute(ins, dict(zip(OUTCOME_COLUMNS, _astuple(o), strict=True)))
+            _write_counts(conn, fresh)
             conn.execute(
                 text(
                     "UPDATE atlas_measurements SET fetched_until = :u, "
@@ -513,6 +519,24 @@ def _copy_insert(
         cur.execute(f"INSERT INTO {table} ({cols}) SELECT {cols} FROM {tmp} ON CONFLICT DO NOTHING")
         new: int = cur.rowcount
     return new
+
+
+def _write_counts(conn: Connection, keys: Iterable[ResultKey]) -> None:
+    """Adds these results' counts to their probes' durable counts (migration
+    0028). Each result once: only those just stored with their outcomes."""
+    ordered = sorted(keys)
+    if ordered:
+        conn.execute(
+            text(
+                "SELECT write_atlas_unit_counts(CAST(:m AS bigint[]), CAST(:p AS integer[]), "
+                "CAST(:t AS timestamptz[]))"
+            ),
+            {
+                "m": [k[0] for k in ordered],
+                "p": [k[1] for k in ordered],
+                "t": [k[2] for k in ordered],
+            },
+        )
 
 
 def _store_results(conn: Connection, results: Sequence[ResultRow]) -> Stored:

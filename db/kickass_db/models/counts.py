@@ -1,10 +1,13 @@
 """Durable counts per study unit and their rollups (migration 0020).
 
-A unit is one volunteer session or one Atlas probe result (``source``); its
-counts are stored when it reaches a final state, so every reader of a final
-unit reads them and raw rows can go. Written only by the SQL functions of
-0020: ``write_unit_counts`` (called by ``StudyStore``) and
-``fold_unit_count_changes`` (the scheduled refresh, ``kickass_analysis.rollups``).
+A unit is one volunteer session or one Atlas probe of a campaign
+(``source``); its counts are stored when it reaches a final state (a
+session) or as its results arrive (an Atlas probe: each result's counts
+added once), so every reader of it reads them and raw rows can go. Written
+only by SQL functions: ``write_unit_counts`` (0020, called by
+``StudyStore``), ``write_atlas_unit_counts`` (0028, called by
+``AtlasStore``) and ``fold_unit_count_changes`` (the scheduled refresh,
+``kickass_analysis.rollups``).
 Read through the study views (``v_whole_drop``, ``v_size_drop_all``,
 ``v_drop_rollup``, ...) and the volunteer page.
 """
@@ -57,10 +60,11 @@ class UnitCountsRow(Base):
     __table_args__ = _checks()
 
     source: Mapped[str] = mapped_column(Text, primary_key=True)
-    # volunteer: the session_id; atlas: a probe result.
+    # volunteer: the session_id; atlas: atlas:<campaign>:<probe id>.
     unit: Mapped[str] = mapped_column(Text, primary_key=True)
     phase: Mapped[str] = mapped_column(Text, primary_key=True)
-    # The UTC day the unit started (a session's created_at): its day rollup.
+    # The UTC day the unit started (a session's created_at; an Atlas probe's
+    # last result): its day rollup.
     day: Mapped[date] = mapped_column(Date)
     # client_key (migration 0016) of the address the unit came from.
     client_key: Mapped[str | None] = mapped_column(Text)
