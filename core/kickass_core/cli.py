@@ -79,12 +79,18 @@ def group(
     return actions
 
 
+def entry_points_of(group: str) -> Iterable[EntryPoint]:
+    """The entry points of ``group`` (the commands', the study sources'), on
+    every Python the probe client runs on."""
+    if sys.version_info >= (3, 10):
+        return entry_points(group=group)
+    # Python 3.9: entry_points() takes no selection and returns a dict by group.
+    return entry_points().get(group, ())  # pragma: no cover
+
+
 def _commands() -> Iterable[EntryPoint]:
     """The entry points of the ``kickass.commands`` group."""
-    if sys.version_info >= (3, 10):
-        return entry_points(group=GROUP)
-    # Python 3.9: entry_points() takes no selection and returns a dict by group.
-    return entry_points().get(GROUP, ())  # pragma: no cover
+    return entry_points_of(GROUP)
 
 
 def _broken(

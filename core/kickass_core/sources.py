@@ -21,9 +21,9 @@ import importlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib.metadata import entry_points
 from typing import Any
 
+from kickass_core.cli import entry_points_of
 from kickass_core.errors import KickassError
 
 GROUP = "kickass.sources"
@@ -105,8 +105,10 @@ def sources() -> tuple[Source, ...]:
     Loaded once per process; two sources of one name (or one item kind) are
     an error naming both packages."""
     found: list[tuple[Source, str]] = []
-    for ep in entry_points(group=GROUP):
-        package = ep.dist.name if ep.dist is not None else ep.value
+    for ep in entry_points_of(GROUP):
+        # EntryPoint.dist: Python 3.10 on (the zipapp's core runs on 3.9).
+        dist = getattr(ep, "dist", None)
+        package = dist.name if dist is not None else ep.value
         try:
             value = ep.load()
         except Exception as exc:  # noqa: BLE001 - any failure of a package's import is its own
