@@ -294,9 +294,14 @@ def test_verify_names_damage_and_retire_keeps_a_damaged_day(seeded: str, tmp_pat
         shutil.copytree(root, copy)
         target = archive.day_dir(copy, "probe_outcomes", day)
         part = target / archive.part_name(0)
-        if how == "flipped":
+        if how.startswith("flipped"):
+            # One bit, in a data page's header (byte 8), a page's values or
+            # the footer: each is the sha256's to report, never pyarrow's
+            # error on a page (a clean-clone run had the middle byte land in
+            # a page that file_checks then read: a traceback).
             data = bytearray(part.read_bytes())
-            data[len(data) // 2] ^= 0x01
+            at = {"flipped": len(data) // 2, "flipped-8": 8, "flipped-third": len(data) // 3}[how]
+            data[at] ^= 0x01
             part.write_bytes(bytes(data))
         elif how == "missing":
             part.unlink()
@@ -313,7 +318,10 @@ def test_verify_names_damage_and_retire_keeps_a_damaged_day(seeded: str, tmp_pat
         assert proc.returncode == 1, (how, proc.stdout, proc.stderr)
         return proc.stderr
 
-    assert "part-00000.parquet: its sha256 is not the manifest's" in damaged("flipped")
+    for how in ("flipped", "flipped-8", "flipped-third"):
+        stderr = damaged(how)
+        assert "part-00000.parquet: its sha256 is not the manifest's" in stderr, (how, stderr)
+        assert "Traceback" not in stderr, (how, stderr)
     assert "missing file part-00000.parquet" in damaged("missing")
     assert "extra file part-00001.parquet (in no manifest)" in damaged("extra")
     assert "rows, its files list" in damaged("rows")

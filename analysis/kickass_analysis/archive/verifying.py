@@ -180,21 +180,30 @@ def _verify(root: Path, folder: str, key: Key) -> Dataset:
         size = file.stat().st_size
         out.bytes += size
         out.files += 1
+        damaged = False
         if size != entry.get("bytes"):
             out.problems.append(f"{name}: {size} bytes, the manifest says {entry.get('bytes')}")
+            damaged = True
         if export.sha256_file(file) != entry.get("sha256"):
             out.problems.append(f"{name}: its sha256 is not the manifest's (the file changed)")
+            damaged = True
         problem = _parquet_problem(file, entry, columns)
         if problem:
             out.problems.append(f"{name}: {problem}")
-        else:
+        elif not damaged:
+            # Only an intact file's rows are read: a changed byte in a data
+            # page reads as pyarrow's error, not as the damage it is.
             readable.append(file)
     rows = sum(int(f.get("rows") or 0) for f in listed.values())
     out.rows = rows
     if manifest.get("rows") != rows:
         out.problems.append(f"the manifest says {manifest.get('rows')} rows, its files list {rows}")
     if len(readable) == len(listed) and folder in CHECKS:
-        found = file_checks(folder, readable)
+        try:
+            found = file_checks(folder, readable)
+        except Exception as exc:  # noqa: BLE001 - any damage reads as an error of the day
+            out.problems.append(f"its files cannot be read ({type(exc).__name__}: {exc})")
+            return out
         differ = same_checks(manifest.get("checks") or {}, found)
         if differ:
             out.problems.append(
