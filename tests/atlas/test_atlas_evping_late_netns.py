@@ -63,6 +63,13 @@ from test_atlas_evping_netns import Key, Probes, complete, datagrams, query, run
 pytestmark = [
     pytest.mark.netns,
     pytest.mark.slow,
+    # Runs alone: its bridges are Python threads holding replies by sequence
+    # number at a 2 ms interval. Beside both test streams (load 3) it failed
+    # twice in about eight runs, each time one late reply short in the store
+    # against the probe's printout (48 of 54; then 3 of 4 at one size, the
+    # join 'exact'): not explained yet, so it is measured where no neighbour
+    # moves its timing, and the next failure alone says more.
+    pytest.mark.quiet,
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root for network namespaces"),
 ]
 
