@@ -304,6 +304,21 @@ def _save(outcome: dict[str, Any], name: str) -> Path:
     return path
 
 
+def _store_or_keep(store: Any, outcome: dict[str, Any], name: str) -> int:
+    """Store the outcome; refused, keep it in a file (``_save``) and say so in
+    the error's hint, so a run of minutes is never lost to a refusal."""
+    try:
+        run_id: int = store.store(outcome)
+    except KickassError as exc:
+        path = _save(outcome, name)
+        raise KickassError(
+            exc.message,
+            hint=f"{exc.hint + '; ' if exc.hint else ''}the outcome is kept in {path}: "
+            f"kickass experiment store {path}",
+        ) from exc
+    return run_id
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from kickass_analysis.experiments_section import Experiment
     from kickass_db.experiment_store import ExperimentStore
@@ -342,15 +357,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             outcome = run_congestion(spec, database_url=url, keep_logs=args.keep_logs).to_json()
         run_id = None
         if store is not None:
-            try:
-                run_id = store.store(outcome)
-            except KickassError as exc:
-                path = _save(outcome, args.experiment)
-                raise KickassError(
-                    exc.message,
-                    hint=f"{exc.hint + '; ' if exc.hint else ''}the outcome is kept in {path}: "
-                    f"kickass experiment store {path}",
-                ) from exc
+            run_id = _store_or_keep(store, outcome, args.experiment)
     finally:
         if store is not None:
             store.close()
@@ -385,15 +392,7 @@ def _run_wide_area(args: argparse.Namespace, spec: Any, store: Any, url: str) ->
     try:
         with _Ticker(spec.duration_s + 30):
             outcome = run_wide_area(spec, url, keep_logs=args.keep_logs).to_json()
-        try:
-            run_id = store.store(outcome)
-        except KickassError as exc:
-            path = _save(outcome, "d")
-            raise KickassError(
-                exc.message,
-                hint=f"{exc.hint + '; ' if exc.hint else ''}the outcome is kept in {path}: "
-                f"kickass experiment store {path}",
-            ) from exc
+        run_id = _store_or_keep(store, outcome, "d")
     finally:
         store.close()
     summary = Experiment.from_outcome(outcome, run_id)
