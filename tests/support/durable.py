@@ -38,8 +38,9 @@ Key = tuple[str, str, int]  # session_id, phase, ip_len
 
 def seed_issue_28(url: str) -> None:
     """The issue's data: the seeded study over three days with one session
-    still probing and one expired, router runs, an Atlas campaign, paired
-    trials and scheduled runs (tests/support/seed.py)."""
+    still probing, one expired and one final on the live session's day,
+    router runs, an Atlas campaign, paired trials and scheduled runs
+    (tests/support/seed.py)."""
     from datetime import timedelta
 
     from kickass_db.study_store import StudyStore
@@ -55,6 +56,12 @@ def seed_issue_28(url: str) -> None:
     study = StudyStore(url)
     try:
         seed_study(study, n_clients=14, rng=28, spread=timedelta(days=3), live=True)
+        # One final session on the live session's UTC day, seeded straight
+        # after it: the backdated ones may all fall on earlier days (the run
+        # that starts just past midnight), and the test needs that day's
+        # partition to hold final rows beside the live session's.
+        # (spread 0: dated by the seed's clock, as the rest, which some tests move.)
+        seed_study(study, n_clients=1, rng=128, spread=timedelta(0))
     finally:
         study.close()
     seed_router(url, seconds=5.0)

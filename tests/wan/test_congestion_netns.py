@@ -152,22 +152,25 @@ def test_experiment_c_tcp_beside_kickass_is_as_fast_as_beside_tcp(database_url: 
     pair runs the same flows twice, once with half of them (the same half)
     kernel CUBIC beside Kick-Ass flows (arm ``kickass@tcp50``), once all
     CUBIC. 10 Mbit/s, 100 ms, one-BDP buffer, Pareto flows of mean 100
-    packets every 0.5 s (~2.3 Mbit/s offered), four pairs of 6 s periods
-    (the interval's t has 3 degrees of freedom; 3 pairs of 8 s gave it 2).
+    packets every 0.5 s (~2.3 Mbit/s offered), eight pairs of 6 s periods
+    (the interval's t has 7 degrees of freedom).
 
     Claim (issue 24): the paired ratio of the TCP flows' FCT without Kick-Ass
     beside them over their FCT with it has its 95% interval within
-    [0.9, 1.1] (measured here beside other work, load 3: 0.978 [0.942,
-    1.014] and 1.026 [0.960, 1.097], 27 flows; at load 5, with 3 and 5
-    pairs, the lower end fell to 0.88 in two runs of five); and the
-    Kick-Ass half is faster than the same flows in CUBIC (1.27 [1.14,
-    1.42], 1.24 [1.13, 1.36], 18 flows). About 95 s.
+    [0.9, 1.1]; and the Kick-Ass half is faster than the same flows in CUBIC.
+    With four pairs the interval was 1.026 [0.960, 1.097] at load 3 and
+    [0.922, 1.109] in an official CI run: the TCP flows' own run-to-run
+    spread (a slow start that overflows the one-BDP queue or not) is what
+    widens it, and six pairs still reached [0.939, 1.094] on a quiet machine
+    (1.003 [0.954, 1.055], 1.000 [0.959, 1.043] the other two; Kick-Ass 1.31
+    [1.22, 1.41], 34 flows). Eight pairs: 0.973 [0.939, 1.009], Kick-Ass
+    1.31 [1.24, 1.38], 44 and 43 flows; about 155 s.
     """
     out = run_trial(
         database_url,
         TestbedConfig(senders=1, receivers=1, capacity="10mbit", rtt_ms=100.0),
         TrialSpec(
-            pairs=4, period_s=6.0, gap_s=3.0, mean_gap_s=0.5, mean_packets=100.0,
+            pairs=8, period_s=6.0, gap_s=3.0, mean_gap_s=0.5, mean_packets=100.0,
             max_packets=800, seed=7, arms="kickass@tcp50,tcp:cubic",
         ),
     )  # fmt: skip
