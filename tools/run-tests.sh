@@ -12,13 +12,21 @@
 # marked `quiet` (rates from Python sender threads, sub-millisecond delays: a
 # neighbour's CPU burst shows in them) run last, when both streams are done.
 #
-# Each stream ends with its 25 slowest tests: CI's budget is 40 minutes.
+# Each stream ends with its 25 slowest tests and its wall time: CI's budget
+# is 40 minutes.
 #
-# Usage: tools/run-tests.sh PYTEST [pytest arguments...]
+# BEFORE_REST, if set, is a command run before the main stream and beside the
+# namespace one (make test: the linters and the Rust tests, about 2 minutes of
+# both cores); the namespace stream is the longer, so it starts first. Its
+# failure fails the run, after all the tests.
+#
+# Usage: [BEFORE_REST=COMMAND] tools/run-tests.sh PYTEST [pytest arguments...]
 set -uo pipefail
 pytest=$1
 shift
 work=$(mktemp -d /tmp/kickass-tests.XXXXXX)
+started=$SECONDS
+elapsed() { printf '%dm%02ds' $(((SECONDS - started) / 60)) $(((SECONDS - started) % 60)); }
 trap 'rm -rf "$work"' EXIT
 serial="netns or machine"
 
@@ -29,23 +37,35 @@ env --default-signal=INT,QUIT \
     "$pytest" -q --durations=25 -m "($serial) and not quiet" --basetemp "$work/serial" "$@" >"$work/serial.log" 2>&1 &
 serial_pid=$!
 echo "tests that build namespaces or touch the machine's network: running in the background"
-echo "everything else:"
+before_rc=0
+if [ -n "${BEFORE_REST:-}" ]; then
+    echo "first: $BEFORE_REST"
+    bash -c "$BEFORE_REST"
+    before_rc=$?
+fi
+echo "everything else: from $(elapsed)"
 "$pytest" -q --durations=25 -m "not ($serial) and not quiet" --basetemp "$work/rest" "$@"
 rest_rc=$?
+echo "everything else: done at $(elapsed)"
 if kill -0 "$serial_pid" 2>/dev/null; then
     echo "waiting for the namespace tests..."
 fi
 wait "$serial_pid"
 serial_rc=$?
 echo
-echo "tests that build namespaces or touch the machine's network:"
+echo "tests that build namespaces or touch the machine's network: done at $(elapsed)"
 cat "$work/serial.log"
 echo
-echo "tests that run alone:"
+echo "tests that run alone: from $(elapsed)"
 "$pytest" -q --durations=25 -m quiet --basetemp "$work/quiet" "$@"
 quiet_rc=$?
 echo
+echo "all done at $(elapsed)"
 echo "pytest exit status: namespace stream $serial_rc, the rest $rest_rc, alone $quiet_rc"
+if [ "$before_rc" -ne 0 ]; then
+    echo "FAILED: $BEFORE_REST (exit status $before_rc)"
+    exit 1
+fi
 # 5: no tests collected in a stream (a -k or path selection): not a failure.
 all5=1
 for rc in "$serial_rc" "$rest_rc" "$quiet_rc"; do
