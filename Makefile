@@ -77,11 +77,11 @@ rust-test: lint-rust
 	cargo test --quiet --workspace
 
 # The Python checks (mypy: one core) beside the Rust ones and the Rust tests'
-# build (both cores), and all of it beside the namespace test stream, the
-# longest (tools/run-tests.sh): CI has 40 minutes in all. Each part's output
-# is kept together (--output-sync).
+# build (both cores), and all of it beside the two pytest streams
+# (tools/run-tests.sh): CI has 40 minutes in all. Each part's output is kept
+# together (--output-sync).
 test: install
-	BEFORE_REST="$(MAKE) --no-print-directory -j2 --output-sync=target lint-python rust-test" \
+	BESIDE_TESTS="$(MAKE) --no-print-directory -j2 --output-sync=target lint-python rust-test" \
 		tools/run-tests.sh $(BIN)/pytest
 
 BENCHES := probe_bench router_bench atlas_bench trials_bench export_bench dashboards_bench schedule_bench

@@ -15,12 +15,13 @@
 # Each stream ends with its 25 slowest tests and its wall time: CI's budget
 # is 40 minutes.
 #
-# BEFORE_REST, if set, is a command run before the main stream and beside the
-# namespace one (make test: the linters and the Rust tests, about 2 minutes of
-# both cores); the namespace stream is the longer, so it starts first. Its
-# failure fails the run, after all the tests.
+# BESIDE_TESTS, if set, is a command run beside both streams (make test: the
+# linters and the Rust tests, about 2 minutes of both cores alone; before the
+# streams they were that much longer on CI's clock, and before the main stream
+# alone 4 minutes under the namespace one's load). Its output is printed when
+# the streams end; its failure fails the run, after all the tests.
 #
-# Usage: [BEFORE_REST=COMMAND] tools/run-tests.sh PYTEST [pytest arguments...]
+# Usage: [BESIDE_TESTS=COMMAND] tools/run-tests.sh PYTEST [pytest arguments...]
 set -uo pipefail
 pytest=$1
 shift
@@ -37,13 +38,13 @@ env --default-signal=INT,QUIT \
     "$pytest" -q --durations=25 -m "($serial) and not quiet" --basetemp "$work/serial" "$@" >"$work/serial.log" 2>&1 &
 serial_pid=$!
 echo "tests that build namespaces or touch the machine's network: running in the background"
-before_rc=0
-if [ -n "${BEFORE_REST:-}" ]; then
-    echo "first: $BEFORE_REST"
-    bash -c "$BEFORE_REST"
-    before_rc=$?
+beside_pid=
+if [ -n "${BESIDE_TESTS:-}" ]; then
+    echo "beside them: $BESIDE_TESTS"
+    bash -c "$BESIDE_TESTS" >"$work/beside.log" 2>&1 &
+    beside_pid=$!
 fi
-echo "everything else: from $(elapsed)"
+echo "everything else:"
 "$pytest" -q --durations=25 -m "not ($serial) and not quiet" --basetemp "$work/rest" "$@"
 rest_rc=$?
 echo "everything else: done at $(elapsed)"
@@ -52,6 +53,14 @@ if kill -0 "$serial_pid" 2>/dev/null; then
 fi
 wait "$serial_pid"
 serial_rc=$?
+beside_rc=0
+if [ -n "$beside_pid" ]; then
+    wait "$beside_pid"
+    beside_rc=$?
+    echo
+    echo "$BESIDE_TESTS:"
+    cat "$work/beside.log"
+fi
 echo
 echo "tests that build namespaces or touch the machine's network: done at $(elapsed)"
 cat "$work/serial.log"
@@ -62,8 +71,8 @@ quiet_rc=$?
 echo
 echo "all done at $(elapsed)"
 echo "pytest exit status: namespace stream $serial_rc, the rest $rest_rc, alone $quiet_rc"
-if [ "$before_rc" -ne 0 ]; then
-    echo "FAILED: $BEFORE_REST (exit status $before_rc)"
+if [ "$beside_rc" -ne 0 ]; then
+    echo "FAILED: $BESIDE_TESTS (exit status $beside_rc)"
     exit 1
 fi
 # 5: no tests collected in a stream (a -k or path selection): not a failure.
