@@ -87,7 +87,8 @@ COLOURS = {
 
 def source_colour(name: str) -> str | None:
     """The study source's colour in every figure (None: no source of that name)."""
-    return next((s.colour for s in sources.sources() if s.name == name), None)
+    found = sources.find(name)
+    return found.colour if found else None
 
 
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2")

@@ -150,12 +150,18 @@ def names() -> tuple[str, ...]:
     return tuple(s.name for s in sources())
 
 
+def find(name: str) -> Source | None:
+    """The source called ``name``; None where none is installed (a reader of
+    stored rows meets names of sources this host does not have)."""
+    return next((s for s in sources() if s.name == name), None)
+
+
 def get(name: str) -> Source:
     """The source called ``name``; an unknown one is a KickassError listing
     the known ones."""
-    for s in sources():
-        if s.name == name:
-            return s
+    found = find(name)
+    if found is not None:
+        return found
     raise KickassError(
         f"no study source {name!r} on this host",
         hint="known here: "

@@ -256,11 +256,7 @@ def run_wide_area(
 
 def _goodput(flows: list[Mapping[str, Any]]) -> float | None:
     """The largest payload rate one of ``flows`` reached over its lifetime."""
-    rates = [
-        (f.get("size_bytes") or f["size_packets"] * 1440) * 8 / (f["fct_ms"] / 1000)
-        for f in flows
-        if f["fct_ms"]
-    ]
+    rates = [f["size_bytes"] * 8 / (f["fct_ms"] / 1000) for f in flows if f["fct_ms"]]
     return max(rates, default=None)
 
 

@@ -16,11 +16,14 @@ from .readers import ReportData
 
 def source_title(name: str) -> str:
     """How the report names a study source (its registered title; else its name)."""
-    return next((s.title for s in sources.sources() if s.name == name), name)
+    found = sources.find(name)
+    return found.title if found else name
 
 
 def _source_order(name: str) -> tuple[int, str]:
-    return next(((s.order, s.name) for s in sources.sources() if s.name == name), (1_000, name))
+    """Registered sources in their order; a stored name of an unknown one after them."""
+    found = sources.find(name)
+    return (found.order, found.name) if found else (1_000, name)
 
 
 # The two drop-rate figures: phase, the summary's key, what each shows.
