@@ -78,7 +78,7 @@ GROUP BY trial_id, pair
 PairKey = tuple[str, int]
 Span = tuple[float, float]
 
-# How the trial runner (kickass_wan.runner) begins the error of a flow it
+# How the trial runner (kickass_wan.trials.runner) begins the error of a flow it
 # never gave its time: "not run: ..." (its period skipped for want of flow
 # tokens, or the trial stopped before it was due) and "interrupted: ..."
 # (the trial stopped while it ran). tests/analysis/test_rollups.py holds the

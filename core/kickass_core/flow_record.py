@@ -40,7 +40,7 @@ from . import strictjson
 
 PROTOCOLS = ("kickass", "tcp")
 HANDSHAKES = ("paper", "padded")
-# The congestion controls an arm names (kickass_wan.schedule's grammar:
+# The congestion controls an arm names (kickass_wan.trials.schedule's grammar:
 # ``kickass[:handshake][/cc][@tcpNN]``, ``tcp[:cc]``), CUBIC the default of both:
 # the TCP the trials compare with is Linux's CUBIC, and so is Kick-Ass's TCP mode.
 DEFAULT_CONGESTION_CONTROL = "cubic"
@@ -84,7 +84,7 @@ FLOW_ID_MAX_CHARS = 32 + 1 + FLOW_ID_DIGITS
 FLOW_ID_RE = re.compile(rf"^([0-9a-f]{{32}})-([0-9]{{1,{FLOW_ID_DIGITS}}})$")
 CONGESTION_CONTROL_MAX_CHARS = 32
 CONGESTION_CONTROL_RE = re.compile(rf"^[a-z][a-z0-9_]{{0,{CONGESTION_CONTROL_MAX_CHARS - 1}}}$")
-# An arm's name (kickass_wan.schedule): "kickass", "kickass:paper", "tcp:cubic+50ms#2"...
+# An arm's name (kickass_wan.trials.schedule): "kickass", "kickass:paper", "tcp:cubic+50ms#2"...
 ARM_MAX_CHARS = 64
 ARM_RE = re.compile(rf"^[a-z][a-z0-9_:+.#/@-]{{0,{ARM_MAX_CHARS - 1}}}$")
 # C0 controls, DEL and lone surrogates: PostgreSQL text takes no NUL, UTF-8

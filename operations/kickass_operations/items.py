@@ -2,7 +2,7 @@
 
 Each kind is a function ``(item, context) -> Result`` (a study source's
 kind: the source's ``item_runner``, ``kickass_core.sources``) that calls the room
-that owns the work (``kickass_atlas.service``, ``kickass_wan.service``,
+that owns the work (``kickass_atlas.service``, ``kickass_wan.trials.service``,
 ``kickass_analysis``, ``kickass_db``) and says what it did in counts. The
 rooms are imported when an item of theirs runs, so a trial runner host (core,
 wan-agents and this package only) never imports the database.
@@ -171,7 +171,7 @@ def _atlas_credits(settings: Any, campaign: Any) -> dict[str, Any] | None:
 
 
 def run_trials(item: Item, ctx: Context) -> Result:
-    from kickass_wan.service import RoundSettings, run_round
+    from kickass_wan.trials.service import RoundSettings, run_round
 
     assert item.trials is not None
     data = dict(item.trials)
@@ -448,7 +448,7 @@ def check(item: Item, base_dir: Path) -> str | None:
         return "not run here: " + unknown
     try:
         if item.kind == "trials" and item.trials is not None:
-            from kickass_wan.service import RoundSettings
+            from kickass_wan.trials.service import RoundSettings
 
             RoundSettings.from_mapping(item.trials, where="trials")
         elif item.kind == "atlas" and item.campaign is not None:

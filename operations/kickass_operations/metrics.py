@@ -107,7 +107,7 @@ def _spooled(path: Path) -> int:
     if not path.is_dir():
         return 0
     try:
-        from kickass_wan.spool import Spool
+        from kickass_wan.trials.spool import Spool
     except ImportError:
         return 0
     return Spool(path).count()

@@ -23,7 +23,7 @@ from the registry, ``kickass_core.sources``: on this platform Atlas's):
   settle, each fetch bounded by ``timeout_s``; with ``archive`` (a folder),
   a settled campaign's outcomes are written there as Parquet
   (``atlas_outcomes/campaign=NAME/``), again only when late results change them.
-* ``trials``: ``trials`` (a ``kickass_wan.service.RoundSettings`` table): one
+* ``trials``: ``trials`` (a ``kickass_wan.trials.service.RoundSettings`` table): one
   round of interleaved trials; the order of the agents and the seed of the
   periods are drawn per round and stored with the trial.
 * ``refresh``: the analysis rollups (``kickass_analysis.rollups``).

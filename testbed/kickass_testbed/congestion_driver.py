@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from kickass_core.flow_record import DEFAULT_CONGESTION_CONTROL
-from kickass_wan.runner import AgentClient, AgentRef
 from kickass_wan.tcpflow import TcpProgress, send_flow
+from kickass_wan.trials.runner import AgentClient, AgentRef
 
 _print_lock = threading.Lock()
 

@@ -47,7 +47,7 @@ class TrialSpec:
     protocols: str = "kickass,tcp"
     cc: str = DEFAULT_CONGESTION_CONTROL
     handshake: str = "padded"
-    # What the periods of a pair run (kickass_wan.schedule.parse_arms), e.g.
+    # What the periods of a pair run (kickass_wan.trials.schedule.parse_arms), e.g.
     # "kickass,tcp:cubic,tcp:bbr" or an A/A "tcp:cubic,tcp:cubic"; None: protocols.
     arms: str | None = None
     gap_s: float = 5.0
@@ -244,7 +244,7 @@ def _runner_results(procs: list[subprocess.Popen[str]], limit: float) -> list[di
 def _check_uploaded(senders: Sequence[str], results: list[dict[str, Any]], work: Path) -> None:
     """Every record of every sender stored: none refused, none left spooled."""
     for host, res in zip(senders, results, strict=True):
-        # Counted again (one file per record, kickass_wan.spool): ``after``
+        # Counted again (one file per record, kickass_wan.trials.spool): ``after``
         # may have uploaded what the run left spooled.
         spooled = sum(1 for _ in (work / f"spool-{host}").glob("*.json"))
         if res.get("rejected") or spooled:

@@ -143,7 +143,7 @@ def seed_paired_trial(
     in Kick-Ass mode); the last ``failed`` Kick-Ass flows of each pair were cut
     at the deadline; the first ``not_run`` TCP flows of the second pair were
     never run (the trial was stopped)."""
-    from kickass_wan.runner import CUT_AT_DEADLINE, NOT_RUN_STOPPED
+    from kickass_wan.trials.runner import CUT_AT_DEADLINE, NOT_RUN_STOPPED
 
     tid = secrets.token_hex(16)
     arms = [("kickass", "kickass"), ("tcp:cubic", "tcp")]

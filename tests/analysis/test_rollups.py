@@ -129,12 +129,13 @@ def test_sooner_keeps_the_flows_an_arm_failed_to_finish(store) -> None:  # noqa:
 
 
 def test_the_runner_s_words_for_a_flow_never_given_its_time() -> None:
-    """``rollups.NOT_GIVEN_ITS_TIME`` is how kickass_wan.runner begins the
+    """``rollups.NOT_GIVEN_ITS_TIME`` is how kickass_wan.trials.runner begins the
     error of a flow it never gave its time (a skipped period's flows are
     "not run: no flow tokens ...": tests/wan/test_trials_loopback.py), and
     not how it begins that of a flow that reached its limit."""
     from kickass_analysis.rollups import NOT_GIVEN_ITS_TIME, given_its_time
-    from kickass_wan import runner, tcpflow
+    from kickass_wan import tcpflow
+    from kickass_wan.trials import runner
 
     error: str | None
     for error in (runner.NOT_RUN_STOPPED, runner.CUT_BY_STOP):

@@ -1,6 +1,6 @@
 """The flow record's shared vector file against its Python definition.
 
-The Rust half (wan-agents/ka-transport/tests/flow_record_vectors.rs) checks
+The Rust half (wan-agents/transport/ka-transport/tests/flow_record_vectors.rs) checks
 that every example's transport record is ka-transport's ``FlowRecord``; this
 half checks that the file is what ``core/vectors/make_vectors.py`` writes
 today (so the table and the examples in it are the ones the code has) and

@@ -1,4 +1,5 @@
-"""The runner's check of a receiver before a round (kickass_wan.receivers), each failure named.
+"""The runner's check of a receiver before a round (kickass_wan.trials.receivers),
+each failure named.
 
 - Against a stand-in agent on loopback: an agent older than the check (no
   token_version), a clock 90 s off and no Kick-Ass receiver are each named,
@@ -226,8 +227,8 @@ def test_a_receiver_that_does_not_come_up_is_named_with_its_error(tmp_path: Path
         assert proc.stderr is not None
         port = next(int(ln.rsplit(" ", 1)[1]) for ln in proc.stderr if "ready on" in ln)
         threading.Thread(target=proc.stderr.read, daemon=True).start()
-        from kickass_wan.receivers import AgentCheck, check_agent
-        from kickass_wan.runner import AgentRef
+        from kickass_wan.trials.receivers import AgentCheck, check_agent
+        from kickass_wan.trials.runner import AgentRef
 
         ref = AgentRef("far-1", f"http://127.0.0.1:{port}", SECRET)
 

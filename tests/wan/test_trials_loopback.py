@@ -379,7 +379,7 @@ def test_a_closed_loop_runs_its_flows_one_after_another_and_stores_what_they_off
             ).one()
     finally:
         engine.dispose()
-    from kickass_wan.workload import Workload, pair_flows
+    from kickass_wan.trials.workload import Workload, pair_flows
 
     planned = pair_flows(
         Workload(mean_gap_s=0.15, mean_packets=20, max_packets=200, seed=5, loop="closed"), 0, 1.5

@@ -43,9 +43,9 @@ from kickass_testbed.trials import (
 from kickass_testbed.wan import TestbedConfig as Config
 from kickass_testbed.wan import receiver_address, sender_address
 from kickass_testbed.wan import testbed as wan_testbed  # not test*: pytest would collect it
-from kickass_wan.runner import AgentClient, AgentRef
-from kickass_wan.schedule import Arm, interleaved
-from kickass_wan.workload import Workload, pair_flows
+from kickass_wan.trials.runner import AgentClient, AgentRef
+from kickass_wan.trials.schedule import Arm, interleaved
+from kickass_wan.trials.workload import Workload, pair_flows
 from sqlalchemy import create_engine, text
 
 if TYPE_CHECKING:  # imported by name, pytest would try to collect it

@@ -127,7 +127,7 @@ MSS = 1448  # Linux with timestamps on a 1500-byte MTU
 
 ONE_AT_A_TIME = r"""
 import json, sys, subprocess, time
-from kickass_wan.runner import AgentClient, AgentRef
+from kickass_wan.trials.runner import AgentClient, AgentRef
 from kickass_wan.tcpflow import send_flow
 url, secret, ka_send, sizes = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 client = AgentClient(AgentRef("far-1", url, secret))

@@ -14,8 +14,8 @@ from pathlib import Path
 import kickass_db as db
 import pytest
 from kickass_db.trial_store import TrialStore
-from kickass_wan.spool import Spool
-from kickass_wan.uploader import Uploader
+from kickass_wan.trials.spool import Spool
+from kickass_wan.trials.uploader import Uploader
 from sqlalchemy import create_engine, text
 from support.live_server import free_port, server
 from support.slow_relay import SlowRelay

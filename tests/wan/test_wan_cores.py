@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from kickass_wan.schedule import KICKASS, TCP, interleaved
-from kickass_wan.spool import Spool
-from kickass_wan.workload import Workload, flows
+from kickass_wan.trials.schedule import KICKASS, TCP, interleaved
+from kickass_wan.trials.spool import Spool
+from kickass_wan.trials.workload import Workload, flows
 
 
 def test_paper_workload_has_the_papers_moments() -> None:
@@ -144,7 +144,7 @@ def test_a_closed_loop_draws_the_open_loops_flows_with_their_off_times() -> None
     each flow carrying the off time before it (from the previous flow's end)."""
     from dataclasses import replace
 
-    from kickass_wan.workload import pair_flows
+    from kickass_wan.trials.workload import pair_flows
 
     w = Workload(mean_packets=694.0, mean_gap_s=8.0, seed=13)
     closed = replace(w, loop="closed")
@@ -164,7 +164,7 @@ def test_a_closed_loop_draws_the_open_loops_flows_with_their_off_times() -> None
 
 def test_the_arm_grammar() -> None:
     """kickass[:handshake][/cc][@tcpNN], tcp[:cc]: names keep what they named."""
-    from kickass_wan.schedule import parse_arms
+    from kickass_wan.trials.schedule import parse_arms
 
     arms = parse_arms(
         ["kickass", "kickass/newreno", "kickass:paper/cubic", "kickass@tcp50", "tcp:cubic"]
@@ -187,8 +187,8 @@ def test_an_arms_handshake_is_one_of_the_flow_records() -> None:
     from typing import get_args
 
     from kickass_core import flow_record
-    from kickass_wan import schedule
-    from kickass_wan.service import RoundSettings
+    from kickass_wan.trials import schedule
+    from kickass_wan.trials.service import RoundSettings
 
     assert schedule.HANDSHAKES is flow_record.HANDSHAKES  # type: ignore[attr-defined]  # the schedule's name, checked to be the core's
     arms = schedule.parse_arms([f"kickass:{hs}" for hs in flow_record.HANDSHAKES])
@@ -207,7 +207,7 @@ def test_the_congestion_controls_an_arm_names_are_defined_once() -> None:
 
     from kickass_core import flow_record
     from kickass_server.schemas import TrialPeriod
-    from kickass_wan import schedule
+    from kickass_wan.trials import schedule
 
     assert schedule.CONGESTION_CONTROLS is flow_record.CONGESTION_CONTROLS  # type: ignore[attr-defined]  # the schedule's name, checked to be the core's
     assert schedule.TRANSPORT_CONGESTION_CONTROLS is flow_record.TRANSPORT_CONGESTION_CONTROLS  # type: ignore[attr-defined]  # the schedule's name, checked to be the core's
@@ -230,7 +230,7 @@ def test_the_congestion_controls_an_arm_names_are_defined_once() -> None:
 
 
 def test_a_mixed_periods_tcp_flows_are_the_same_in_every_period_of_a_pair() -> None:
-    from kickass_wan.workload import pair_flows, tcp_share_indices
+    from kickass_wan.trials.workload import pair_flows, tcp_share_indices
 
     w = Workload(seed=3)
     fl = pair_flows(w, 2, 200.0)

@@ -26,11 +26,11 @@ from kickass_core.cli import group
 from kickass_core.errors import KickassError
 from kickass_core.flow_record import CONGESTION_CONTROLS, DEFAULT_CONGESTION_CONTROL, HANDSHAKES
 
-from . import receivers
-from .schedule import ARM_GRAMMAR, KICKASS, Period, interleaved
-from .service import SECTION, RoundSettings, ScheduleSettings, run_round, uploader
-from .spool import Spool
-from .workload import pair_flows
+from .trials import receivers
+from .trials.schedule import ARM_GRAMMAR, KICKASS, Period, interleaved
+from .trials.service import SECTION, RoundSettings, ScheduleSettings, run_round, uploader
+from .trials.spool import Spool
+from .trials.workload import pair_flows
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -447,7 +447,7 @@ def cmd_agents_add(args: argparse.Namespace) -> int:
         raise KickassError(f"bad URL {args.url!r}", hint="http://IP:PORT (port 8700 by default)")
     secret = receivers.read_secret_arg(args.secret_file, sys.stdin.read)
     if not args.no_check:
-        from .runner import AgentRef
+        from .trials.runner import AgentRef
 
         check = receivers.check_agent(AgentRef(args.name, args.url, secret), source=args.bind)
         print(check.render(), file=sys.stderr)
@@ -480,7 +480,7 @@ def cmd_agents_list(args: argparse.Namespace) -> int:
 
 
 def cmd_agents_check(args: argparse.Namespace) -> int:
-    from .runner import AgentRef
+    from .trials.runner import AgentRef
 
     registry = receivers.agents_dir(args.agents_dir)
     names = args.names or _registered_names(registry)

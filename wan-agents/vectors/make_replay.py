@@ -2,7 +2,7 @@
 
     .venv/bin/python wan-agents/vectors/make_replay.py
 
-Each file holds exactly the flows a trial draws (``kickass_wan.workload.pair_flows``)
+Each file holds exactly the flows a trial draws (``kickass_wan.trials.workload.pair_flows``)
 for the bench's scenarios (bench/trials_bench.py): per pair and sender, each flow's
 start offset (open loop) or off time (closed loop) and its size. The replay pushes
 them through the real router core (ka-core) and the real transport (ka-transport)
@@ -16,7 +16,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from kickass_wan.workload import APP_BYTES_PER_PACKET, Workload, pair_flows
+from kickass_wan.trials.workload import APP_BYTES_PER_PACKET, Workload, pair_flows
 
 HERE = Path(__file__).resolve().parent / "replay"
 

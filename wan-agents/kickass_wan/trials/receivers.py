@@ -44,9 +44,9 @@ from typing import Any
 
 from kickass_core.errors import KickassError
 
-from . import __version__
-from . import token as tk
-from .environment import IP_MTU, path_mtu
+from .. import __version__
+from .. import token as tk
+from ..environment import IP_MTU, path_mtu
 from .runner import AgentClient, AgentRef
 
 AGENTS_DIR_ENV = "KICKASS_AGENTS_DIR"

@@ -47,10 +47,10 @@ from typing import Any
 from kickass_core import flow_record, signing
 from kickass_core.errors import KickassError
 
-from . import __version__, environment
+from .. import __version__, environment
+from ..tcpflow import TIMED_OUT, send_flow
 from .schedule import KICKASS, TCP, Arm, Period, default_arms, interleaved
 from .spool import Spool
-from .tcpflow import TIMED_OUT, send_flow
 from .uploader import Uploader
 from .workload import Flow, Workload, pair_flows, tcp_share_indices
 

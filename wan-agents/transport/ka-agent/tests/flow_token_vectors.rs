@@ -18,7 +18,7 @@ struct Vector {
 }
 
 fn vectors() -> Vec<Vector> {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../vectors/flow_token.json");
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../vectors/flow_token.json");
     let text = std::fs::read_to_string(path).expect("vectors file");
     let v: serde_json::Value = serde_json::from_str(&text).expect("vectors JSON");
     assert_eq!(v["version"], 1);

@@ -12,7 +12,7 @@ use serde_json::Value;
 
 fn vectors() -> Value {
     let path =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../core/vectors/flow_record.json");
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../core/vectors/flow_record.json");
     let text = std::fs::read_to_string(&path).expect("read core/vectors/flow_record.json");
     serde_json::from_str(&text).expect("valid JSON")
 }

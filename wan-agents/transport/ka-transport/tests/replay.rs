@@ -43,7 +43,7 @@ struct Scenario {
 
 fn load(name: &str) -> Scenario {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../vectors/replay")
+        .join("../../vectors/replay")
         .join(format!("{name}.json"));
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path:?}: {e}"));
     let v: Value = serde_json::from_str(&text).expect("json");
