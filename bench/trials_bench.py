@@ -176,13 +176,22 @@ def wire_per_payload(
     rate over each sample's interval, IP bytes of every packet the access link
     carried, RTT indicators and handshakes included; the ACKs run the other
     way) over the payload of the flows, from each period's real start to the
-    next one's (its period and the gap its flows finish in). Only periods
-    whose every flow completed count (a flow cut short carried part of its
-    payload); ``periods_counted`` says how many. A loss-free TCP path needs
+    next one's (its period and the gap its flows finish in). Every sender has
+    a row per period; they share the router, so a period is counted once,
+    from its earliest start to its latest end. Only periods whose every flow
+    completed count (a flow cut short carried part of its payload);
+    ``periods_counted`` says how many. A loss-free TCP path needs
     1500/1448 = 1.036; Kick-Ass's fragments 1520/1440 = 1.056 (issue 24)."""
     by_period: dict[tuple[int, str], list[dict[str, Any]]] = defaultdict(list)
     for f in flows:
         by_period[(f["period_index"], f["arm"])].append(f)
+    spans: dict[tuple[int, str], tuple[float, float]] = {}
+    for p in periods:
+        key = (p["period_index"], p["arm"])
+        a = p["period_started_at"].timestamp()
+        b = a + float(p["duration_s"]) + gap_s
+        lo, hi = spans.get(key, (a, b))
+        spans[key] = (min(lo, a), max(hi, b))
     wire: dict[str, float] = defaultdict(float)
     payload: dict[str, float] = defaultdict(float)
     counted: Counter[str] = Counter()
@@ -190,16 +199,14 @@ def wire_per_payload(
         (s for s in telemetry if s.get("type") == "sample" and "ts" in s), key=lambda s: s["ts"]
     )
     times = [s["ts"] for s in samples]
-    for p in periods:
-        mine = by_period.get((p["period_index"], p["arm"]), [])
+    for (index, arm), (a, b) in spans.items():
+        mine = by_period.get((index, arm), [])
         if not mine or not all(f["completed"] for f in mine):
             continue
-        a = p["period_started_at"].timestamp()
-        b = a + float(p["duration_s"]) + gap_s
         for s in samples[bisect.bisect_left(times, a) : bisect.bisect_left(times, b)]:
-            wire[p["arm"]] += s["output_rate_bps"] / 8 * s["interval_ms"] / 1000
-        payload[p["arm"]] += sum(f["size_bytes"] for f in mine)
-        counted[p["arm"]] += 1
+            wire[arm] += s["output_rate_bps"] / 8 * s["interval_ms"] / 1000
+        payload[arm] += sum(f["size_bytes"] for f in mine)
+        counted[arm] += 1
     return {
         arm: {
             "wire_bytes": round(wire[arm]),
