@@ -14,6 +14,7 @@ from pathlib import Path
 import kickass_db as db
 import pytest
 from kickass_db.trial_store import TrialStore
+from kickass_wan.trials import uploader
 from kickass_wan.trials.spool import Spool
 from kickass_wan.trials.uploader import Uploader
 from sqlalchemy import create_engine, text
@@ -102,6 +103,22 @@ def test_a_batch_over_the_body_cap_is_split_and_stored_whole(
     report = Uploader(url, token, spool).flush()
     assert report.rejected == 0 and report.pending == 0, report
     assert len(_stored(database_url)) == 100
+
+
+def test_batches_stay_under_the_cap_in_order() -> None:
+    """Batches are cut before their JSON passes BATCH_BYTES (a record alone
+    over it goes alone) and BATCH records; nothing is lost or reordered."""
+    sizes = [100] * 250 + [5_000] * 90 + [300_000] + [10] * 3
+    recs = [{"id": str(i), "record": {"x": "y" * n}} for i, n in enumerate(sizes)]
+    batches = uploader._batches(recs)
+    assert [r["id"] for b in batches for r in b] == [r["id"] for r in recs]
+    for b in batches:
+        assert len(b) <= uploader.BATCH
+        body = len(json.dumps([r["record"] for r in b]))
+        assert body <= uploader.BATCH_BYTES or len(b) == 1, (len(b), body)
+    # 100 + 100, then 50 small and 38 large (196,006 bytes), 39 large, the
+    # last 13, the giant alone, the 3 small after it.
+    assert [len(b) for b in batches] == [100, 100, 88, 39, 13, 1, 3]
 
 
 def test_a_conflicting_replay_is_set_aside_not_retried_forever(

@@ -5,8 +5,9 @@ have yet waiting: 404 ``unknown-trial``). A record leaves the spool only once
 the server has confirmed its id. The server answers a batch of flows record
 by record: a stored id leaves the spool, a refused one (a bad record, or a
 conflict with what is stored under its id) is moved aside to ``rejected/``
-with the server's reason, alone; its neighbours are unaffected. A batch over
-the server's body cap (413) is halved until it fits. A network error, a 5xx,
+with the server's reason, alone; its neighbours are unaffected. Batches are cut
+to fit the trials API's body cap before they are sent, and one the server
+still finds too large (413: a smaller cap) is halved until it fits. A network error, a 5xx,
 a 401/429 keep everything for the next attempt, so nothing disappears
 without a word. A pass given a deadline (the trial runner's, between two
 periods) sends nothing after it and waits for no answer past it: what it did
@@ -16,6 +17,7 @@ not send, or sent without hearing back, stays spooled for the next pass
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -29,6 +31,12 @@ log = logging.getLogger("kickass.trials.upload")
 
 # Flow records are ~1 KB each: 100 stay well inside the server's 256 KiB body cap.
 BATCH = 100
+# ...but a record with a long error or many transport counters is several KB.
+# Cut a batch before its JSON passes 3/4 of the trials API's cap (256 KiB,
+# server/kickass_server/trials_api.py): a server refusing a body mid-send
+# closes the connection, and a client still writing then sees a broken pipe,
+# not the 413 it could split on (seen under load in CI).
+BATCH_BYTES = 192 * 1024
 
 
 @dataclass
@@ -43,6 +51,21 @@ class UploadReport:
     @property
     def ok(self) -> bool:
         return self.pending == 0 and self.rejected == 0
+
+
+def _batches(recs: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """``recs`` in order, in batches of at most BATCH records and, but for a
+    record that is alone too large, BATCH_BYTES of JSON."""
+    out: list[list[dict[str, Any]]] = []
+    size = 0
+    for rec in recs:
+        n = len(json.dumps(rec["record"], separators=(",", ":"))) + 1
+        if not out or len(out[-1]) >= BATCH or size + n > BATCH_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(rec)
+        size += n
+    return out
 
 
 class _Deadline(Exception):
@@ -88,8 +111,8 @@ class Uploader:
             for rec in self.spool.pending("flow"):
                 by_trial.setdefault(rec["record"]["trial_id"], []).append(rec)
             for trial_id, recs in by_trial.items():
-                for i in range(0, len(recs), BATCH):
-                    self._send_flows(report, trial_id, recs[i : i + BATCH])
+                for chunk in _batches(recs):
+                    self._send_flows(report, trial_id, chunk)
         except _Deadline:
             report.deferred = True
         except (OSError, ValueError) as exc:
