@@ -22,7 +22,8 @@ tcpdump                              tcpdump         ground-truth captures (test
 ping                                 iputils-ping    link-emulator delay test, Atlas-style echo requests
 sysctl                               procps          reassembly and forwarding knobs in namespaces
 setpriv                              util-linux      unprivileged runs in tests (router errors)
-unshare                              util-linux      a private network namespace for one process (tests: the TCP metrics cache)
+unshare                              util-linux      a private network namespace for one process (tests: the TCP metrics cache), and stream B of make test in a mount namespace of its own
+mount                                mount           stream B of make test: its own /run/netns (tools/run-tests.sh)
 iperf3                               iperf3          router benchmark sender
 docker-compose                       docker-compose  offline check of docker-compose.yml (tests)
 docker                               docker.io       the compose deployment run for real (tests)

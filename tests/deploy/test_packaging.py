@@ -36,6 +36,7 @@ ALL_PACKAGES = {
     "iputils-ping",
     "procps",
     "util-linux",
+    "mount",
     "iperf3",
     "docker-compose",
     "docker.io",
