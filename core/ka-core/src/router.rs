@@ -36,7 +36,11 @@ pub const DEFAULT_UNMARKABLE_SHARE: f64 = 0.05;
 /// 2x), could not reach it (cwnd/SRTT >= R, II-C3), kept the queue up, and
 /// stayed in TCP mode for 11 s of 13 (namespaces, `tests/wan/
 /// test_trials_netns.py` fair share: time in Kick-Ass mode 0.06-0.08; 0.70-0.76
-/// at 0.4, back in 3.4 s).
+/// at 0.4, back in 3.4 s). 0.6, whose climb (1.06^10 = 1.79x per RTT at the
+/// 10 ms interval) is under slow start's 2x, traps it too: 0.07, 0.15 and
+/// 0.25 in three runs, though the replay gains as much (open loop 0.96x,
+/// closed 1.13x, queue p99 72 ms against 76): flows that fell to TCP mode on
+/// a loss grow by congestion avoidance, not slow start.
 pub const DEFAULT_ALPHA: f64 = 0.4;
 /// Slots of the router's memory of Kick-Ass flows (`Router::ka_flows`):
 /// 8 KiB; two flows share a slot with probability about n/4096.
