@@ -577,6 +577,16 @@ fn trace_first_pair() {
     println!("{:?}", &starts[..20]);
 }
 
+/// The heavy open load's four Kick-Ass periods, with their pair.
+fn heavy_kickass_periods(sc: &Scenario) -> Vec<(usize, PeriodResult)> {
+    (0..sc.pairs.len().min(4))
+        .map(|pair| {
+            let rc = router(sc.capacity_bps, RouterKind::KickAss);
+            (pair, run_period(sc, pair, Arm::KickAss, &rc))
+        })
+        .collect()
+}
+
 /// Where the heavy load's unused capacity is, by how many flows were open
 /// (handshake to last ACK): a lone flow leaves a third of the link unused
 /// (its handshake and last RTT, and the rate encoding's top step, 0.954 C
@@ -586,13 +596,7 @@ fn trace_first_pair() {
 fn unused_by_active_flows() {
     let sc = load("heavy_open_seed13");
     let mut by_n: BTreeMap<usize, (f64, f64, f64)> = BTreeMap::new();
-    for pair in 0..4 {
-        let r = run_period(
-            &sc,
-            pair,
-            Arm::KickAss,
-            &router(sc.capacity_bps, RouterKind::KickAss),
-        );
+    for (_, r) in heavy_kickass_periods(&sc) {
         for s in &r.samples {
             let t0 = s.t - s.interval_ms / 1e3;
             let n = r
@@ -630,13 +634,7 @@ fn unused_by_active_flows() {
 fn against_the_ideal_by_size() {
     let sc = load("heavy_open_seed13");
     let mut bins: BTreeMap<&str, (f64, usize)> = BTreeMap::new();
-    for pair in 0..4 {
-        let r = run_period(
-            &sc,
-            pair,
-            Arm::KickAss,
-            &router(sc.capacity_bps, RouterKind::KickAss),
-        );
+    for (pair, r) in heavy_kickass_periods(&sc) {
         let ideal = ideal_fcts(&sc, pair, KA_PAYLOAD_SHARE);
         for (f, i) in r.flows.iter().zip(ideal) {
             if let (Some(k), Some(i)) = (f.fct, i) {
