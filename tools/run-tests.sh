@@ -28,8 +28,8 @@
 # Each stream ends with its 25 slowest tests and when it ended: CI's budget is
 # 40 minutes.
 #
-# BESIDE_TESTS, if set, is a command run beside the streams (make test: the
-# linters and the Rust tests, about 2 minutes of both cores alone). Its output
+# BESIDE_TESTS, if set, is a command run beside the streams, niced (make test:
+# the linters and the Rust tests, about 2 minutes of both cores alone). Its output
 # is printed when the streams end; its failure fails the run, after all the
 # tests.
 #
@@ -74,7 +74,9 @@ echo "stream B (study, demo, operations; its own /run/netns): running in the bac
 beside_pid=
 if [ -n "${BESIDE_TESTS:-}" ]; then
     echo "beside them: $BESIDE_TESTS"
-    bash -c "$BESIDE_TESTS" >"$work/beside.log" 2>&1 &
+    # Niced: it has the streams' whole length to finish in, and the tests
+    # that measure time are the ones a compiler beside them hurts.
+    nice -n 10 bash -c "$BESIDE_TESTS" >"$work/beside.log" 2>&1 &
     beside_pid=$!
 fi
 echo "stream C (everything else):"
