@@ -85,10 +85,9 @@ c_rc=$?
 echo "stream C: done at $(elapsed)"
 wait "$a_pid"
 a_rc=$?
-echo "stream A: done at $(elapsed)"
 wait "$b_pid"
 b_rc=$?
-echo "stream B: done at $(elapsed)"
+echo "streams A and B: done by $(elapsed) (each one's own time ends its log, below)"
 beside_rc=0
 if [ -n "$beside_pid" ]; then
     wait "$beside_pid"
