@@ -20,7 +20,8 @@
 # the whole list before and after); the veths the Docker tests put in the root
 # namespace, which the topology test compares too, come only from stream A.
 # Measured (one run, lint and Rust beside): A 19:37, B 22:01, C 19:25, where
-# the two streams took 27-30 min each; then db moved from B to C.
+# the two streams took 27-30 min each; with db moved from B to C, on a clean
+# clone: A 20:05, B 20:07, C 19:14.
 # Each stream has its own temporary directory and embedded PostgreSQL. Tests
 # marked `quiet` (rates from Python sender threads, sub-millisecond delays: a
 # neighbour's CPU burst shows in them) run last, alone.

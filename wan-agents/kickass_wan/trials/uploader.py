@@ -5,10 +5,10 @@ have yet waiting: 404 ``unknown-trial``). A record leaves the spool only once
 the server has confirmed its id. The server answers a batch of flows record
 by record: a stored id leaves the spool, a refused one (a bad record, or a
 conflict with what is stored under its id) is moved aside to ``rejected/``
-with the server's reason, alone; its neighbours are unaffected. Batches are cut
-to fit the trials API's body cap before they are sent, and one the server
-still finds too large (413: a smaller cap) is halved until it fits. A network error, a 5xx,
-a 401/429 keep everything for the next attempt, so nothing disappears
+with the server's reason, alone; its neighbours are unaffected. Batches are
+cut to fit the trials API's body cap before they are sent, and one the server
+still finds too large (413: a smaller cap) is halved until it fits. A network
+error, a 5xx, a 401/429 keep everything for the next attempt, so nothing disappears
 without a word. A pass given a deadline (the trial runner's, between two
 periods) sends nothing after it and waits for no answer past it: what it did
 not send, or sent without hearing back, stays spooled for the next pass
@@ -55,7 +55,9 @@ class UploadReport:
 
 def _batches(recs: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     """``recs`` in order, in batches of at most BATCH records and, but for a
-    record that is alone too large, BATCH_BYTES of JSON."""
+    record that is alone too large, BATCH_BYTES of compact JSON (the body
+    goes with json's default separators, a few percent more: inside the
+    quarter of the cap left free)."""
     out: list[list[dict[str, Any]]] = []
     size = 0
     for rec in recs:

@@ -298,8 +298,13 @@ fn matched_speedup(ka: &[PeriodResult], tcp: &[PeriodResult]) -> (f64, usize) {
             }
         }
     }
-    let n = logs.len();
-    ((logs.iter().sum::<f64>() / n.max(1) as f64).exp(), n)
+    (geo_mean(&logs), logs.len())
+}
+
+/// exp of the mean of log ratios: the geometric mean of the ratios (1 for
+/// none).
+fn geo_mean(logs: &[f64]) -> f64 {
+    (logs.iter().sum::<f64>() / logs.len().max(1) as f64).exp()
 }
 
 struct Replay {
@@ -342,10 +347,7 @@ fn ideal_against(sc: &Scenario, pairs: &[usize], tcp: &[PeriodResult], share: f6
             }
         }
     }
-    (
-        (logs.iter().sum::<f64>() / logs.len().max(1) as f64).exp(),
-        completed,
-    )
+    (geo_mean(&logs), completed)
 }
 
 /// Ideal processor sharing of the payload capacity (`payload_share` of the
