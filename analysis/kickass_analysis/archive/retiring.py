@@ -35,7 +35,7 @@ from sqlalchemy.exc import DBAPIError
 
 from .layout import Progress, _check_table, _inject
 from .verifying import Dataset, verify_dataset
-from .writing import _write_day
+from .writing import Written, _write_day
 
 # Days kept raw in the database, per table (the settings' defaults).
 KEEP_RAW_DAYS: dict[str, int] = {"probe_outcomes": 30, "router_telemetry": 7}
@@ -206,12 +206,7 @@ def _steps(
                 out.reasons = blockers
                 return
         written = _write_day(store.engine, root, table, day, tag, progress)
-        out.files_written, out.write_s = written.wrote, written.seconds
-        out.rows, out.bytes = written.rows, written.bytes
-        store.written(
-            table, day, rows=written.rows, size=written.bytes, files=written.files,
-            manifest_sha256=written.manifest_sha256,
-        )  # fmt: skip
+        _record_written(store, table, day, written, out)
         _inject("after-manifest")
         _verify_recorded(store, root, table, day, out)
         _inject("after-verify")
@@ -253,6 +248,18 @@ def _steps(
             f"{relation(table, day)} is gone, but its archive row says it was not dropped",
             hint="kickass archive verify checks its files; kickass archive restore puts it back",
         )
+
+
+def _record_written(
+    store: ArchiveStore, table: str, day: date, written: Written, out: DayResult
+) -> None:
+    """The day's files written: what it took in ``out``, its manifest in the database."""
+    out.files_written, out.write_s = written.wrote, written.seconds
+    out.rows, out.bytes = written.rows, written.bytes
+    store.written(
+        table, day, rows=written.rows, size=written.bytes, files=written.files,
+        manifest_sha256=written.manifest_sha256,
+    )  # fmt: skip
 
 
 def _verify_recorded(
@@ -318,12 +325,7 @@ def write(
         try:
             store.note(table, day)
             written = _write_day(store.engine, base, table, day, tag or f"p{os.getpid()}", progress)
-            out.files_written, out.write_s = written.wrote, written.seconds
-            out.rows, out.bytes = written.rows, written.bytes
-            store.written(
-                table, day, rows=written.rows, size=written.bytes, files=written.files,
-                manifest_sha256=written.manifest_sha256,
-            )  # fmt: skip
+            _record_written(store, table, day, written, out)
             _verify_recorded(store, base, table, day, out)
         finally:
             store.unlock_day(table, day)
