@@ -198,6 +198,15 @@ class TrialStore(StoreBase):
                         ).where(TrialPeriodRow.trial_pk == pk)
                     )
                 }
+
+                def fill(index: int, **values: Any) -> None:
+                    """A stored period's value that was not known yet, now given."""
+                    conn.execute(
+                        update(TrialPeriodRow)
+                        .where(TrialPeriodRow.trial_pk == pk, TrialPeriodRow.period_index == index)
+                        .values(**values)
+                    )
+
                 for p in periods:
                     old = have.get(p["period_index"])
                     if old is None:
@@ -207,14 +216,7 @@ class TrialStore(StoreBase):
                     # when it started), sent again with the trial's end.
                     new_offered = p.get("offered_load_bps")
                     if offered is None and new_offered is not None:
-                        conn.execute(
-                            update(TrialPeriodRow)
-                            .where(
-                                TrialPeriodRow.trial_pk == pk,
-                                TrialPeriodRow.period_index == p["period_index"],
-                            )
-                            .values(offered_load_bps=new_offered)
-                        )
+                        fill(p["period_index"], offered_load_bps=new_offered)
                     if any(_differs(a, p[k]) for a, k in zip(fields, _PERIOD_FIELDS, strict=True)):
                         raise Conflict(
                             f"trial {tid}: period {p['period_index']} was stored differently"
@@ -222,14 +224,7 @@ class TrialStore(StoreBase):
                     # When it really started arrives later, as finished_at does.
                     new_actual = p.get("actual_start_offset_s")
                     if actual is None and new_actual is not None:
-                        conn.execute(
-                            update(TrialPeriodRow)
-                            .where(
-                                TrialPeriodRow.trial_pk == pk,
-                                TrialPeriodRow.period_index == p["period_index"],
-                            )
-                            .values(actual_start_offset_s=new_actual)
-                        )
+                        fill(p["period_index"], actual_start_offset_s=new_actual)
                     elif new_actual is not None and _differs(actual, new_actual):
                         raise Conflict(
                             f"trial {tid}: period {p['period_index']} started at another time"
