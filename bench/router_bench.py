@@ -161,13 +161,23 @@ def throughput(topo: Built, seconds: float, router_pid: int | None, mix: bool = 
         "loss_fraction": round(1 - got / max(sent["sent"], 1), 4),
     }
     if cpu1 is not None:
-        user, system = cpu1[0] - cpu0[0], cpu1[1] - cpu0[1]
-        out["router_cpu_cores"] = round((user + system) / elapsed, 3)
-        out["router_cpu_us_per_packet"] = round((user + system) / max(got, 1) * 1e6, 3)
+        out.update(router_cpu(cpu0, cpu1, elapsed, got))
+    return out
+
+
+def router_cpu(
+    cpu0: tuple[float, float], cpu1: tuple[float, float], elapsed: float, packets: int
+) -> dict:
+    """The router's CPU over a throughput phase, from its (user, system)
+    seconds at the start and the end."""
+    user, system = cpu1[0] - cpu0[0], cpu1[1] - cpu0[1]
+    return {
+        "router_cpu_cores": round((user + system) / elapsed, 3),
+        "router_cpu_us_per_packet": round((user + system) / max(packets, 1) * 1e6, 3),
         # Kernel time in the router's syscalls: mostly the forwarding work
         # that each TUN write triggers (route, ip_output, veth, peer rx).
-        out["router_system_fraction"] = round(system / max(user + system, 1e-9), 3)
-    return out
+        "router_system_fraction": round(system / max(user + system, 1e-9), 3),
+    }
 
 
 def latency(topo: Built, pps: int = 1000, seconds: float = 2.0) -> dict:
@@ -278,10 +288,7 @@ def iperf3_throughput(topo: Built, seconds: float, router_pid: int | None) -> di
         "loss_fraction": round(end["lost_packets"] / max(end["packets"], 1), 4),
     }
     if cpu1 is not None:
-        user, system = cpu1[0] - cpu0[0], cpu1[1] - cpu0[1]
-        out["router_cpu_cores"] = round((user + system) / elapsed, 3)
-        out["router_cpu_us_per_packet"] = round((user + system) / max(got, 1) * 1e6, 3)
-        out["router_system_fraction"] = round(system / max(user + system, 1e-9), 3)
+        out.update(router_cpu(cpu0, cpu1, elapsed, got))
     return out
 
 
