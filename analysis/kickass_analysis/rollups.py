@@ -387,13 +387,17 @@ ORDER BY r.id
 """)
 _RAW_SINCE = text("SELECT count(*) FROM router_telemetry WHERE run_id = :r AND t >= :t")
 
-_ROLL_SECONDS = text("""
-INSERT INTO router_telemetry_1s (
+# Both rollups' columns (router_telemetry_1s and _1m) written once, so the
+# two INSERTs cannot come to fill them in different orders.
+_ROLLUP_COLUMNS = """
     run_id, at, samples, advertised_rate_sum, advertised_rate_min, advertised_rate_max,
     leading_fragment_sum, leading_fragment_n, leading_fragment_min, leading_fragment_max,
     input_rate_sum, output_rate_sum, output_rate_n, queue_bytes_sum, queue_bytes_max,
     kickass_samples, tcp_samples, rtt_ms_sum, rtt_ms_n, drops_max, fragmented_max,
-    mode_switches_max)
+    mode_switches_max"""
+
+_ROLL_SECONDS = text(f"""
+INSERT INTO router_telemetry_1s ({_ROLLUP_COLUMNS})
 SELECT s.run_id, CAST(:base AS timestamptz) + make_interval(secs => floor(s.t)),
        count(*), sum(s.advertised_rate_bps), min(s.advertised_rate_bps),
        max(s.advertised_rate_bps),
@@ -423,13 +427,8 @@ _SECONDS_SINCE = text(
     "SELECT coalesce(sum(samples), 0) FROM router_telemetry_1s WHERE run_id = :r AND at >= :a"
 )
 
-_ROLL_MINUTES = text("""
-INSERT INTO router_telemetry_1m (
-    run_id, at, samples, advertised_rate_sum, advertised_rate_min, advertised_rate_max,
-    leading_fragment_sum, leading_fragment_n, leading_fragment_min, leading_fragment_max,
-    input_rate_sum, output_rate_sum, output_rate_n, queue_bytes_sum, queue_bytes_max,
-    kickass_samples, tcp_samples, rtt_ms_sum, rtt_ms_n, drops_max, fragmented_max,
-    mode_switches_max)
+_ROLL_MINUTES = text(f"""
+INSERT INTO router_telemetry_1m ({_ROLLUP_COLUMNS})
 SELECT run_id, date_trunc('minute', at, 'UTC'), sum(samples), sum(advertised_rate_sum),
        min(advertised_rate_min), max(advertised_rate_max), sum(leading_fragment_sum),
        sum(leading_fragment_n), min(leading_fragment_min), max(leading_fragment_max),
