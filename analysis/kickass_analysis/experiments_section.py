@@ -595,7 +595,7 @@ class ExperimentsData(Protocol):
 
 
 def section(data: ExperimentsData) -> tuple[Section, dict[str, Any]]:
-    from .report.markup import Section, _figure, _table
+    from .report.markup import Section, _table
 
     sec = Section("experiments", "The paper's congestion experiments")
     runs: list[ExperimentRun] = data.experiment_runs
@@ -658,24 +658,20 @@ def section(data: ExperimentsData) -> tuple[Section, dict[str, Any]]:
         fig = x.figure(name)
         shade = x.shading()
         sec.body.append(f'<h3 id="{e(name)}">{e(x.title())}</h3><p>{e(x.setting())}.</p>')
-        sec.body.append(
-            _figure(
-                fig,
-                x.title(),
-                "Top: every flow's payload rate every "
-                f"{x.interval_s:g} s (green Kick-Ass, red TCP); middle: each protocol's total "
-                "against the capacity; bottom: the share of Kick-Ass flows in Kick-Ass mode. "
-                + (
-                    "Shaded: the router in TCP mode (its telemetry)."
-                    if shade.series == "router-tcp-mode"
-                    else "No router telemetry was stored with this run: shaded where most "
-                    "Kick-Ass flows were in TCP mode."
-                )
-                + " Dotted: the TCP flows switched on and off.",
+        sec.add_figure(
+            fig,
+            x.title(),
+            "Top: every flow's payload rate every "
+            f"{x.interval_s:g} s (green Kick-Ass, red TCP); middle: each protocol's total "
+            "against the capacity; bottom: the share of Kick-Ass flows in Kick-Ass mode. "
+            + (
+                "Shaded: the router in TCP mode (its telemetry)."
+                if shade.series == "router-tcp-mode"
+                else "No router telemetry was stored with this run: shaded where most "
+                "Kick-Ass flows were in TCP mode."
             )
+            + " Dotted: the TCP flows switched on and off.",
         )
-        if fig is not None:
-            sec.figures.append(fig)
         sec.body.append(_table(list(Experiment.EPOCH_HEAD), x.epoch_table(), "experiment-epochs"))
         claims = x.claims()
         if claims:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import figures
-from .markup import Section, _f, _figure, _table, _when
+from .markup import Section, _f, _table, _when
 from .readers import ReportData
 
 
@@ -41,10 +41,7 @@ def build(data: ReportData) -> Health:
 def _runs_html(m: Health, sec: Section) -> None:
     what = "Scheduled runs by outcome"
     fig = figures.stacked_counts("item-runs", what, m.runs)
-    sec.body.append(_figure(fig, what, f"{what}, per item of the schedule (v_item_runs)."))
-    if fig is not None:
-        sec.figures.append(fig)
-        sec.empty = False
+    sec.add_figure(fig, what, f"{what}, per item of the schedule (v_item_runs).")
     if m.failures:
         sec.body.append("<h3>Failed and timed-out runs</h3>")
         sec.body.append(
@@ -75,10 +72,8 @@ def _atlas_html(m: Health, sec: Section) -> None:
     fig = figures.stacked_counts(
         "atlas-status", what, m.atlas_status, colours={}, xlabel="measurements"
     )
-    sec.body.append(_figure(fig, what, f"{what}, per campaign (v_atlas_measurements)."))
+    sec.add_figure(fig, what, f"{what}, per campaign (v_atlas_measurements).")
     if fig is not None:
-        sec.figures.append(fig)
-        sec.empty = False
         sec.body.append(
             _table(
                 [

@@ -25,6 +25,18 @@ class Section:
     figures: list[Figure] = field(default_factory=list)
     empty: bool = True
 
+    def add_figure(
+        self, fig: Figure | None, what: str, caption: str, *, fills: bool = True
+    ) -> None:
+        """The figure with its caption (or "no data yet" for ``what``) in the
+        body; drawn, it is kept in ``figures`` and, with ``fills``, the
+        section is no longer empty."""
+        self.body.append(_figure(fig, what, caption))
+        if fig is not None:
+            self.figures.append(fig)
+            if fills:
+                self.empty = False
+
 
 def _f(x: float | None, fmt: str = "{:.1%}") -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):

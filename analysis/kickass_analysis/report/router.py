@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import figures
-from .markup import Section, _capacity, _f, _figure, _table
+from .markup import Section, _capacity, _f, _table
 from .readers import MAX_ROUTER_RUNS, ReportData, _run_label
 
 
@@ -51,18 +51,13 @@ def to_html(m: Router) -> Section:
     sec = Section("router", "The edge router")
     what = "The router over time"
     fig = figures.router("router", what, m.series)
-    sec.body.append(
-        _figure(
-            fig,
-            what,
-            f"{what}: advertised rate, leading-fragment length, queue and the "
-            "share of samples in Kick-Ass marking mode (0: TCP mode), per run; long runs "
-            f"are drawn as the means of {figures.MAX_POINTS} time buckets.",
-        )
+    sec.add_figure(
+        fig,
+        what,
+        f"{what}: advertised rate, leading-fragment length, queue and the "
+        "share of samples in Kick-Ass marking mode (0: TCP mode), per run; long runs "
+        f"are drawn as the means of {figures.MAX_POINTS} time buckets.",
     )
-    if fig is not None:
-        sec.figures.append(fig)
-        sec.empty = False
     rows = [
         [
             r.label,

@@ -10,7 +10,7 @@ from typing import Any
 from kickass_core import sources
 
 from .. import figures, stats
-from .markup import Section, _f, _figure, _interval, _table
+from .markup import Section, _f, _interval, _table
 from .readers import ReportData
 
 
@@ -108,17 +108,12 @@ def _drops_html(m: Study, sec: Section) -> None:
     drawn = figures.drop_by_phase("drop", {ph: what for ph, _, what in DROP_FIGURES}, lines)
     for phase, _, what in DROP_FIGURES:
         fig = drawn[phase]
-        sec.body.append(
-            _figure(
-                fig,
-                what,
-                f"{what}: pooled over every session (volunteers) and probe (Atlas); "
-                "bars are 95% Wilson intervals.",
-            )
+        sec.add_figure(
+            fig,
+            what,
+            f"{what}: pooled over every session (volunteers) and probe (Atlas); "
+            "bars are 95% Wilson intervals.",
         )
-        if fig is not None:
-            sec.figures.append(fig)
-            sec.empty = False
         rows = [
             [
                 source_title(d.source),
@@ -166,17 +161,14 @@ def _intolerant_html(m: Study, sec: Section) -> None:
         (m.by_asn, "intolerant-by-asn", "Fragment-intolerant clients by network (ASN)"),
     ):
         fig = figures.shares(name, what, groups)
-        sec.body.append(
-            _figure(
-                fig,
-                what,
-                f"{what}: share among clients with a conclusive verdict, 95% "
-                f"Wilson interval; the dashed line is the paper's "
-                f"{paper['intolerant_share']:.1%} of {paper['clients']} clients.",
-            )
+        sec.add_figure(
+            fig,
+            what,
+            f"{what}: share among clients with a conclusive verdict, 95% "
+            f"Wilson interval; the dashed line is the paper's "
+            f"{paper['intolerant_share']:.1%} of {paper['clients']} clients.",
+            fills=False,
         )
-        if fig is not None:
-            sec.figures.append(fig)
 
 
 def to_html(m: Study) -> Section:

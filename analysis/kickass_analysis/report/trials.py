@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import figures, rollups, stats
-from .markup import Section, _capacity, _f, _figure, _interval, _table
+from .markup import Section, _capacity, _f, _interval, _table
 from .readers import ReportData
 
 # What the summary keeps of each speedup row.
@@ -154,19 +154,14 @@ def _fct_html(m: Trials, sec: Section) -> None:
         )
     what = "FCT against flow size"
     fig = figures.fct_by_size("fct-by-size", what, m.binned)
-    sec.body.append(
-        _figure(
-            fig,
-            what,
-            f"{what}, per access capacity and arm: the marker is the median FCT of "
-            "the completed flows in each power-of-two size bin, the bar reaches the 95th "
-            "percentile; flows that did not complete count in the table's completion rate "
-            f"(from {how}).",
-        )
+    sec.add_figure(
+        fig,
+        what,
+        f"{what}, per access capacity and arm: the marker is the median FCT of "
+        "the completed flows in each power-of-two size bin, the bar reaches the 95th "
+        "percentile; flows that did not complete count in the table's completion rate "
+        f"(from {how}).",
     )
-    if fig is not None:
-        sec.figures.append(fig)
-        sec.empty = False
     rows = []
     for (cap, arm), by_bucket in sorted(m.buckets.items()):
         for bucket in stats.SIZE_BUCKETS:
@@ -251,19 +246,14 @@ def _speedups_html(m: Trials, sec: Section) -> None:
         if m.speedups_computed
         else "v_trial_speedups, the refresh rollup"
     )
-    sec.body.append(
-        _figure(
-            fig,
-            what,
-            f"{what}: geometric mean of FCT(baseline) / FCT(Kick-Ass) over the "
-            f"same flows under each arm, with a 95% interval over period pairs ({source}; "
-            "none from a single pair); the "
-            "shaded band is the paper's 1.2-4x.",
-        )
+    sec.add_figure(
+        fig,
+        what,
+        f"{what}: geometric mean of FCT(baseline) / FCT(Kick-Ass) over the "
+        f"same flows under each arm, with a 95% interval over period pairs ({source}; "
+        "none from a single pair); the "
+        "shaded band is the paper's 1.2-4x.",
     )
-    if fig is not None:
-        sec.figures.append(fig)
-        sec.empty = False
     srows = [
         _speedup_row(r)
         for r in m.speedups
@@ -310,19 +300,14 @@ def _modes_html(m: Trials, sec: Section) -> None:
         "share of the flow's time in Kick-Ass mode",
         {k: mode.cdf for k, mode in m.modes.items()},
     )
-    sec.body.append(
-        _figure(
-            fig,
-            what,
-            f"{what}: the CDF over Kick-Ass flows of the share of each flow's time "
-            "spent in Kick-Ass mode (the rest in TCP mode). The paper: at 10 Mbit/s flows "
-            "stay in Kick-Ass mode; at 100 Mbit/s on a ~2000-mile path about half the time "
-            "is in TCP mode.",
-        )
+    sec.add_figure(
+        fig,
+        what,
+        f"{what}: the CDF over Kick-Ass flows of the share of each flow's time "
+        "spent in Kick-Ass mode (the rest in TCP mode). The paper: at 10 Mbit/s flows "
+        "stay in Kick-Ass mode; at 100 Mbit/s on a ~2000-mile path about half the time "
+        "is in TCP mode.",
     )
-    if fig is not None:
-        sec.figures.append(fig)
-        sec.empty = False
     mrows = [
         [k, mode.flows, _f(mode.mean), _f(mode.median), _f(mode.share_of_time)]
         for k, mode in m.modes.items()
