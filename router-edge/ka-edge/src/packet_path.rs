@@ -27,7 +27,6 @@
 
 use std::collections::HashMap;
 use std::io;
-use std::mem;
 use std::net::Ipv4Addr;
 use std::os::fd::RawFd;
 
@@ -289,16 +288,7 @@ impl LanRx {
                 },
             ]);
         }
-        let mut msgs: Vec<libc::mmsghdr> = iovs
-            .iter_mut()
-            .map(|iov| {
-                // SAFETY: mmsghdr is plain data; all-zero is valid.
-                let mut m: libc::mmsghdr = unsafe { mem::zeroed() };
-                m.msg_hdr.msg_iov = iov.as_mut_ptr();
-                m.msg_hdr.msg_iovlen = 2;
-                m
-            })
-            .collect();
+        let mut msgs = sys::mmsghdrs(iovs.iter_mut().map(|iov| (iov.as_mut_ptr(), 2)));
         // SAFETY: msgs points to n headers whose iovecs point into live,
         // writable buffers that outlive the call.
         let rc = unsafe {
@@ -529,17 +519,11 @@ impl WanTx {
     /// `sendmmsg` of frames given as iovec triples; returns how many the
     /// kernel took (the rest count as errors at the caller).
     pub fn send_batch(&self, iovs: &mut [[libc::iovec; 3]], counts: &[usize]) -> io::Result<usize> {
-        let mut msgs: Vec<libc::mmsghdr> = iovs
-            .iter_mut()
-            .zip(counts)
-            .map(|(iov, &c)| {
-                // SAFETY: mmsghdr is plain data; all-zero is valid.
-                let mut m: libc::mmsghdr = unsafe { mem::zeroed() };
-                m.msg_hdr.msg_iov = iov.as_mut_ptr();
-                m.msg_hdr.msg_iovlen = c as _;
-                m
-            })
-            .collect();
+        let mut msgs = sys::mmsghdrs(
+            iovs.iter_mut()
+                .zip(counts)
+                .map(|(iov, &c)| (iov.as_mut_ptr(), c)),
+        );
         let mut done = 0;
         while done < msgs.len() {
             // SAFETY: msgs[done..] are valid headers whose iovecs point to

@@ -140,6 +140,19 @@ pub fn writev2(fd: RawFd, a: &[u8], b: &[u8]) -> io::Result<usize> {
     Ok(n as usize)
 }
 
+/// The headers `sendmmsg`/`recvmmsg` take: one a message, each naming its
+/// iovecs as `(first, count)`. The iovecs must outlive every use of them.
+pub fn mmsghdrs(iovs: impl Iterator<Item = (*mut libc::iovec, usize)>) -> Vec<libc::mmsghdr> {
+    iovs.map(|(first, count)| {
+        // SAFETY: mmsghdr is plain data; all-zero is valid.
+        let mut m: libc::mmsghdr = unsafe { std::mem::zeroed() };
+        m.msg_hdr.msg_iov = first;
+        m.msg_hdr.msg_iovlen = count as _;
+        m
+    })
+    .collect()
+}
+
 /// Ask for SCHED_FIFO at `priority` (1..99) so a wake-up preempts ordinary
 /// processes: timing, not throughput, is what the caller sells. Returns
 /// false (and changes nothing) when not permitted.

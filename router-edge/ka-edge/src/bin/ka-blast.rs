@@ -218,16 +218,7 @@ fn send(
                 iov_len: sizes[(seq as usize + i) % sizes.len()],
             })
             .collect();
-        // SAFETY: mmsghdr is plain data; the iovecs outlive the call.
-        let mut msgs: Vec<libc::mmsghdr> = iovs
-            .iter_mut()
-            .map(|iov| {
-                let mut m: libc::mmsghdr = unsafe { std::mem::zeroed() };
-                m.msg_hdr.msg_iov = iov;
-                m.msg_hdr.msg_iovlen = 1;
-                m
-            })
-            .collect();
+        let mut msgs = sys::mmsghdrs(iovs.iter_mut().map(|iov| (iov as *mut _, 1)));
         // SAFETY: msgs is a valid array of n mmsghdr.
         let rc = unsafe { libc::sendmmsg(fd.0, msgs.as_mut_ptr(), n as u32, 0) };
         if rc < 0 {
@@ -297,16 +288,7 @@ fn recv(bind: SocketAddrV4, duration: u64, idle: u64) -> Result<RecvReport, sys:
                 iov_len: b.len(),
             })
             .collect();
-        // SAFETY: mmsghdr is plain data; the iovecs outlive the call.
-        let mut msgs: Vec<libc::mmsghdr> = iovs
-            .iter_mut()
-            .map(|iov| {
-                let mut m: libc::mmsghdr = unsafe { std::mem::zeroed() };
-                m.msg_hdr.msg_iov = iov;
-                m.msg_hdr.msg_iovlen = 1;
-                m
-            })
-            .collect();
+        let mut msgs = sys::mmsghdrs(iovs.iter_mut().map(|iov| (iov as *mut _, 1)));
         // SAFETY: msgs is a valid array of B mmsghdr; MSG_WAITFORONE
         // returns as soon as one datagram is there.
         let n = unsafe {
