@@ -5,6 +5,7 @@ pub mod afpacket;
 pub mod lan_guard;
 pub mod linkem_shell;
 pub mod packet_path;
+pub mod pool;
 pub mod router_shell;
 pub mod sys;
 pub mod tun;

@@ -13,6 +13,7 @@ use ka_core::Nanos;
 use serde::Serialize;
 
 use crate::afpacket::{PacketSocket, VNET_HDR_LEN};
+use crate::pool::Pool;
 use crate::sys::{self, Error, Result};
 
 #[derive(Debug, Clone, Serialize)]
@@ -40,26 +41,13 @@ struct StatsLine<'a> {
 
 struct Port {
     sock: PacketSocket,
-    pool: Vec<Vec<u8>>,
-    frame: usize,
-}
-
-impl Port {
-    fn buf(&mut self) -> Vec<u8> {
-        match self.pool.pop() {
-            Some(mut b) => {
-                b.resize(self.frame, 0);
-                b
-            }
-            None => vec![0; self.frame],
-        }
-    }
+    pool: Pool,
 }
 
 fn pump_in(port: &mut Port, link: &mut Link) -> Result<usize> {
     let mut n = 0;
     while n < 256 {
-        let mut buf = port.buf();
+        let mut buf = port.pool.get();
         match port.sock.recv(&mut buf) {
             Ok(Some(len)) => {
                 // Stamp after the read, never before: a frame must not be
@@ -69,12 +57,12 @@ fn pump_in(port: &mut Port, link: &mut Link) -> Result<usize> {
                 buf.truncate(len);
                 let wire = len.saturating_sub(VNET_HDR_LEN);
                 if let Err(b) = link.on_packet(now, buf, wire) {
-                    port.pool.push(b);
+                    port.pool.put(b);
                 }
                 n += 1;
             }
             Ok(None) => {
-                port.pool.push(buf);
+                port.pool.put(buf);
                 break;
             }
             Err(e) => {
@@ -90,13 +78,7 @@ fn pump_in(port: &mut Port, link: &mut Link) -> Result<usize> {
 
 /// Send what is due on `out`; the emptied buffers go back to `pool_of`
 /// (the port they were read from).
-fn pump_out(
-    link: &mut Link,
-    out: &PacketSocket,
-    pool_of: &mut Vec<Vec<u8>>,
-    now: Nanos,
-    errors: &mut u64,
-) {
+fn pump_out(link: &mut Link, out: &PacketSocket, pool_of: &mut Pool, now: Nanos, errors: &mut u64) {
     while let Some(frame) = link.poll_transmit(now) {
         if let Err(e) = out.send(&frame) {
             // ENOBUFS and friends: the frame is lost, like on a real wire.
@@ -108,9 +90,7 @@ fn pump_out(
                 );
             }
         }
-        if pool_of.len() < 4096 {
-            pool_of.push(frame);
-        }
+        pool_of.put(frame);
     }
 }
 
@@ -125,13 +105,11 @@ pub fn run(o: Options) -> Result<()> {
     let rcvbuf = 8 << 20;
     let mut pa = Port {
         sock: PacketSocket::open(&o.a, rcvbuf)?,
-        pool: Vec::new(),
-        frame,
+        pool: Pool::new(frame, 4096),
     };
     let mut pb = Port {
         sock: PacketSocket::open(&o.b, rcvbuf)?,
-        pool: Vec::new(),
-        frame,
+        pool: Pool::new(frame, 4096),
     };
     sys::install_stop_handlers()?;
     sys::tight_timer_slack();

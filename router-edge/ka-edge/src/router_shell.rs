@@ -22,6 +22,7 @@ use serde::Serialize;
 
 use crate::lan_guard::LanGuard;
 use crate::packet_path::{self, LanRx, NextHops, Received, WanTx, BATCH};
+use crate::pool::Pool;
 use crate::sys::{self, Error, Result};
 use crate::tun::Tun;
 
@@ -287,31 +288,6 @@ struct ExitLine<'a> {
     /// GSO super-packet, truncated).
     rx_unusable_packets: u64,
     counters: &'a ka_core::router::Counters,
-}
-
-/// Pool of packet buffers: the datapath allocates nothing per packet once
-/// warm.
-struct Pool {
-    free: Vec<Vec<u8>>,
-    size: usize,
-}
-
-impl Pool {
-    fn get(&mut self) -> Vec<u8> {
-        match self.free.pop() {
-            Some(mut b) => {
-                b.resize(self.size, 0);
-                b
-            }
-            None => vec![0u8; self.size],
-        }
-    }
-
-    fn put(&mut self, b: Vec<u8>) {
-        if self.free.len() < 8192 {
-            self.free.push(b);
-        }
-    }
 }
 
 /// The packet datapath's sockets and state (see `packet_path`).
@@ -648,10 +624,7 @@ pub fn run(o: Options) -> Result<()> {
         router: Router::new(o.router.clone(), sys::now()),
         tun,
         packet,
-        pool: Pool {
-            free: Vec::new(),
-            size: pool_size,
-        },
+        pool: Pool::new(pool_size, 8192),
         ttl_fix: o.ttl_fix,
         write_errors: 0,
         read_errors: 0,
