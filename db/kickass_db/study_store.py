@@ -37,6 +37,7 @@ from kickass_core.verdict import VERDICTS, decide, excess
 from sqlalchemy import (
     Connection,
     Table,
+    TextClause,
     bindparam,
     func,
     insert,
@@ -157,11 +158,15 @@ SELECT leading_ip_len, sent, acked, late, drop_rate, frag_observed, arrived_as_s
 FROM v_split_drop WHERE session_id = :session_id ORDER BY leading_ip_len
 """)
 
-# A final session's counts, per phase and IP length, from its raw rows into
-# unit_counts (and the change into unit_count_changes, for the rollups):
-# migration 0020, under 0007's rules. Returns per session and phase what the
-# verdict is decided from: valid sent, delivered (a late acknowledgement counts
-# as delivered: kickass_core.verdict), invalid, late.
+# A final session's counts, per phase and IP length, into unit_counts (and the
+# change into unit_count_changes, for the rollups): migration 0020, under
+# 0007's rules. Returns per session and phase what the verdict is decided
+# from: valid sent, delivered (a late acknowledgement counts as delivered:
+# kickass_core.verdict), invalid, late. A live session reaching a final state
+# has them from its live counts, kept as its rows were written (0029: no raw
+# row read, so a full plan's finish stays short); a late write for a final
+# session counts its raw rows again.
+_FINISH_COUNTS = text("SELECT * FROM write_unit_counts_from_live(CAST(:pks AS bigint[]))")
 _WRITE_COUNTS = text("SELECT * FROM write_unit_counts(CAST(:pks AS bigint[]))")
 
 # Whether a retire has claimed the day (migration 0023): a late write for a
@@ -400,7 +405,7 @@ class StudyStore(StoreBase):
             except psycopg.errors.UniqueViolation:
                 conn.execute(_UPSERT_OUTCOMES, params)
             if final:  # a batch for a finished session (a replay): its counts follow
-                _write_counts(conn, [pk])
+                _write_counts(conn, [pk], _WRITE_COUNTS)
             return len(latest)
 
         if self.run(work) == 0:
@@ -418,9 +423,9 @@ class StudyStore(StoreBase):
 
     def _finish_session(self, event: RunFinished) -> bool:
         """Put a live session in a final state, and store its counts (per phase
-        and IP length, from its outcomes: ``unit_counts``) in the same
-        transaction. The first final state wins: False (and nothing changed)
-        if it had already finished, or is unknown.
+        and IP length: ``unit_counts``, from the live counts its outcome
+        batches kept) in the same transaction. The first final state wins:
+        False (and nothing changed) if it had already finished, or is unknown.
         ``reassembly``: what the engine learnt from the client's REPORTs, kept
         as ``client_metadata.reassembly.server``; ``window``: an adaptive
         run's window record (kickass_server.window), kept as
@@ -448,7 +453,7 @@ class StudyStore(StoreBase):
             pk = conn.execute(stmt).scalar_one_or_none()
             if pk is None:
                 return False
-            _write_counts(conn, [pk])
+            _write_counts(conn, [pk], _FINISH_COUNTS)
             return True
 
         return self.run(work)
@@ -527,7 +532,7 @@ class StudyStore(StoreBase):
             observed = observations is not None and bool(observations[0])
             if state not in FINAL_STATES or not (marked or observed):
                 return True
-            counts = _write_counts(conn, [pk]).get(pk, {})
+            counts = _write_counts(conn, [pk], _WRITE_COUNTS).get(pk, {})
             if marked:
                 v = _decide(counts)
                 conn.execute(
@@ -562,7 +567,7 @@ class StudyStore(StoreBase):
             ).all()
             if not orphans:
                 return []
-            counts = _write_counts(conn, [pk for pk, _ in orphans])
+            counts = _write_counts(conn, [pk for pk, _ in orphans], _FINISH_COUNTS)
             updates = []
             for pk, _ in orphans:
                 v = _decide(counts.get(pk, {}))
@@ -707,11 +712,13 @@ def _refuse_if_retired(conn: Connection, session_id: str, created: datetime) -> 
         raise SessionRetired(session_id, day)
 
 
-def _write_counts(conn: Connection, pks: list[int]) -> dict[int, PhaseCounts]:
-    """Store these sessions' counts (``unit_counts``); per session and phase
-    (valid sent, delivered, invalid, late), what the verdict is decided from."""
+def _write_counts(conn: Connection, pks: list[int], counting: TextClause) -> dict[int, PhaseCounts]:
+    """Store these sessions' counts (``unit_counts``) by ``counting``
+    (``_FINISH_COUNTS`` for sessions live until now, ``_WRITE_COUNTS`` for
+    final ones); per session and phase (valid sent, delivered, invalid,
+    late), what the verdict is decided from."""
     out: dict[int, PhaseCounts] = {}
-    for pk, phase, sent, delivered, invalid, late in conn.execute(_WRITE_COUNTS, {"pks": pks}):
+    for pk, phase, sent, delivered, invalid, late in conn.execute(counting, {"pks": pks}):
         out.setdefault(pk, {})[phase] = (sent, delivered, invalid, late)
     return out
 

@@ -53,6 +53,7 @@ COUNT_TABLES = {  # 0020
 EXPERIMENT_TABLES = {"experiment_runs", "experiment_rates"}  # 0021
 EXPERIMENT_VIEWS = {"v_experiment_runs", "v_experiment_rates"}  # 0021
 ARCHIVE_TABLES = {"archive_partitions", "archive_secrets"}  # 0023
+LIVE_COUNT_TABLES = {"live_counts"}  # 0029
 TABLES = (
     STUDY_TABLES
     | ROUTER_TABLES
@@ -67,6 +68,7 @@ TABLES = (
     | COUNT_TABLES
     | EXPERIMENT_TABLES
     | ARCHIVE_TABLES
+    | LIVE_COUNT_TABLES
 )
 # 0020: what the study views add to the rollups (not for readers: no v_ name).
 COUNT_VIEWS = {"unit_counts_pending"}
@@ -322,10 +324,13 @@ def test_upgrade_downgrade_upgrade(empty_database_url: str) -> None:
     assert matviews(url) == MATVIEWS
     # 0022 partitioned the raw tables: the same tables and views without it.
     assert kickass("db", "downgrade", "0021", "--database-url", url) == 0
-    assert schema(url) == (TABLES - ARCHIVE_TABLES, set(VIEW_COLUMNS) | COUNT_VIEWS)
+    assert schema(url) == (
+        TABLES - ARCHIVE_TABLES - LIVE_COUNT_TABLES,
+        set(VIEW_COLUMNS) | COUNT_VIEWS,
+    )
     assert kickass("db", "downgrade", "0019", "--database-url", url) == 0
     assert schema(url) == (
-        TABLES - COUNT_TABLES - EXPERIMENT_TABLES - ARCHIVE_TABLES,
+        TABLES - COUNT_TABLES - EXPERIMENT_TABLES - ARCHIVE_TABLES - LIVE_COUNT_TABLES,
         set(VIEW_COLUMNS) - EXPERIMENT_VIEWS,
     )
     assert matviews(url) == MATVIEWS | {"mv_session_summary", "mv_probe_daily", "mv_size_clients"}
@@ -338,7 +343,8 @@ def test_upgrade_downgrade_upgrade(empty_database_url: str) -> None:
         - QUARANTINE_TABLES
         - COUNT_TABLES
         - EXPERIMENT_TABLES
-        - ARCHIVE_TABLES,
+        - ARCHIVE_TABLES
+        - LIVE_COUNT_TABLES,
         views,
     )
     assert matviews(url) == set()
@@ -351,6 +357,7 @@ def test_upgrade_downgrade_upgrade(empty_database_url: str) -> None:
         - COUNT_TABLES
         - EXPERIMENT_TABLES
         - ARCHIVE_TABLES
+        - LIVE_COUNT_TABLES
         - SCHEDULE_TABLES,
         views - SCHEDULE_VIEWS,
     )
@@ -364,6 +371,7 @@ def test_upgrade_downgrade_upgrade(empty_database_url: str) -> None:
         | COUNT_TABLES
         | EXPERIMENT_TABLES
         | ARCHIVE_TABLES
+        | LIVE_COUNT_TABLES
     )
     assert kickass("db", "downgrade", "0009", "--database-url", url) == 0
     assert schema(url) == (TABLES - newer, before_0010)

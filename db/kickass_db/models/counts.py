@@ -4,8 +4,9 @@ A unit is one volunteer session or one Atlas probe of a campaign
 (``source``); its counts are stored when it reaches a final state (a
 session) or as its results arrive (an Atlas probe: each result's counts
 added once), so every reader of it reads them and raw rows can go. Written
-only by SQL functions: ``write_unit_counts`` (0020, called by
-``StudyStore``), ``write_atlas_unit_counts`` (0028, called by
+only by SQL functions: ``write_unit_counts`` (0020) and
+``write_unit_counts_from_live`` (0029, from ``live_counts``), called by
+``StudyStore``, ``write_atlas_unit_counts`` (0028, called by
 ``AtlasStore``) and ``fold_unit_count_changes`` (the scheduled refresh,
 ``kickass_analysis.rollups``).
 Read through the study views (``v_whole_drop``, ``v_size_drop_all``,
@@ -18,11 +19,13 @@ from datetime import date, datetime
 
 from kickass_core.plan import PHASES
 from sqlalchemy import (
+    REAL,
     BigInteger,
     CheckConstraint,
     Date,
     DateTime,
     Float,
+    ForeignKey,
     Identity,
     Integer,
     SmallInteger,
@@ -187,3 +190,35 @@ class ClientSizesRow(Base):
     client_key: Mapped[str] = mapped_column(Text, primary_key=True)
     phase: Mapped[str] = mapped_column(Text, primary_key=True)
     ip_lens: Mapped[list[int]] = mapped_column(_SMALLS)
+
+
+class LiveCountsRow(Base):
+    """A live session's counts in one phase and IP length, kept up to date as
+    its rows are written (migration 0029: ``probe_outcomes``' statement
+    triggers, ``count_live_outcomes``), so its finish reads no raw row; the
+    finish (``write_unit_counts_from_live``) deletes them."""
+
+    __tablename__ = "live_counts"
+    __table_args__ = (CheckConstraint(check_in("phase", PHASES), name="phase"),)
+
+    session_pk: Mapped[int] = mapped_column(
+        BigInteger, ForeignKey("sessions.id", ondelete="CASCADE"), primary_key=True
+    )
+    phase: Mapped[str] = mapped_column(Text, primary_key=True)
+    ip_len: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
+    # Its raw rows (a size with none left is not one of the session's).
+    probes: Mapped[int] = mapped_column(Integer)
+    sent: Mapped[int] = mapped_column(Integer)
+    acked: Mapped[int] = mapped_column(Integer)
+    late: Mapped[int] = mapped_column(Integer)
+    reassembly_invalid: Mapped[int] = mapped_column(Integer)
+    frag_observed: Mapped[int] = mapped_column(Integer)
+    largest_fragment_as_sent: Mapped[int] = mapped_column(Integer)
+    fragments_observed: Mapped[int] = mapped_column(Integer)
+    fragmented_observed: Mapped[int] = mapped_column(Integer)
+    leading_as_sent: Mapped[int] = mapped_column(Integer)
+    leading_swapped: Mapped[int] = mapped_column(Integer)
+    rtt_ms_sum: Mapped[float] = mapped_column(Float)
+    rtt_ms_n: Mapped[int] = mapped_column(Integer)
+    # The whole phase's acked RTTs, unsorted (the exact median needs them all).
+    rtts: Mapped[list[float] | None] = mapped_column(ARRAY(REAL))
