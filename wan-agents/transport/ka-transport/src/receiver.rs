@@ -288,6 +288,28 @@ struct PendingAck {
 }
 
 impl RecvFlow {
+    /// A flow accepted at `now`, nothing of it received yet.
+    fn new(size: u64, kickass: bool, token: Vec<u8>, now: Nanos) -> Self {
+        RecvFlow {
+            size,
+            kickass,
+            token,
+            rcv_nxt: 0,
+            chunks: BTreeMap::new(),
+            chunk_bytes: 0,
+            ranges: BTreeMap::new(),
+            recent: VecDeque::new(),
+            last_activity: now,
+            complete: false,
+            linger_until: None,
+            pending_ack: None,
+            stats: RecvFlowStats {
+                accepted_at: now,
+                ..RecvFlowStats::default()
+            },
+        }
+    }
+
     fn expiry(&self, idle_timeout: Nanos) -> Nanos {
         self.linger_until
             .unwrap_or(self.last_activity.saturating_add(idle_timeout))
@@ -676,24 +698,7 @@ impl<V: TokenValidator> Receiver<V> {
             return Err(self.refuse(peer, h, Status::Busy));
         }
         let kickass = self.cfg.kickass && h.kickass;
-        let mut flow = RecvFlow {
-            size: h.flow_size,
-            kickass,
-            token: h.token.to_vec(),
-            rcv_nxt: 0,
-            chunks: BTreeMap::new(),
-            chunk_bytes: 0,
-            ranges: BTreeMap::new(),
-            recent: VecDeque::new(),
-            last_activity: now,
-            complete: false,
-            linger_until: None,
-            pending_ack: None,
-            stats: RecvFlowStats {
-                accepted_at: now,
-                ..RecvFlowStats::default()
-            },
-        };
+        let mut flow = RecvFlow::new(h.flow_size, kickass, h.token.to_vec(), now);
         self.stats.flows_accepted += 1;
         self.events.push_back(ReceiverEvent::FlowAccepted {
             key,
@@ -861,21 +866,7 @@ mod tests {
 
     #[test]
     fn ranges_merge_and_sack_order() {
-        let mut f = RecvFlow {
-            size: 100,
-            kickass: true,
-            token: vec![],
-            rcv_nxt: 0,
-            chunks: BTreeMap::new(),
-            chunk_bytes: 0,
-            ranges: BTreeMap::new(),
-            recent: VecDeque::new(),
-            last_activity: 0,
-            complete: false,
-            linger_until: None,
-            pending_ack: None,
-            stats: RecvFlowStats::default(),
-        };
+        let mut f = RecvFlow::new(100, true, vec![], 0);
         f.insert_range(10, 20);
         f.insert_range(30, 40);
         f.insert_range(50, 60);
@@ -899,21 +890,7 @@ mod tests {
 
     #[test]
     fn gaps_skip_held_bytes() {
-        let mut f = RecvFlow {
-            size: 100,
-            kickass: true,
-            token: vec![],
-            rcv_nxt: 0,
-            chunks: BTreeMap::new(),
-            chunk_bytes: 0,
-            ranges: BTreeMap::new(),
-            recent: VecDeque::new(),
-            last_activity: 0,
-            complete: false,
-            linger_until: None,
-            pending_ack: None,
-            stats: RecvFlowStats::default(),
-        };
+        let mut f = RecvFlow::new(100, true, vec![], 0);
         f.chunks.insert(10, vec![0; 10]);
         f.chunks.insert(30, vec![0; 5]);
         assert_eq!(f.gaps(0, 50), vec![(0, 10), (20, 30), (35, 50)]);
