@@ -212,6 +212,29 @@ struct Running {
     finished: bool,
 }
 
+impl Running {
+    /// The flow's result: its record so far, and `error` when it failed.
+    fn result(&self, error: Option<String>) -> FlowResult {
+        FlowResult {
+            skipped: false,
+            flow_id: self.label.clone(),
+            record: Some(self.conn.record()),
+            error,
+            queued_ns: Some(self.queued),
+        }
+    }
+
+    /// The result of a flow we ended (timeout, abort): the transport never
+    /// failed it, so its record carries `why` too.
+    fn cut_short(&self, why: String) -> FlowResult {
+        let mut res = self.result(Some(why.clone()));
+        if let Some(rec) = res.record.as_mut() {
+            rec.error = Some(why);
+        }
+        res
+    }
+}
+
 /// The sender loop: flows are added (at any time, with their start
 /// offsets), results come out as flows end.
 pub struct Runner {
@@ -515,26 +538,14 @@ impl Runner {
                 Event::Completed { .. } => {
                     if !r.reported {
                         r.reported = true;
-                        self.results.push(FlowResult {
-                            skipped: false,
-                            flow_id: r.label.clone(),
-                            record: Some(r.conn.record()),
-                            error: None,
-                            queued_ns: Some(r.queued),
-                        });
+                        self.results.push(r.result(None));
                     }
                     r.linger_until = Some(now.saturating_add(self.opts.linger));
                 }
                 Event::Failed(e) => {
                     if !r.reported {
                         r.reported = true;
-                        self.results.push(FlowResult {
-                            skipped: false,
-                            flow_id: r.label.clone(),
-                            record: Some(r.conn.record()),
-                            error: Some(e.to_string()),
-                            queued_ns: Some(r.queued),
-                        });
+                        self.results.push(r.result(Some(e.to_string())));
                     }
                     r.finished = true;
                 }
@@ -545,19 +556,11 @@ impl Runner {
         if !r.reported && now >= r.deadline {
             r.reported = true;
             r.finished = true;
-            let mut rec = r.conn.record();
             let msg = format!(
                 "timeout: not completed within {:.1} s of being due",
                 self.opts.timeout as f64 / 1e9
             );
-            rec.error = Some(msg.clone());
-            self.results.push(FlowResult {
-                skipped: false,
-                flow_id: r.label.clone(),
-                record: Some(rec),
-                error: Some(msg),
-                queued_ns: Some(r.queued),
-            });
+            self.results.push(r.cut_short(msg));
         }
         if r.linger_until.is_some_and(|t| now >= t) {
             r.finished = true;
@@ -631,15 +634,7 @@ impl Runner {
     pub fn abort(&mut self, why: &str) {
         for r in self.running.drain(..) {
             if !r.reported {
-                let mut rec = r.conn.record();
-                rec.error = Some(why.to_string());
-                self.results.push(FlowResult {
-                    skipped: false,
-                    flow_id: r.label,
-                    record: Some(rec),
-                    error: Some(why.to_string()),
-                    queued_ns: Some(r.queued),
-                });
+                self.results.push(r.cut_short(why.to_string()));
             }
         }
         let waiting: Vec<FlowSpec> = self.waiting.drain(..).collect();
@@ -927,17 +922,23 @@ mod tests {
         assert_eq!(r.lines(), vec![(5, "z".into())]);
     }
 
+    /// A runner towards the discard port: nothing answers, so a started flow
+    /// never ends by itself (only at its timeout).
+    fn runner(bind: Ipv4Addr, timeout: Nanos, max_concurrent: usize) -> Runner {
+        Runner::new(SendOptions {
+            agent: "127.0.0.1:9".parse().unwrap(),
+            bind,
+            cfg: Config::default(),
+            timeout,
+            linger: 1,
+            max_concurrent,
+            progress_interval: None,
+        })
+    }
+
     #[test]
     fn runner_orders_pending_by_start() {
-        let mut r = Runner::new(SendOptions {
-            agent: "127.0.0.1:9".parse().unwrap(),
-            bind: Ipv4Addr::UNSPECIFIED,
-            cfg: Config::default(),
-            timeout: 1,
-            linger: 1,
-            max_concurrent: 256,
-            progress_interval: None,
-        });
+        let mut r = runner(Ipv4Addr::UNSPECIFIED, 1, 256);
         for (l, s) in [("b", 5), ("a", 1), ("c", 9)] {
             assert!(r.add(FlowSpec {
                 label: l.into(),
@@ -965,17 +966,7 @@ mod tests {
 
     #[test]
     fn a_flow_waits_for_a_slot_and_its_deadline_counts_from_when_it_was_due() {
-        let mut r = Runner::new(SendOptions {
-            // The discard port: nothing answers, so a started flow never ends
-            // by itself.
-            agent: "127.0.0.1:9".parse().unwrap(),
-            bind: Ipv4Addr::LOCALHOST,
-            cfg: Config::default(),
-            timeout: 5_000_000,
-            linger: 1,
-            max_concurrent: 1,
-            progress_interval: None,
-        });
+        let mut r = runner(Ipv4Addr::LOCALHOST, 5_000_000, 1);
         for l in ["first", "second"] {
             assert!(r.add(FlowSpec {
                 label: l.into(),
@@ -1030,16 +1021,7 @@ mod tests {
     #[test]
     fn a_closed_loop_flow_starts_its_off_time_after_the_one_it_follows() {
         const MS: Nanos = 1_000_000;
-        let mut r = Runner::new(SendOptions {
-            // The discard port: a started flow ends only at its timeout.
-            agent: "127.0.0.1:9".parse().unwrap(),
-            bind: Ipv4Addr::LOCALHOST,
-            cfg: Config::default(),
-            timeout: 5 * MS,
-            linger: 1,
-            max_concurrent: 8,
-            progress_interval: None,
-        });
+        let mut r = runner(Ipv4Addr::LOCALHOST, 5 * MS, 8);
         assert!(r.add(spec("a", 0, None, None)));
         assert!(r.add(spec("b", 2 * MS, Some("a"), Some(100 * MS))));
         assert!(r.add(spec("c", 500 * MS, Some("b"), Some(100 * MS))));
@@ -1091,15 +1073,7 @@ mod tests {
         ] {
             assert!(parse_schedule_line(bad).is_err(), "{bad}");
         }
-        let mut r = Runner::new(SendOptions {
-            agent: "127.0.0.1:9".parse().unwrap(),
-            bind: Ipv4Addr::LOCALHOST,
-            cfg: Config::default(),
-            timeout: 1,
-            linger: 1,
-            max_concurrent: 8,
-            progress_interval: None,
-        });
+        let mut r = runner(Ipv4Addr::LOCALHOST, 1, 8);
         assert!(r.add(spec("b", 0, Some("nobody"), None)));
         r.input_ended();
         let res = r.take_results();

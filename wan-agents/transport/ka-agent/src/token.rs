@@ -262,17 +262,21 @@ mod tests {
         1_700_000_000
     }
 
+    fn token(secret: &[u8], kind: u8, expires: u32, nonce: u8) -> [u8; TOKEN_LEN] {
+        encode(
+            secret,
+            &FlowToken {
+                kind,
+                expires,
+                nonce: [nonce; 8],
+            },
+        )
+    }
+
     #[test]
     fn accepts_once_and_refuses_tampering() {
         let secret = b"0123456789abcdef".to_vec();
-        let tok = encode(
-            &secret,
-            &FlowToken {
-                kind: KIND_KICKASS,
-                expires: 1_700_000_600,
-                nonce: [7; 8],
-            },
-        );
+        let tok = token(&secret, KIND_KICKASS, 1_700_000_600, 7);
         let mut g = ReplayGuard::new(secret.clone(), t0);
         assert!(g.check(&tok, t0()).is_ok());
         assert_eq!(g.check(&tok, t0()), Err(Reject::Replayed));
@@ -282,23 +286,9 @@ mod tests {
             assert_eq!(g.check(&bad, t0()), Err(Reject::BadMac), "byte {i}");
         }
         assert_eq!(g.check(&tok[..29], t0()), Err(Reject::BadMac));
-        let tcp = encode(
-            &secret,
-            &FlowToken {
-                kind: KIND_TCP,
-                expires: 1_700_000_600,
-                nonce: [8; 8],
-            },
-        );
+        let tcp = token(&secret, KIND_TCP, 1_700_000_600, 8);
         assert_eq!(g.check(&tcp, t0()), Err(Reject::WrongKind));
-        let old = encode(
-            &secret,
-            &FlowToken {
-                kind: KIND_KICKASS,
-                expires: 1_699_999_999,
-                nonce: [9; 8],
-            },
-        );
+        let old = token(&secret, KIND_KICKASS, 1_699_999_999, 9);
         assert_eq!(g.check(&old, t0()), Err(Reject::Expired));
         assert_eq!(g.accepted, 1);
     }
@@ -316,16 +306,7 @@ mod tests {
         )
         .unwrap();
         let secret = b"0123456789abcdef".to_vec();
-        let mk = |n: u8| {
-            encode(
-                &secret,
-                &FlowToken {
-                    kind: KIND_KICKASS,
-                    expires: 1_800_000_000,
-                    nonce: [n; 8],
-                },
-            )
-        };
+        let mk = |n: u8| token(&secret, KIND_KICKASS, 1_800_000_000, n);
         let mut g = ReplayGuard::new(secret.clone(), t0)
             .with_state_file(&path)
             .unwrap();
