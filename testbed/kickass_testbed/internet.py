@@ -193,19 +193,27 @@ def study_internet(
     )
 
 
+def _add_box(parts: _Parts, i: int, box: str, client: str) -> str:
+    """The router host ``box`` in front of client ``i`` (the client's host
+    added after it): on the router's link ``c{i}`` (``.2`` of the client's
+    /24), its default route through the router. Returns the /24's prefix."""
+    net = f"198.18.{i}"
+    parts.hosts += [Host(box, router=True), Host(client)]
+    parts.links.append(
+        Link(End(box, "wan", (f"{net}.2/24",)), End("rtr", f"c{i}", (f"{net}.1/24",)))
+    )
+    parts.routes.append(Route(box, "default", via=f"{net}.1"))
+    return net
+
+
 def _add_natted(parts: _Parts, i: int, place: ClientPlace) -> None:
     """Client ``i`` behind a NAT box that masquerades (and so reassembles)."""
-    net, iface, cl = f"198.18.{i}", f"c{i}", place.host
-    nat = f"nat{i}"
-    parts.hosts += [Host(nat, router=True), Host(cl)]
-    parts.links += [
-        Link(End(nat, "wan", (f"{net}.2/24",)), End("rtr", iface, (f"{net}.1/24",))),
-        Link(End(cl, "uplink", (f"100.64.{i}.2/24",)), End(nat, "lan", (f"100.64.{i}.1/24",))),
-    ]
-    parts.routes += [
-        Route(nat, "default", via=f"{net}.1"),
-        Route(cl, "default", via=f"100.64.{i}.1"),
-    ]
+    cl, nat = place.host, f"nat{i}"
+    _add_box(parts, i, nat, cl)
+    parts.links.append(
+        Link(End(cl, "uplink", (f"100.64.{i}.2/24",)), End(nat, "lan", (f"100.64.{i}.1/24",)))
+    )
+    parts.routes.append(Route(cl, "default", via=f"100.64.{i}.1"))
     parts.nft.append(
         NftRule(
             nat,
@@ -221,19 +229,14 @@ def _add_natted(parts: _Parts, i: int, place: ClientPlace) -> None:
 
 def _add_swapped(parts: _Parts, i: int, place: ClientPlace) -> None:
     """Client ``i`` on a VXLAN overlay behind a conntrack middlebox."""
-    net, iface, cl = f"198.18.{i}", f"c{i}", place.host
-    mb = f"mb{i}"
-    parts.hosts += [Host(mb, router=True), Host(cl)]
-    parts.links += [
-        Link(End(mb, "wan", (f"{net}.2/24",)), End("rtr", iface, (f"{net}.1/24",))),
-        # The underlay of the overlay; its default MTU (1500) leaves
-        # the VXLAN device 1450.
-        Link(End(mb, "lan", (f"10.200.{i}.1/24",)), End(cl, "under", (f"10.200.{i}.2/24",))),
-    ]
-    parts.routes += [
-        Route(mb, "default", via=f"{net}.1"),
-        Route("rtr", f"100.65.{i}.0/24", via=f"{net}.2"),
-    ]
+    cl, mb = place.host, f"mb{i}"
+    net = _add_box(parts, i, mb, cl)
+    # The underlay of the overlay; its default MTU (1500) leaves the VXLAN
+    # device 1450.
+    parts.links.append(
+        Link(End(mb, "lan", (f"10.200.{i}.1/24",)), End(cl, "under", (f"10.200.{i}.2/24",)))
+    )
+    parts.routes.append(Route("rtr", f"100.65.{i}.0/24", via=f"{net}.2"))
     # Any ct expression loads connection tracking in this namespace,
     # and with it the defragmenter.
     parts.nft.append(
