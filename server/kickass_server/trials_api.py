@@ -30,7 +30,7 @@ from kickass_db.trial_store import BadRecord, Conflict, TrialStore, UnknownTrial
 from pydantic import ValidationError
 
 from . import schemas
-from .http import ApiError, Unavailable, accepts, parse_body, signed_runner
+from .http import ApiError, M, Unavailable, accepts, parse_body, signed_runner
 from .schemas import FlowRecord, FlowsBody, TrialBody, errors_text
 
 log = logging.getLogger("kickass.trials")
@@ -55,9 +55,11 @@ def _allow_batches() -> None:
     request.max_content_length = MAX_BODY_BYTES
 
 
-def _runner() -> int:
-    """The signing runner's id, or ApiError 401 (unsigned, bad, stale, replayed)."""
-    return signed_runner(_store())
+def _upload(trial_id: str, model: type[M]) -> tuple[TrialStore, int, str, M]:
+    """An upload's store, the signing runner's id (else ApiError 401: unsigned,
+    bad, stale, replayed), the trial id and the body, checked in that order."""
+    store = _store()
+    return store, signed_runner(store), _trial_id(trial_id), parse_body(model)
 
 
 def _trial_id(value: str) -> str:
@@ -69,10 +71,7 @@ def _trial_id(value: str) -> str:
 @bp.put("/<trial_id>")
 @accepts(TrialBody, schemas.trial_example)
 def put_trial(trial_id: str) -> Response:
-    store = _store()
-    runner = _runner()
-    tid = _trial_id(trial_id)
-    body = parse_body(TrialBody)
+    store, runner, tid, body = _upload(trial_id, TrialBody)
     if body.trial_id not in (None, tid):
         raise ApiError(400, "bad-request", "trial_id in the body differs from the URL")
     try:
@@ -87,10 +86,7 @@ def put_trial(trial_id: str) -> Response:
 @bp.post("/<trial_id>/flows")
 @accepts(FlowsBody, schemas.flows_example)
 def put_flows(trial_id: str) -> Response:
-    store = _store()
-    runner = _runner()
-    tid = _trial_id(trial_id)
-    body = parse_body(FlowsBody)
+    store, runner, tid, body = _upload(trial_id, FlowsBody)
     valid: list[dict[str, Any]] = []
     refused: list[dict[str, Any]] = []
     for index, item in enumerate(body.flows):
