@@ -132,36 +132,18 @@ def to_json(event: StudyEvent) -> dict[str, Any]:
     tag = _TAGS.get(type(event))
     if tag is None:
         raise TypeError(f"not a study event: {type(event).__name__}")
+    # The values in the order the reader checks them (``_FIELDS``): one list
+    # of each record's fields for both directions.
+    out: dict[str, Any] = {"type": tag}
+    for name, kind in _FIELDS[tag]:
+        value = getattr(event, name)
+        out[name] = dict(value) if kind.startswith("object") and value is not None else value
     if isinstance(event, OutcomeBatch):
         if event.anchor is None:
             raise ValueError("an OutcomeBatch is journaled only once the shell stamped its anchor")
-        return {
-            "type": tag,
-            "session_id": event.session_id,
-            "anchor": [event.anchor.unix, event.anchor.mono],
-            "entries": [list(e) for e in event.entries],
-        }
-    if isinstance(event, RunFinished):
-        return {
-            "type": tag,
-            "session_id": event.session_id,
-            "state": event.state,
-            "verdict": event.verdict,
-            "verdict_reason": event.verdict_reason,
-            "end_reason": event.end_reason,
-            "reassembly": None if event.reassembly is None else dict(event.reassembly),
-            "window": None if event.window is None else dict(event.window),
-        }
-    if isinstance(event, RunProbing):
-        return {
-            "type": tag,
-            "session_id": event.session_id,
-            "probe_address": event.probe_address,
-            "probe_port": event.probe_port,
-            "rtt_ms": event.rtt_ms,
-        }
-    assert isinstance(event, Heartbeat)
-    return {"type": tag, "session_id": event.session_id, "sent": event.sent, "acked": event.acked}
+        out["anchor"] = [event.anchor.unix, event.anchor.mono]
+        out["entries"] = [list(e) for e in event.entries]
+    return out
 
 
 def _int(v: Any) -> bool:
