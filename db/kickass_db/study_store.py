@@ -163,10 +163,14 @@ FROM v_split_drop WHERE session_id = :session_id ORDER BY leading_ip_len
 # 0007's rules. Returns per session and phase what the verdict is decided
 # from: valid sent, delivered (a late acknowledgement counts as delivered:
 # kickass_core.verdict), invalid, late. A live session reaching a final state
-# has them from its live counts, kept as its rows were written (0029: no raw
-# row read, so a full plan's finish stays short); a late write for a final
-# session counts its raw rows again.
+# has them from its live counts, kept as its rows were written (0029: at most
+# 8,192 raw rows left to read, so a full plan's finish stays short); a late
+# write for a final session counts its raw rows again.
 _FINISH_COUNTS = text("SELECT * FROM write_unit_counts_from_live(CAST(:pks AS bigint[]))")
+# Before a live session's batch: its rows below the batch's first seq folded
+# into its live counts once they are far enough ahead of what is (0029's
+# fold_live_counts: about every 29 batches of 280).
+_FOLD = text("SELECT fold_live_counts(:pk, :below)")
 _WRITE_COUNTS = text("SELECT * FROM write_unit_counts(CAST(:pks AS bigint[]))")
 
 # Whether a retire has claimed the day (migration 0023): a late write for a
@@ -396,6 +400,8 @@ class StudyStore(StoreBase):
             pk, created, final = row
             if final:
                 _refuse_if_retired(conn, session_id, created)
+            else:
+                conn.execute(_FOLD, {"pk": pk, "below": min(params["seq"])})
             try:
                 with conn.begin_nested():
                     cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]  # None only once closed; this one is open

@@ -53,7 +53,7 @@ COUNT_TABLES = {  # 0020
 EXPERIMENT_TABLES = {"experiment_runs", "experiment_rates"}  # 0021
 EXPERIMENT_VIEWS = {"v_experiment_runs", "v_experiment_rates"}  # 0021
 ARCHIVE_TABLES = {"archive_partitions", "archive_secrets"}  # 0023
-LIVE_COUNT_TABLES = {"live_counts"}  # 0029
+LIVE_COUNT_TABLES = {"live_counts", "live_count_marks"}  # 0029
 TABLES = (
     STUDY_TABLES
     | ROUTER_TABLES

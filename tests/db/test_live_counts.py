@@ -22,7 +22,7 @@ import pytest
 from kickass_core.plan import ProbePlan
 from kickass_core.study_events import ClockAnchor, OutcomeBatch, OutcomeEntry, RunFinished
 from kickass_db.study_store import StudyStore
-from support.durable import COUNTERS, connect, raw_counts, real
+from support.durable import COUNTERS, _row_counters, connect, real
 
 PLAN = ProbePlan.build(repetitions=6, step=256)  # 8 whole sizes, 6 splits: 84 probes
 ANCHOR = ClockAnchor(datetime.now(UTC).timestamp(), 0.0)
@@ -81,19 +81,34 @@ def live_counts(url: str, sid: str) -> dict[tuple[str, int], dict[str, Any]]:
         }
 
 
-def assert_live_equals_raw(url: str, sid: str) -> None:
-    """Size by size: the rows, every counter, the RTT count and sum, and the
-    whole phase's RTTs as a multiset, as a recount of the raw rows has them."""
-    raw = {(phase, ip_len): r for (_, phase, ip_len), r in raw_counts(url, [sid]).items()}
+def assert_live_equals_raw(url: str, sid: str) -> int:
+    """Size by size, over the session's rows below its mark (the rows
+    ``live_counts`` holds): the rows, every counter, the RTT count and sum,
+    and the whole phase's RTTs as a multiset, as a recount of them has them.
+    Returns the mark."""
     with connect(url) as conn:
-        probes = {
-            (r["phase"], r["ip_len"]): r["n"]
-            for r in conn.execute(
-                "SELECT o.phase, o.ip_len, count(*) AS n FROM probe_outcomes o "
-                "JOIN sessions s ON s.id = o.session_pk WHERE s.session_id = %s GROUP BY 1, 2",
-                (sid,),
-            )
-        }
+        (mark,) = conn.execute(
+            "SELECT m.counted_below FROM live_count_marks m JOIN sessions s "
+            "ON s.id = m.session_pk WHERE s.session_id = %s",
+            (sid,),
+        ).fetchall()
+        rows = conn.execute(
+            "SELECT o.* FROM probe_outcomes o JOIN sessions s ON s.id = o.session_pk "
+            "WHERE s.session_id = %s AND o.seq < %s",
+            (sid, mark["counted_below"]),
+        ).fetchall()
+    raw: dict[tuple[str, int], dict[str, Any]] = {}
+    for r in rows:
+        want = raw.setdefault(
+            (r["phase"], r["ip_len"]),
+            {**dict.fromkeys((*COUNTERS, "probes", "rtt_ms_n"), 0), "rtts": []},
+        )
+        want["probes"] += 1
+        for name, hit in _row_counters(r).items():
+            want[name] += hit
+        if r["outcome"] == "acked" and r["rtt_ms"] is not None:
+            want["rtt_ms_n"] += 1
+            want["rtts"].append(real(r["rtt_ms"]))
     live = live_counts(url, sid)
     # A size whose rows are all gone keeps a row of zeros; none goes negative.
     for key, t in live.items():
@@ -103,16 +118,19 @@ def assert_live_equals_raw(url: str, sid: str) -> None:
     assert set(raw) <= set(live)
     for key, r in raw.items():
         t = live[key]
-        assert t["probes"] == probes[key], key
-        assert {c: t[c] for c in (*COUNTERS, "rtt_ms_n")} == {
-            c: r[c] for c in (*COUNTERS, "rtt_ms_n")
+        assert {c: t[c] for c in (*COUNTERS, "probes", "rtt_ms_n")} == {
+            c: r[c] for c in (*COUNTERS, "probes", "rtt_ms_n")
         }, key
-        if r["rtt_ms_sum"] is None:
-            assert t["rtt_ms_sum"] == 0, key
-        else:  # exact: float4 RTTs of one size add exactly in double precision
-            assert t["rtt_ms_sum"] == r["rtt_ms_sum"], key
-        want = sorted(r["rtts"]) if key[0] == "whole" else []
-        assert sorted(real(v) for v in t["rtts"] or []) == want, key
+        # exact: float4 RTTs of one size add exactly in double precision
+        assert t["rtt_ms_sum"] == math.fsum(r["rtts"]), key
+        kept = sorted(r["rtts"]) if key[0] == "whole" else []
+        assert sorted(real(v) for v in t["rtts"] or []) == kept, key
+    return int(mark["counted_below"])
+
+
+def fold(url: str, pk: int, below: int) -> None:
+    with connect(url) as conn:
+        conn.execute("SELECT fold_live_counts(%s, %s, 0)", (pk, below))
 
 
 UNIT_COLUMNS = (
@@ -142,6 +160,8 @@ def assert_finish_equals_recount(url: str, sid: str, pk: int) -> None:
     and queues no change. Its live counts are gone."""
     assert live_counts(url, sid) == {}
     with connect(url) as conn:
+        marks = conn.execute("SELECT * FROM live_count_marks WHERE session_pk = %s", (pk,))
+        assert marks.fetchall() == []
         stored, queued = unit_counts(conn, sid), changes(conn, sid)
         assert set(stored) == {"whole", "split"}
         assert len(queued) == 2  # its first write: a change per phase
@@ -168,12 +188,22 @@ def test_live_counts_follow_every_write_and_the_finish_stores_a_recount(
     other_pk = new_session(study, other)
     first = first_pass(rng)
 
-    # New batches: COPY.
-    for start in range(0, len(first), 30):
-        apply(study, sid, first[start : start + 30])
+    # New batches: COPY. Nothing is folded yet (a fold waits for 8,192 seqs).
+    # A few probes' outcomes come later (a timeout after later acks).
+    mark = PLAN.total_probes // 2
+    held = [e for e in first if e.seq in (5, 17, mark + 3)]
+    sent = [e for e in first if e not in held]
+    for start in range(0, len(sent), 30):
+        apply(study, sid, sent[start : start + 30])
     apply(study, other, first_pass(rng))
-    assert_live_equals_raw(url, sid)
+    assert assert_live_equals_raw(url, sid) == 0 and live_counts(url, sid) == {}
+    # Folded up to half the plan: the writes below change rows on both sides of the mark.
+    fold(url, pk, mark)
+    fold(url, other_pk, PLAN.total_probes // 3)
+    assert assert_live_equals_raw(url, sid) == mark
     assert_live_equals_raw(url, other)
+    apply(study, sid, held)  # new rows below the mark and above it
+    assert_live_equals_raw(url, sid)
 
     # A batch repeating stored seqs: the upsert, the last word winning.
     lost = [e.seq for e in first if e.outcome == "lost"]
@@ -185,6 +215,7 @@ def test_live_counts_follow_every_write_and_the_finish_stores_a_recount(
         entry(lost[3], "lost", reassembly_invalid=False),  # invalid stays set
         entry(acked[6], "acked", 18.5),
         entry(acked[6], "late"),  # the same seq twice: the last wins
+        entry(acked[-5], "lost"),  # above the mark
     ]
     apply(study, sid, again)
     assert_live_equals_raw(url, sid)
@@ -206,7 +237,8 @@ def test_live_counts_follow_every_write_and_the_finish_stores_a_recount(
     assert_live_equals_raw(url, sid)
 
     # A delete (no writer does this; a trigger counts it all the same).
-    gone = [*acked[-4:], *lost[-2:]]
+    gone = [*acked[-3:], lost[-1], *acked[8:11], lost[5]]
+    assert min(gone) < mark <= max(gone)
     with connect(url) as conn:
         conn.execute(
             "DELETE FROM probe_outcomes WHERE session_pk = %s AND seq = ANY(%s)", (pk, gone)
@@ -232,18 +264,19 @@ def test_live_counts_follow_every_write_and_the_finish_stores_a_recount(
     assert_finish_equals_recount(url, other, other_pk)
 
 
-def test_the_migration_fills_live_counts_from_raw_rows(study: StudyStore) -> None:
-    """The upgrade's backfill (and its downgrade) on a session live at the time."""
+def test_a_session_live_across_the_upgrade_is_counted_from_its_rows(
+    study: StudyStore,
+) -> None:
+    """A session live when 0029 arrives has no mark: its finish folds all its rows."""
     from kickass_core import cli
 
     url = study.database_url
     sid = "29a0000000000003"
-    new_session(study, sid)
+    pk = new_session(study, sid)
     apply(study, sid, first_pass(random.Random(3)))
-    study.close()
     assert cli.main(["db", "downgrade", "0028", "--database-url", url]) == 0
     with connect(url) as conn:
         assert conn.execute("SELECT to_regclass('live_counts') AS t").fetchone() == {"t": None}
     assert cli.main(["db", "upgrade", "--database-url", url]) == 0
-    assert_live_equals_raw(url, sid)
-    assert math.isfinite(sum(t["rtt_ms_sum"] for t in live_counts(url, sid).values()))
+    assert study.apply(RunFinished(sid, "complete", "fragments-ok", "test", None))
+    assert_finish_equals_recount(url, sid, pk)

@@ -193,10 +193,11 @@ class ClientSizesRow(Base):
 
 
 class LiveCountsRow(Base):
-    """A live session's counts in one phase and IP length, kept up to date as
-    its rows are written (migration 0029: ``probe_outcomes``' statement
-    triggers, ``count_live_outcomes``), so its finish reads no raw row; the
-    finish (``write_unit_counts_from_live``) deletes them."""
+    """A live session's counts in one phase and IP length, of its rows below
+    its mark (``LiveCountMarksRow``), kept up to date as they change (migration
+    0029: ``probe_outcomes``' statement triggers, ``count_live_outcomes``) and
+    as the mark moves (``fold_live_counts``), so its finish reads few raw
+    rows; the finish (``write_unit_counts_from_live``) deletes them."""
 
     __tablename__ = "live_counts"
     __table_args__ = (CheckConstraint(check_in("phase", PHASES), name="phase"),)
@@ -222,3 +223,16 @@ class LiveCountsRow(Base):
     rtt_ms_n: Mapped[int] = mapped_column(Integer)
     # The whole phase's acked RTTs, unsorted (the exact median needs them all).
     rtts: Mapped[list[float] | None] = mapped_column(ARRAY(REAL))
+
+
+class LiveCountMarksRow(Base):
+    """How far a live session's rows are in ``live_counts``: those with a seq
+    below ``counted_below`` (``fold_live_counts`` moves it; the rows above it
+    are folded in later, at the latest by the finish)."""
+
+    __tablename__ = "live_count_marks"
+
+    session_pk: Mapped[int] = mapped_column(
+        BigInteger, ForeignKey("sessions.id", ondelete="CASCADE"), primary_key=True
+    )
+    counted_below: Mapped[int] = mapped_column(Integer)

@@ -1,4 +1,4 @@
-"""Live counts: a session's counts kept as its rows are written, so its finish reads no raw row.
+"""Live counts: a session's counts kept as its rows are written, so its finish reads few raw rows.
 
 Revision ID: 0029
 Revises: 0028
@@ -7,47 +7,59 @@ Create Date: 2026-11-29
 Issue 28 allows ``finish_session`` at most 100 ms more at p95 for a full-plan
 session. With 0027 the finish counted the session's 36,600 raw rows again
 (``write_unit_counts``), 35 ms of the backend's CPU alone and 140-185 ms of
-wall clock at p95 on this shared machine (bench/README.md). Now the counts
-are kept up to date while the session is live, and the finish only sorts
-each size's hundred RTTs for the exact median.
+wall clock at p95 on this shared machine (bench/README.md). Now most of
+them are counted while the session is live.
 
-- ``live_counts``: per live session, phase and IP length, how many raw rows
-  it has (``probes``), 0020's counters under 0007's rules, the RTT sum and
-  count of acked probes, and the whole phase's acked RTTs themselves
-  (``rtts``, unsorted: the exact median needs them all). Rows exist only
-  for sessions in a live state; the finish deletes them.
-- Three statement-level triggers on ``probe_outcomes`` (AFTER INSERT, UPDATE,
-  DELETE, with their transition tables) run ``count_live_outcomes()``: the
-  counters of the rows a statement wrote minus those of the rows it replaced,
-  per session, phase and IP length, added to ``live_counts``; RTTs of rows
-  replaced or deleted are taken out of ``rtts`` (a multiset difference,
-  ``EXCEPT ALL``), those of rows written appended. A trigger, not code in
-  each writer: every statement that changes a live session's rows is
-  counted, whichever path (the store's COPY of a batch, its upsert when a
-  batch repeats a stored seq: a late ack turning 'lost' into 'late', a
-  re-sent batch; a client report marking probes invalid or adding
-  observations; a seed or a bench writing rows). The transition tables hold
-  the row versions really replaced, so two writers of one session at once
-  add up right. Rows of a final session are not counted here (a late write
-  for one counts its raw rows again, as before: ``write_unit_counts``).
-  Statements on a day partition itself, rather than on ``probe_outcomes``,
-  fire no trigger; nothing writes a live session's rows that way (a restore
-  attaches a day of final sessions).
-- ``write_unit_counts_from_live(pks)``: 0027's ``write_unit_counts`` with
-  its count of raw rows replaced by a read of ``live_counts`` (366 rows for a
-  full plan), then those rows deleted; the same arguments, result and writes.
-  ``StudyStore`` calls it when a live session reaches a final state (a
-  ``RunFinished``, an orphan at a server's start).
+- ``live_counts``: per live session, phase and IP length, the counts of its
+  rows below its mark: how many (``probes``), 0020's counters under 0007's
+  rules, the RTT sum and count of acked probes, and the whole phase's acked
+  RTTs themselves (``rtts``, unsorted: the exact median needs them all).
+- ``live_count_marks``: per live session, the mark (``counted_below``): its
+  rows with a lower seq are in ``live_counts``, the others not yet.
+- ``fold_live_counts(pk, below, span)``: the session's rows from its mark up
+  to ``below`` added to ``live_counts``, and the mark moved there, when that
+  is ``span`` (8,192 seqs) or more ahead. ``StudyStore`` calls it before each
+  batch of a live session, with the batch's first seq: a fold every 29 or so
+  of the engine's batches of 280, one index range scan of the rows and one
+  update per size (366 for a full plan). Counting each batch as it came
+  would update about 280 rows per batch (a full plan goes round-robin over
+  its sizes): that made the store's write path 29% slower (bench/README.md).
+- Three statement-level triggers on ``probe_outcomes`` (AFTER INSERT,
+  UPDATE, DELETE, with their transition tables) run
+  ``count_live_outcomes()``: what a statement changed below a live
+  session's mark (the counters of the rows written minus those of the rows
+  replaced; RTTs of rows replaced or deleted taken out of ``rtts``, a
+  multiset difference, ``EXCEPT ALL``; those written appended). Rows above
+  the mark are read as they are when folded. A trigger, not code in each
+  writer: every statement that changes a live session's rows is counted,
+  whichever path (the store's COPY of a batch, which may hold a seq below
+  the mark whose outcome came late; its upsert of a batch that repeats
+  stored seqs: a late ack turning 'lost' into 'late', a re-sent batch; a
+  client report marking probes invalid or adding observations; a seed or a
+  bench writing rows). Each locks its sessions' marks first, and a fold
+  locks its session's, so a fold and a change never interleave. Rows of a
+  final session are not counted here (a late write for one counts its raw
+  rows again, as before: ``write_unit_counts``). Statements on a day
+  partition itself, rather than on ``probe_outcomes``, fire no trigger;
+  nothing writes a live session's rows that way (a restore attaches a day
+  of final sessions).
+- ``write_unit_counts_from_live(pks)``: folds what is left of each session
+  (at most 8,192 rows and a batch), then runs 0027's ``write_unit_counts``
+  with its count of raw rows replaced by a read of ``live_counts``, then
+  deletes the sessions' live counts and marks; the same arguments, result
+  and writes. ``StudyStore`` calls it when a live session reaches a final
+  state (a ``RunFinished``, an orphan at a server's start).
 
 What is stored is unchanged: every counter is a sum of the same rows'
 counts, and the medians and the histogram come from the same RTTs sorted
-and binned. The RTT sums are added in another order (batch by batch instead
-of in the scan's); each RTT is a ``real`` (24 bits), so a size's sum in
+and binned. The RTT sums are added in another order (fold by fold instead
+of in one scan); each RTT is a ``real`` (24 bits), so a size's sum in
 double precision (53 bits) is exact, whatever the order, while its RTTs lie
 within a factor of 2^25 of each other (0.01 ms to 300 s).
 
-The upgrade fills ``live_counts`` for the sessions live now, from their raw
-rows. Downgrading drops the triggers, the functions and the table.
+Nothing is backfilled: a session live at the upgrade has no mark, so its
+finish folds all its rows. Downgrading drops the triggers, the functions and
+the tables.
 """
 
 from __future__ import annotations
@@ -116,19 +128,30 @@ ON CONFLICT (session_pk, phase, ip_len) DO UPDATE SET
                     ELSE coalesce(t.rtts, '{{}}') || excluded.rtts END;"""
 
 
+# A statement's rows that live_counts hold (its session's seqs below its mark).
+_COUNTED_OF = (
+    "SELECT {sign} AS sign, r.* FROM {table} r JOIN live_count_marks m "
+    "ON m.session_pk = r.session_pk AND r.seq < m.counted_below"
+)
+_WRITTEN = _COUNTED_OF.format(sign=1, table="new_rows")
+_REPLACED = _COUNTED_OF.format(sign=-1, table="old_rows")
+_IN_LIVE = "o.session_pk = ANY(live)"
+
 # The RTTs of replaced or deleted rows out of their sizes' multisets (after
 # _add appended the new ones: each value taken out is there).
 _TAKE_OUT = f"""
 UPDATE live_counts t SET rtts = ARRAY(SELECT unnest(t.rtts) EXCEPT ALL SELECT unnest(g.rtts))
 FROM (SELECT o.session_pk, o.phase, o.ip_len, array_agg(o.rtt_ms) AS rtts
-      FROM old_rows o WHERE o.session_pk = ANY(live) AND {_KEPT}
+      FROM ({_REPLACED}) o WHERE o.session_pk = ANY(live) AND {_KEPT}
       GROUP BY o.session_pk, o.phase, o.ip_len) g
 WHERE t.session_pk = g.session_pk AND t.phase = g.phase AND t.ip_len = g.ip_len;"""
 
-_WRITTEN = "SELECT 1 AS sign, r.* FROM new_rows r"
-_REPLACED = "SELECT -1 AS sign, r.* FROM old_rows r"
-_IN_LIVE = "o.session_pk = ANY(live)"
-
+# The live sessions' marks locked (made at 0 for a session's first rows), in
+# order: a fold and a statement changing the session's rows never interleave.
+_LOCK_MARKS = """
+INSERT INTO live_count_marks AS m (session_pk, counted_below)
+SELECT pk, 0 FROM unnest(live) pk ORDER BY pk
+ON CONFLICT (session_pk) DO UPDATE SET counted_below = m.counted_below;"""
 
 _BOTH = "(SELECT session_pk FROM new_rows UNION SELECT session_pk FROM old_rows) r"
 
@@ -138,6 +161,48 @@ def _live_of(table: str) -> str:
         f"SELECT s.id FROM sessions s WHERE s.id = ANY(ARRAY(SELECT DISTINCT session_pk "
         f"FROM {table})) AND s.state IN {LIVE}"
     )
+
+
+# How far ahead of its mark a session's rows go before they are folded into
+# live_counts: 8,192 seqs, about 29 of the engine's batches of 280. A fold
+# updates at most a row per size (366 for a full plan) where counting every
+# batch would update about 280 per batch; the finish folds what is left, at
+# most this many rows and a batch.
+FOLD_SPAN = 8192
+
+FOLD_LIVE_COUNTS = f"""
+CREATE FUNCTION fold_live_counts(pk bigint, below integer, span integer DEFAULT {FOLD_SPAN})
+RETURNS integer
+LANGUAGE plpgsql AS $$
+DECLARE
+    mark integer;
+    created timestamptz;
+BEGIN
+SELECT m.counted_below INTO mark FROM live_count_marks m WHERE m.session_pk = pk;
+IF below < coalesce(mark, 0)::bigint + span THEN
+    RETURN coalesce(mark, 0);
+END IF;
+INSERT INTO live_count_marks AS m (session_pk, counted_below) VALUES (pk, 0)
+ON CONFLICT (session_pk) DO UPDATE SET counted_below = m.counted_below
+RETURNING m.counted_below INTO mark;
+IF below <= mark THEN
+    RETURN mark;
+END IF;
+SELECT s.created_at INTO created FROM sessions s WHERE s.id = pk;
+{{_add(_FOLDED, "true")}}
+UPDATE live_count_marks m SET counted_below = below WHERE m.session_pk = pk;
+RETURN below;
+END
+$$;
+COMMENT ON FUNCTION fold_live_counts(bigint, integer, integer) IS
+'Adds a live session''s rows from its mark up to seq below (when that is span or more ahead) '
+'to live_counts, and moves the mark there (migration 0029).';
+"""
+_FOLDED = (
+    "SELECT 1 AS sign, r.* FROM probe_outcomes r WHERE r.session_pk = pk "
+    "AND r.session_created_at = created AND r.seq >= mark AND r.seq < below"
+)
+FOLD_LIVE_COUNTS = FOLD_LIVE_COUNTS.replace('{_add(_FOLDED, "true")}', _add(_FOLDED, "true"))
 
 
 COUNT_LIVE_OUTCOMES = f"""
@@ -158,6 +223,7 @@ END IF;
 IF cardinality(live) = 0 THEN
     RETURN NULL;
 END IF;
+{_LOCK_MARKS}
 IF TG_OP = 'INSERT' THEN
 {_add(_WRITTEN, _IN_LIVE)}
 ELSIF TG_OP = 'UPDATE' THEN
@@ -207,7 +273,12 @@ FROM_LIVE = f"""
 CLEARED = """
 ), cleared AS (
     -- The session is final: its live counts have done their part.
-    DELETE FROM live_counts t WHERE t.session_pk = ANY(pks)"""
+    DELETE FROM live_counts t WHERE t.session_pk = ANY(pks)
+), unmarked AS (
+    DELETE FROM live_count_marks m WHERE m.session_pk = ANY(pks)"""
+# Before counting: the rows not folded yet, folded (span 0: all of them).
+_FOLD_ALL = "PERFORM fold_live_counts(p, 2147483647, 0) FROM unnest(pks) p;\nRETURN QUERY\n"
+_RETURN = "RETURN QUERY\n"
 
 
 def write_unit_counts_from_live() -> str:
@@ -221,13 +292,15 @@ def write_unit_counts_from_live() -> str:
     _, tail = rest.split(_SIZED)
     tail, result = tail.split(_LAST)
     head = head.replace(_NAME, "FUNCTION write_unit_counts_from_live(pks bigint[])")
+    assert head.count(_RETURN) == 1, "0027's writer changed"
+    head = head.replace(_RETURN, _FOLD_ALL)
     return head + FROM_LIVE + _SIZED + tail + CLEARED + _LAST + result
 
 
 # -- the table ------------------------------------------------------------------------------
 
 
-def create_table() -> None:
+def create_tables() -> None:
     op.create_table(
         "live_counts",
         sa.Column("session_pk", sa.BigInteger(), nullable=False),
@@ -247,30 +320,34 @@ def create_table() -> None:
         ),
         sa.PrimaryKeyConstraint("session_pk", "phase", "ip_len", name=op.f("pk_live_counts")),
     )
-
-
-def backfill() -> None:
-    """The live sessions' counts from their raw rows (a statement of the
-    upgrade's transaction: a session's rows cannot change meanwhile)."""
-    rows = (
-        "SELECT 1 AS sign, r.* FROM probe_outcomes r JOIN sessions s "
-        f"ON s.id = r.session_pk AND s.created_at = r.session_created_at WHERE s.state IN {LIVE}"
+    op.create_table(
+        "live_count_marks",
+        sa.Column("session_pk", sa.BigInteger(), nullable=False),
+        sa.Column("counted_below", sa.Integer(), nullable=False),
+        sa.ForeignKeyConstraint(
+            ["session_pk"],
+            ["sessions.id"],
+            name=op.f("fk_live_count_marks_session_pk_sessions"),
+            ondelete="CASCADE",
+        ),
+        sa.PrimaryKeyConstraint("session_pk", name=op.f("pk_live_count_marks")),
     )
-    op.execute(_add(rows, "true"))
 
 
 def upgrade() -> None:
-    create_table()
+    create_tables()
     op.execute(COUNT_LIVE_OUTCOMES)
+    op.execute(FOLD_LIVE_COUNTS)
     for event in TRIGGERS:
         op.execute(_trigger(event))
     op.execute(write_unit_counts_from_live())
-    backfill()
 
 
 def downgrade() -> None:
     op.execute("DROP FUNCTION write_unit_counts_from_live(bigint[])")
     for event in TRIGGERS:
         op.execute(f"DROP TRIGGER live_counts_{event} ON probe_outcomes")
+    op.execute("DROP FUNCTION fold_live_counts(bigint, integer, integer)")
     op.execute("DROP FUNCTION count_live_outcomes()")
+    op.drop_table("live_count_marks")
     op.drop_table("live_counts")
