@@ -542,7 +542,12 @@ def test_flood_puts_router_and_flows_in_tcp_mode_and_they_come_back(database_url
       indicators report: 0.87-0.90 s into the flood at d 170 ms, as the
       queue fills) plus 0.25 s, and stays there to the flood's end (>= 95%
       of the samples; measured 100%). The router's share of the flood in TCP
-      mode is 0.71, printed only (99-100% before the hold existed);
+      mode is 0.71, printed only (99-100% before the hold existed). Once
+      (CI, under load) it was 0.43 after entry: a TCP mode started before
+      the flood by unmarkable traffic ended when the flood took that
+      traffic's place, and the flood held the queue for a second hold;
+      since ka-core ends TCP mode only once the traffic has obeyed it
+      (`tcp_mode_markable_share`), and a markable flood never does;
     - the probe is in TCP mode 1.2 s into the flood, i.e. within 6 RTTs
       (100 ms path + 100 ms of full buffer), and does not leave it before
       the flood ends. Measured: the probe was in Kick-Ass mode at the
@@ -639,7 +644,16 @@ def test_flood_puts_router_and_flows_in_tcp_mode_and_they_come_back(database_url
     entered = next(x for x in during_flood if x["marking_mode"] == "tcp")
     assert entered["ts"] - on <= 5 * entered["rtt_ms"] / 1e3 + 0.25, entered
     after_entry = [x for x in during_flood if x["ts"] >= entered["ts"]]
-    assert _tcp_mode_share(after_entry) >= 0.95
+    assert _tcp_mode_share(after_entry) >= 0.95, [
+        (
+            round(x["ts"] - on, 3),
+            x["marking_mode"],
+            x["queue_bytes"],
+            round(x["input_rate_bps"] / 1e6, 1),
+            round(x["unmarkable_share"], 3),
+        )
+        for x in after_entry
+    ]
     assert probe["completed"]
     # The probe: in TCP mode 6 RTTs into the flood, and no way back before its end.
     sw, t0 = probe["mode_switches"], events["probe_start"]

@@ -16,6 +16,10 @@
 //! Ass's own (the caller says so: a share of the arriving bytes that no
 //! router could mark, DF set or not full size, as every TCP stack with path
 //! MTU discovery sends): then at once, the paper's rule.
+//!
+//! The mode ends below `off`, or when the caller sees that the traffic has
+//! obeyed it (`leave`): Kick-Ass endpoints in TCP mode may keep a drop-tail
+//! queue full for good, and return only when rates reach them again.
 
 use crate::Nanos;
 

@@ -599,17 +599,13 @@ fn unresponsive_traffic_is_tcp_mode_at_once_and_r_keeps_the_kickass_share() {
         held.iter().all(|&x| (x - before).abs() / before < 0.05),
         "{before} {held:?}"
     );
-    // The DF-set traffic stops; the Kick-Ass source (unresponsive here, as
-    // endpoints in TCP mode are) keeps the queue up: the mode still ends,
-    // within a few RTTs, because what holds the queue is Kick-Ass's own.
+    // The DF-set traffic stops; the Kick-Ass source, in TCP mode (DF on all
+    // but one segment per RTT) and more than the link, keeps the queue up:
+    // the mode still ends, within a few RTTs, because what holds the queue
+    // is Kick-Ass's own.
     let t1 = now;
-    offered(
-        &mut r,
-        &mut now,
-        t1 + 2 * SEC,
-        &[(12e6, false)],
-        &mut samples,
-    );
+    let own = [(0, 12e6, Df::SetButOnePer(100 * MS))];
+    offered_flows(&mut r, &mut now, t1 + 2 * SEC, &own, &mut samples);
     let back = samples
         .iter()
         .find(|s| s.t * 1e9 >= t1 as f64 && s.marking_mode == "kickass")
@@ -701,4 +697,100 @@ fn kickass_flows_in_tcp_mode_are_not_taken_for_legacy_traffic() {
         .iter()
         .filter(|s| s.t > 1.0)
         .all(|s| s.marking_mode == "tcp"));
+}
+
+/// TCP mode that traffic which is not Kick-Ass's own started, then a flood
+/// the router could mark (full size, DF clear: as ka-blast sends) takes
+/// its place and keeps the queue full. The flood ignores the mode, so the
+/// mode stays for as long as it lasts; Kick-Ass mode follows once it ends.
+#[test]
+fn a_markable_flood_after_legacy_traffic_keeps_tcp_mode() {
+    let mut r = Router::new(RouterConfig::with_capacity(10e6), 0);
+    let (mut now, mut samples) = (0, Vec::new());
+    offered_flows(
+        &mut r,
+        &mut now,
+        2 * SEC,
+        &[(1, 8e6, Df::Clear)],
+        &mut samples,
+    );
+    let t0 = now;
+    let legacy = [(1, 8e6, Df::SetButOnePer(100 * MS)), (2, 6e6, Df::Set)];
+    offered_flows(&mut r, &mut now, t0 + 2 * SEC, &legacy, &mut samples);
+    assert_eq!(r.mode(), Mode::Tcp);
+    let t1 = now;
+    let flood = [(1, 3e6, Df::SetButOnePer(100 * MS)), (3, 30e6, Df::Clear)];
+    offered_flows(&mut r, &mut now, t1 + 3 * SEC, &flood, &mut samples);
+    let during: Vec<&Sample> = samples.iter().filter(|s| s.t * 1e9 >= t1 as f64).collect();
+    assert!(
+        during.iter().all(|s| s.marking_mode == "tcp"),
+        "{:?}",
+        during
+            .iter()
+            .map(|s| (s.t, s.marking_mode, s.markable_share))
+            .collect::<Vec<_>>()
+    );
+    assert!(during.last().expect("samples").markable_share > 0.8);
+    let t2 = now;
+    let own = [(1, 3e6, Df::SetButOnePer(100 * MS))];
+    offered_flows(&mut r, &mut now, t2 + 2 * SEC, &own, &mut samples);
+    assert_eq!(r.mode(), Mode::KickAss);
+}
+
+/// Kick-Ass's own overshoot held past the hold: TCP mode. Its flows obey
+/// (DF on all but one segment per RTT) but, more than the link in TCP mode
+/// too, keep the queue above half the buffer: the mode ends within a few
+/// RTTs of their obeying, so that rates reach them again (II-C3), where
+/// the queue alone would keep it for good.
+#[test]
+fn kickass_overshoot_that_obeyed_tcp_mode_ends_it() {
+    let mut r = Router::new(RouterConfig::with_capacity(10e6), 0);
+    let (mut now, mut samples) = (0, Vec::new());
+    offered_flows(
+        &mut r,
+        &mut now,
+        2 * SEC,
+        &[(1, 13e6, Df::Clear)],
+        &mut samples,
+    );
+    let entered = samples
+        .iter()
+        .find(|s| s.marking_mode == "tcp")
+        .expect("TCP mode after the hold")
+        .t;
+    // From a little after the mode started, the flow obeys it.
+    let t1 = now;
+    let obeying = [(1, 13e6, Df::SetButOnePer(100 * MS))];
+    offered_flows(&mut r, &mut now, t1 + SEC, &obeying, &mut samples);
+    let back = samples
+        .iter()
+        .find(|s| s.t * 1e9 >= t1 as f64 && s.marking_mode == "kickass")
+        .expect("back in Kick-Ass mode");
+    assert!(entered < t1 as f64 / 1e9);
+    let d = back.rtt_ms / 1e3;
+    assert!(
+        back.t - t1 as f64 / 1e9 <= 2.0 * d,
+        "{} s, d {d}",
+        back.t - t1 as f64 / 1e9
+    );
+    assert!(
+        back.queue_bytes as f64 > 0.4 * 125_000.0,
+        "{}",
+        back.queue_bytes
+    );
+    // The same flow never obeying (a markable flood): TCP mode stays.
+    let mut r = Router::new(RouterConfig::with_capacity(10e6), 0);
+    let (mut now, mut samples) = (0, Vec::new());
+    offered_flows(
+        &mut r,
+        &mut now,
+        3 * SEC,
+        &[(1, 13e6, Df::Clear)],
+        &mut samples,
+    );
+    let first = samples
+        .iter()
+        .position(|s| s.marking_mode == "tcp")
+        .expect("TCP mode");
+    assert!(samples[first..].iter().all(|s| s.marking_mode == "tcp"));
 }

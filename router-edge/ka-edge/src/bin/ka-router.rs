@@ -98,6 +98,12 @@ struct Cli {
     /// not Kick-Ass's own traffic); 1 turns the test off
     #[arg(long, default_value_t = 0.05, value_name = "SHARE")]
     unmarkable_share: f64,
+    /// End TCP mode, whatever the queue, once under this share of the
+    /// arriving bytes could still be marked (traffic that ignores the mode)
+    /// and none is unmarkable: Kick-Ass endpoints in TCP mode hold the
+    /// queue; 0 turns it off (the queue alone ends the mode)
+    #[arg(long, default_value_t = 0.5, value_name = "SHARE")]
+    tcp_mode_markable_share: f64,
     /// Let RCP update R in TCP mode too (by default R is held there, and put
     /// back to its value when the queue crossed --tcp-mode-on)
     #[arg(long)]
@@ -178,6 +184,7 @@ fn options(c: Cli) -> Result<Options, sys::Error> {
     }
     r.tcp_mode_hold_rtts = c.tcp_mode_hold;
     r.unmarkable_share = frac("unmarkable-share", c.unmarkable_share)?;
+    r.tcp_mode_markable_share = frac("tcp-mode-markable-share", c.tcp_mode_markable_share)?;
     r.hold_rate_in_tcp_mode = !c.no_hold_rate;
     if r.tcp_mode_off > r.tcp_mode_on {
         return Err(sys::Error::new(

@@ -73,6 +73,7 @@ pub fn router_config(
             "off" => rc.tcp_mode_off = x,
             "buffer" => rc.buffer = ka_core::units::Limit::Bytes(x as usize),
             "target" => rc.target_queue_ms = x,
+            "markable" => rc.tcp_mode_markable_share = x,
             _ => panic!("KA_REPLAY_ROUTER: unknown {k}"),
         }
     }
