@@ -167,10 +167,18 @@ FROM v_split_drop WHERE session_id = :session_id ORDER BY leading_ip_len
 # 8,192 raw rows left to read, so a full plan's finish stays short); a late
 # write for a final session counts its raw rows again.
 _FINISH_COUNTS = text("SELECT * FROM write_unit_counts_from_live(CAST(:pks AS bigint[]))")
-# Before a live session's batch: its rows below the batch's first seq folded
-# into its live counts once they are far enough ahead of what is (0029's
-# fold_live_counts: about every 29 batches of 280).
+# Before a live session's batch: its mark locked and returned, its rows below
+# the batch's first seq folded into its live counts first once they are far
+# enough ahead of it (0029's fold_live_counts: about every 29 batches of 280).
+# A batch's new rows below the mark (an outcome that came late) the store
+# counts itself (no insert trigger: it would slow COPY down); the changes of
+# rows replaced below it, probe_outcomes' update trigger.
 _FOLD = text("SELECT fold_live_counts(:pk, :below)")
+_STORED_SEQS = text("""
+SELECT seq FROM probe_outcomes
+WHERE session_pk = :pk AND session_created_at = :created AND seq = ANY(CAST(:seqs AS integer[]))
+""")
+_COUNT_NEW = text("SELECT count_new_live_rows(:pk, CAST(:seqs AS integer[]))")
 _WRITE_COUNTS = text("SELECT * FROM write_unit_counts(CAST(:pks AS bigint[]))")
 
 # Whether a retire has claimed the day (migration 0023): a late write for a
@@ -398,10 +406,12 @@ class StudyStore(StoreBase):
             if row is None:
                 return 0
             pk, created, final = row
+            new_below_mark: list[int] = []
             if final:
                 _refuse_if_retired(conn, session_id, created)
             else:
-                conn.execute(_FOLD, {"pk": pk, "below": min(params["seq"])})
+                mark = conn.execute(_FOLD, {"pk": pk, "below": min(params["seq"])}).scalar_one()
+                new_below_mark = [seq for seq in params["seq"] if seq < mark]
             try:
                 with conn.begin_nested():
                     cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]  # None only once closed; this one is open
@@ -409,7 +419,13 @@ class StudyStore(StoreBase):
                         for values in latest:
                             copy.write_row((pk, created, *values))
             except psycopg.errors.UniqueViolation:
+                if new_below_mark:  # a stored row is replaced, not new
+                    seqs = {"pk": pk, "created": created, "seqs": new_below_mark}
+                    stored = set(conn.execute(_STORED_SEQS, seqs).scalars())
+                    new_below_mark = [seq for seq in new_below_mark if seq not in stored]
                 conn.execute(_UPSERT_OUTCOMES, params)
+            if new_below_mark:
+                conn.execute(_COUNT_NEW, {"pk": pk, "seqs": new_below_mark})
             if final:  # a batch for a finished session (a replay): its counts follow
                 _write_counts(conn, [pk], _WRITE_COUNTS)
             return len(latest)

@@ -244,6 +244,11 @@ def test_live_counts_follow_every_write_and_the_finish_stores_a_recount(
             "DELETE FROM probe_outcomes WHERE session_pk = %s AND seq = ANY(%s)", (pk, gone)
         )
     assert_live_equals_raw(url, sid)
+    # A batch of a stored seq and a deleted one, both below the mark: an upsert
+    # that replaces one row and inserts the other.
+    apply(study, sid, [entry(acked[12], "late"), entry(min(gone), "acked", 31.0)])
+    assert acked[12] < mark and acked[12] not in gone
+    assert_live_equals_raw(url, sid)
 
     # The finish: counts from the live counts, equal to a recount.
     assert study.apply(RunFinished(sid, "complete", "fragments-ok", "test", None))

@@ -195,7 +195,8 @@ class ClientSizesRow(Base):
 class LiveCountsRow(Base):
     """A live session's counts in one phase and IP length, of its rows below
     its mark (``LiveCountMarksRow``), kept up to date as they change (migration
-    0029: ``probe_outcomes``' statement triggers, ``count_live_outcomes``) and
+    0029: ``probe_outcomes``' update and delete triggers, ``count_live_outcomes``;
+    ``count_new_live_rows`` for a late outcome's new row) and
     as the mark moves (``fold_live_counts``), so its finish reads few raw
     rows; the finish (``write_unit_counts_from_live``) deletes them."""
 

@@ -18,31 +18,35 @@ them are counted while the session is live.
   rows with a lower seq are in ``live_counts``, the others not yet.
 - ``fold_live_counts(pk, below, span)``: the session's rows from its mark up
   to ``below`` added to ``live_counts``, and the mark moved there, when that
-  is ``span`` (8,192 seqs) or more ahead. ``StudyStore`` calls it before each
-  batch of a live session, with the batch's first seq: a fold every 29 or so
+  is ``span`` (8,192 seqs) or more ahead; it locks the mark and returns
+  it. ``StudyStore`` calls it before each batch of a live session, with the
+  batch's first seq: a fold every 29 or so
   of the engine's batches of 280, one index range scan of the rows and one
   update per size (366 for a full plan). Counting each batch as it came
   would update about 280 rows per batch (a full plan goes round-robin over
   its sizes): that made the store's write path 29% slower (bench/README.md).
-- Three statement-level triggers on ``probe_outcomes`` (AFTER INSERT,
-  UPDATE, DELETE, with their transition tables) run
-  ``count_live_outcomes()``: what a statement changed below a live
-  session's mark (the counters of the rows written minus those of the rows
-  replaced; RTTs of rows replaced or deleted taken out of ``rtts``, a
-  multiset difference, ``EXCEPT ALL``; those written appended). Rows above
-  the mark are read as they are when folded. A trigger, not code in each
-  writer: every statement that changes a live session's rows is counted,
-  whichever path (the store's COPY of a batch, which may hold a seq below
-  the mark whose outcome came late; its upsert of a batch that repeats
-  stored seqs: a late ack turning 'lost' into 'late', a re-sent batch; a
-  client report marking probes invalid or adding observations; a seed or a
-  bench writing rows). Each locks its sessions' marks first, and a fold
-  locks its session's, so a fold and a change never interleave. Rows of a
-  final session are not counted here (a late write for one counts its raw
-  rows again, as before: ``write_unit_counts``). Statements on a day
-  partition itself, rather than on ``probe_outcomes``, fire no trigger;
-  nothing writes a live session's rows that way (a restore attaches a day
-  of final sessions).
+- Two statement-level triggers on ``probe_outcomes`` (AFTER UPDATE and
+  DELETE, with their transition tables) run ``count_live_outcomes()``: what
+  a statement changed below a live session's mark (the counters of the rows
+  written minus those of the rows replaced; RTTs of rows replaced or deleted
+  taken out of ``rtts``, a multiset difference, ``EXCEPT ALL``; those
+  written appended), whichever writer changed them (the store's upsert of a
+  batch that repeats stored seqs: a late ack turning 'lost' into 'late', a
+  re-sent batch; a client report marking probes invalid or adding
+  observations). Rows above the mark are read as they are when folded. The
+  transition tables hold the row versions really replaced, and each trigger
+  locks its sessions' marks first, as a fold does, so a fold and a change
+  never interleave. No trigger on INSERT: one with a transition table on a
+  partitioned table makes COPY insert row by row (PostgreSQL's ``CopyFrom``
+  gives up its batches), which made the store's COPY of a batch a quarter
+  slower. New rows go in through ``StudyStore`` only, which counts those
+  below the mark (an outcome that came late) by
+  ``count_new_live_rows(pk, seqs)``, under the mark's lock. Rows of a final
+  session are not counted here (a late write for one counts its raw rows
+  again, as before: ``write_unit_counts``). Statements on a day partition
+  itself, rather than on ``probe_outcomes``, fire no trigger; nothing
+  writes a live session's rows that way (a restore attaches a day of final
+  sessions).
 - ``write_unit_counts_from_live(pks)``: folds what is left of each session
   (at most 8,192 rows and a batch), then runs 0027's ``write_unit_counts``
   with its count of raw rows replaced by a read of ``live_counts``, then
@@ -178,14 +182,12 @@ DECLARE
     mark integer;
     created timestamptz;
 BEGIN
-SELECT m.counted_below INTO mark FROM live_count_marks m WHERE m.session_pk = pk;
-IF below < coalesce(mark, 0)::bigint + span THEN
-    RETURN coalesce(mark, 0);
-END IF;
+-- The mark, locked until the transaction ends (made at 0 for a session's
+-- first batch): the caller's writes and a fold never interleave.
 INSERT INTO live_count_marks AS m (session_pk, counted_below) VALUES (pk, 0)
 ON CONFLICT (session_pk) DO UPDATE SET counted_below = m.counted_below
 RETURNING m.counted_below INTO mark;
-IF below <= mark THEN
+IF below < mark::bigint + span THEN
     RETURN mark;
 END IF;
 SELECT s.created_at INTO created FROM sessions s WHERE s.id = pk;
@@ -195,14 +197,33 @@ RETURN below;
 END
 $$;
 COMMENT ON FUNCTION fold_live_counts(bigint, integer, integer) IS
-'Adds a live session''s rows from its mark up to seq below (when that is span or more ahead) '
-'to live_counts, and moves the mark there (migration 0029).';
+'Locks a live session''s mark and returns it; adds its rows from the mark up to seq below '
+'(when that is span or more ahead) to live_counts and moves the mark there first (0029).';
+
+CREATE FUNCTION count_new_live_rows(pk bigint, seqs integer[]) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    created timestamptz;
+BEGIN
+SELECT s.created_at INTO created FROM sessions s WHERE s.id = pk;
+{{_add(_NEW, "true")}}
+END
+$$;
+COMMENT ON FUNCTION count_new_live_rows(bigint, integer[]) IS
+'Adds rows just inserted below a live session''s mark (seqs, under its lock) to live_counts '
+'(migration 0029).';
 """
 _FOLDED = (
     "SELECT 1 AS sign, r.* FROM probe_outcomes r WHERE r.session_pk = pk "
     "AND r.session_created_at = created AND r.seq >= mark AND r.seq < below"
 )
-FOLD_LIVE_COUNTS = FOLD_LIVE_COUNTS.replace('{_add(_FOLDED, "true")}', _add(_FOLDED, "true"))
+_NEW = (
+    "SELECT 1 AS sign, r.* FROM probe_outcomes r WHERE r.session_pk = pk "
+    "AND r.session_created_at = created AND r.seq = ANY(seqs)"
+)
+FOLD_LIVE_COUNTS = FOLD_LIVE_COUNTS.replace(
+    '{_add(_FOLDED, "true")}', _add(_FOLDED, "true")
+).replace('{_add(_NEW, "true")}', _add(_NEW, "true"))
 
 
 COUNT_LIVE_OUTCOMES = f"""
@@ -213,9 +234,7 @@ DECLARE
     -- counted here (a final session's late write counts its raw rows again).
     live bigint[];
 BEGIN
-IF TG_OP = 'INSERT' THEN
-    live := ARRAY({_live_of("new_rows")});
-ELSIF TG_OP = 'UPDATE' THEN
+IF TG_OP = 'UPDATE' THEN
     live := ARRAY({_live_of(_BOTH)});
 ELSE
     live := ARRAY({_live_of("old_rows")});
@@ -224,9 +243,7 @@ IF cardinality(live) = 0 THEN
     RETURN NULL;
 END IF;
 {_LOCK_MARKS}
-IF TG_OP = 'INSERT' THEN
-{_add(_WRITTEN, _IN_LIVE)}
-ELSIF TG_OP = 'UPDATE' THEN
+IF TG_OP = 'UPDATE' THEN
 {_add(f"{_WRITTEN} UNION ALL {_REPLACED}", _IN_LIVE)}
 {_TAKE_OUT}
 ELSE
@@ -242,9 +259,12 @@ COMMENT ON FUNCTION count_live_outcomes() IS
 """
 
 # (event, transition tables): one trigger per event, as PostgreSQL requires of
-# triggers with transition tables.
+# triggers with transition tables. None on INSERT: an insert trigger with a
+# transition table on a partitioned table turns COPY's batched inserts into
+# one at a time (PostgreSQL's CopyFrom), which made the store's COPY of a
+# batch about a quarter slower (bench/README.md); the store counts the new
+# rows below the mark itself (count_new_live_rows).
 TRIGGERS = {
-    "insert": "NEW TABLE AS new_rows",
     "update": "OLD TABLE AS old_rows NEW TABLE AS new_rows",
     "delete": "OLD TABLE AS old_rows",
 }
@@ -347,6 +367,7 @@ def downgrade() -> None:
     op.execute("DROP FUNCTION write_unit_counts_from_live(bigint[])")
     for event in TRIGGERS:
         op.execute(f"DROP TRIGGER live_counts_{event} ON probe_outcomes")
+    op.execute("DROP FUNCTION count_new_live_rows(bigint, integer[])")
     op.execute("DROP FUNCTION fold_live_counts(bigint, integer, integer)")
     op.execute("DROP FUNCTION count_live_outcomes()")
     op.drop_table("live_count_marks")
