@@ -282,6 +282,68 @@ fn immediate_return_when_rates_resume_after_no_rate() {
 }
 
 #[test]
+fn immediate_return_after_no_rate_even_to_a_higher_rate() {
+    // II-C2 again, the rate resuming at twice what it was: TCP's window
+    // (rate x SRTT) is half of it, yet the flow returns on the first ACK
+    // that carries it; the router's silence was the only reason to leave.
+    let mut m = ka();
+    let sent = send_for(&mut m, ms(20));
+    m.advance_to(ms(200));
+    m.ack(U, &[], sent[0].ts, None);
+    let srtt = m.conn.rtt().srtt().expect("sampled");
+    m.advance_to(ms(200) + srtt + 1);
+    assert_eq!(m.conn.ka_mode(), Mode::Tcp);
+    let twice = (L_10MBIT..=1480)
+        .step_by(8)
+        .find(|&l| advertised_rate(l as usize).unwrap() >= 2.0 * rate_10mbit())
+        .expect("a code for twice the rate");
+    let tcp_rate = m.conn.window() as f64 / (srtt as f64 / 1e9);
+    assert!(tcp_rate < payload_rate(advertised_rate(twice as usize).unwrap(), U, 1500));
+    m.ack(U, &[], sent[0].ts, Some(twice));
+    assert_eq!(m.conn.ka_mode(), Mode::KickAss);
+    assert_eq!(
+        m.conn.last_advertised_rate(),
+        advertised_rate(twice as usize)
+    );
+}
+
+#[test]
+fn a_loss_in_a_no_rate_tcp_mode_makes_the_return_wait_for_the_rate() {
+    // The router fell silent (II-C2), then the flow lost a segment in TCP
+    // mode: a congestion signal of its own (II-C3), which may come from a
+    // router that advertises nothing, so back only once TCP's rate
+    // reaches the advertised one.
+    let mut m = ka();
+    let sent = send_for(&mut m, ms(20));
+    m.advance_to(ms(200));
+    m.ack(U, &[], sent[0].ts, None);
+    let srtt = m.conn.rtt().srtt().expect("sampled");
+    m.advance_to(ms(200) + srtt + 1);
+    assert_eq!(m.conn.ka_mode(), Mode::Tcp);
+    // The second segment is lost: three duplicate ACKs (SACKs of 3..5).
+    for k in 3..6u64 {
+        m.ack(U, &[(2 * U, k * U)], sent[k as usize - 1].ts, None);
+    }
+    let reasons: Vec<_> = m.switches().iter().map(|s| s.reason).collect();
+    assert_eq!(reasons, vec![SwitchReason::NoRate]);
+    // The repair; the recovery ends with everything sent so far acknowledged.
+    let una_to = m.conn.snd_nxt();
+    m.ack(una_to, &[], sent[sent.len() - 1].ts, None);
+    let srtt = m.conn.rtt().srtt().expect("sampled");
+    let tcp_rate = m.conn.window() as f64 / (srtt as f64 / 1e9);
+    assert!(
+        tcp_rate < payload_rate(rate_10mbit(), U, 1500),
+        "{tcp_rate}"
+    );
+    m.ack(una_to, &[], sent[sent.len() - 1].ts, Some(L_10MBIT));
+    assert_eq!(
+        m.conn.ka_mode(),
+        Mode::Tcp,
+        "cwnd/SRTT below the advertised rate"
+    );
+}
+
+#[test]
 fn kickass_disabled_is_pure_newreno() {
     // The receiver would echo rates, the router would mark: ignored.
     let mut m = Manual::connect(Config::new_reno(), 100 * U, ms(100), Some(L_10MBIT));

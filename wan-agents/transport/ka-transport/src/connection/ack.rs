@@ -235,9 +235,7 @@ impl Connection {
     /// window (RFC 3168 6.1.2).
     fn on_ecn_echo(&mut self, now: Nanos, cum_ack: u64) {
         self.stats.ecn_echoes += 1;
-        if self.mode == Mode::KickAss {
-            self.enter_tcp_mode(now, SwitchReason::Ecn);
-        }
+        self.enter_tcp_mode(now, SwitchReason::Ecn);
         if self.recovery.is_none() && cum_ack >= self.ecn_recover {
             self.ecn_recover = self.snd_nxt;
             let flight = self.board.flight();
@@ -261,9 +259,7 @@ impl Connection {
         let repaired = self.tlp.retransmission && ack.ts_echo >= self.tlp.sent_at;
         self.tlp.end_seq = None;
         if repaired && self.recovery.is_none() {
-            if self.mode == Mode::KickAss {
-                self.enter_tcp_mode(now, SwitchReason::Loss);
-            }
+            self.enter_tcp_mode(now, SwitchReason::Loss);
             let flight = self.board.flight();
             self.tcp
                 .on_congestion_event(now, CongestionSignal::Loss, flight);

@@ -366,6 +366,9 @@ pub struct Connection {
     mode: Mode,
     last_rate: Option<f64>,
     last_rate_at: Option<Nanos>,
+    /// This TCP mode saw a congestion signal of its own (loss, RTO, ECN:
+    /// II-C3), not only the router's silence (II-C2).
+    congested_in_tcp_mode: bool,
     first_data_ack_at: Option<Nanos>,
     /// TCP mode: when the last segment left with DF clear (a rate probe).
     rate_probe_at: Option<Nanos>,
@@ -456,6 +459,7 @@ impl Connection {
             },
             last_rate: None,
             last_rate_at: None,
+            congested_in_tcp_mode: false,
             first_data_ack_at: None,
             rate_probe_at: None,
             fin_attempts: 0,

@@ -42,10 +42,18 @@ impl Connection {
         }
     }
 
-    /// Paper II-C3: back to Kick-Ass mode once TCP's rate reaches the last
-    /// advertised rate, judged when a rate arrives, outside recovery.
+    /// Back to Kick-Ass mode when a rate arrives, outside recovery: at once
+    /// if only the router's silence sent the flow to TCP mode ("On receipt
+    /// of such rates, the endpoints immediately return", II-C2); after a
+    /// congestion signal of its own, once TCP's rate reaches the advertised
+    /// rate (II-C3: the congestion may be at a router that advertises
+    /// nothing).
     pub(super) fn maybe_return_to_kickass(&mut self, now: Nanos) {
         if self.mode != Mode::Tcp || self.recovery.is_some() || !self.board.lost_is_empty() {
+            return;
+        }
+        if !self.congested_in_tcp_mode {
+            self.enter_ka_mode(now);
             return;
         }
         if let (Some(r), Some(srtt)) = (self.last_rate, self.rtt.srtt()) {
@@ -75,6 +83,8 @@ impl Connection {
     /// carries over and slow start continues.
     pub(super) fn enter_tcp_mode(&mut self, now: Nanos, reason: SwitchReason) {
         if self.mode == Mode::Tcp {
+            // A signal of its own in a TCP mode the router's silence began.
+            self.congested_in_tcp_mode |= reason != SwitchReason::NoRate;
             return;
         }
         let (cwnd, ssthresh) = match (self.ka.bdp(), reason) {
@@ -83,6 +93,7 @@ impl Connection {
             (Some(bdp), _) => (bdp, u64::MAX),
         };
         self.tcp.seed(now, cwnd, ssthresh);
+        self.congested_in_tcp_mode = reason != SwitchReason::NoRate;
         self.switch_mode(now, Mode::Tcp, reason);
     }
 

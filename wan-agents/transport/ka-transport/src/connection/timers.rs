@@ -7,7 +7,7 @@ use ka_core::Nanos;
 use super::recovery::{Recovery, DUP_THRESH};
 use super::{Connection, ConnectionError, State, Tlp};
 use crate::cc::CongestionSignal;
-use crate::record::{Mode, SwitchReason};
+use crate::record::SwitchReason;
 use crate::rtt::CLOCK_GRANULARITY;
 
 impl Connection {
@@ -59,9 +59,7 @@ impl Connection {
         } else {
             SwitchReason::Loss
         };
-        if self.mode == Mode::KickAss {
-            self.enter_tcp_mode(now, reason);
-        }
+        self.enter_tcp_mode(now, reason);
         self.stats.recoveries += 1;
         self.fast_retransmits += 1;
         let flight_before = self.snd_nxt - self.snd_una;
@@ -84,9 +82,7 @@ impl Connection {
             self.fail(ConnectionError::TooManyTimeouts);
             return;
         }
-        if self.mode == Mode::KickAss {
-            self.enter_tcp_mode(now, SwitchReason::Rto);
-        }
+        self.enter_tcp_mode(now, SwitchReason::Rto);
         let flight = self.board.flight();
         let again = self.board.on_rto();
         self.tcp.on_rto(now, flight, !again);
