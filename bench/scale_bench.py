@@ -7,18 +7,22 @@ and the refresh at scale, is dashboards_bench.py's):
   e  durable_counts   bytes per full-plan session (36,600 probes) in
                       ``unit_counts`` (heap, TOAST and index:
                       pg_total_relation_size over the sessions), against the
-                      raw rows' bytes; what ``finish_session`` gains at p50
-                      and p95 over the same UPDATE alone, with the head's
-                      ``write_unit_counts`` and with 0026's (before 0027),
-                      the three kinds of finish taking turns session by
-                      session (wall clock, and the backend's CPU time), over
-                      the partitions a server keeping 30 raw days has; the
-                      refresh's fold of those sessions.
+                      raw rows' bytes, and in ``live_counts`` while it is
+                      live; what ``finish_session`` gains at p50 and p95 over
+                      the same UPDATE alone, counting from the live counts
+                      (the head, 0029: ``write_unit_counts_from_live``) and
+                      from the raw rows (0027's ``write_unit_counts``, the
+                      finish before 0029), the three kinds of finish taking
+                      turns session by session (wall clock, and the
+                      backend's CPU time), over the partitions a server
+                      keeping 30 raw days has; the refresh's fold of those
+                      sessions.
   b  ingest           the store's write path (``record_outcomes``: COPY of a
                       batch, an upsert when it repeats a stored seq; batches
                       of 280 rows as the engine flushes) into the partitioned
                       ``probe_outcomes``, against the same code into an
-                      unpartitioned copy of the table and against one COPY of
+                      unpartitioned copy of the table (with the same live
+                      counts' triggers, 0029) and against one COPY of
                       a session's rows into the partitioned table,
                       interleaved round by round; rows/s, the ratios, and the
                       full-plan sessions a day the store's path sustains.
@@ -178,27 +182,40 @@ def _migration(prefix: str) -> Any:
     return module
 
 
-# write_unit_counts as it was before migration 0027 (0020's over 0022's
-# partitions), under another name: the "before" of figure e, in the same run.
-BEFORE_0027 = "bench_write_unit_counts_0026"
-
-
-def _install_before_0027(url: str) -> None:
-    sql = _migration("0020").write_unit_counts(_migration("0022").SESSION_ROWS)
-    assert sql.count("CREATE FUNCTION write_unit_counts(") == 1
-    with psycopg.connect(db.libpq_url(url), autocommit=True) as conn:
-        conn.execute(sql.replace("FUNCTION write_unit_counts(", f"FUNCTION {BEFORE_0027}(", 1))
-
-
 @contextmanager
 def _counted_by(function: str) -> Iterator[None]:
     """finish_session storing its counts through ``function`` (same arguments)."""
-    saved = study_store._WRITE_COUNTS
-    study_store._WRITE_COUNTS = text(f"SELECT * FROM {function}(CAST(:pks AS bigint[]))")
+    saved = study_store._FINISH_COUNTS
+    study_store._FINISH_COUNTS = text(f"SELECT * FROM {function}(CAST(:pks AS bigint[]))")
     try:
         yield
     finally:
-        study_store._WRITE_COUNTS = saved
+        study_store._FINISH_COUNTS = saved
+
+
+# The two ways of counting a finish: from the live counts (the head, 0029) and
+# from the raw rows (0027's write_unit_counts, the finish before 0029).
+COUNTING = {"now": "write_unit_counts_from_live", "raw_0027": "write_unit_counts"}
+
+
+_ARMS = (("now", ""), ("raw_0027", "_raw_0027"))
+# A session finished other than by the head's finish leaves no live counts either.
+_DROP_LIVE = text(
+    "WITH d AS (DELETE FROM live_counts WHERE session_pk = :pk), "
+    "m AS (DELETE FROM live_count_marks WHERE session_pk = :pk) SELECT 1"
+)
+
+
+def _live_bytes(sid: str) -> Any:
+    return text(
+        "SELECT coalesce(sum(pg_column_size(t.*)), 0) FROM live_counts t "
+        "JOIN sessions s ON s.id = t.session_pk WHERE s.session_id = :sid"
+    ).bindparams(sid=sid)
+
+
+def _pk(store: StudyStore, sid: str) -> int:
+    stmt = text("SELECT id FROM sessions WHERE session_id = :sid").bindparams(sid=sid)
+    return int(store.run(partial(_scalar, stmt=stmt)))
 
 
 def _stats(ms: list[float]) -> dict[str, float]:
@@ -206,12 +223,11 @@ def _stats(ms: list[float]) -> dict[str, float]:
 
 
 def durable_counts(url: str, sessions: int, rng: random.Random) -> dict[str, Any]:
-    """Sessions in turn: finished with their counts (head), finished with
-    0026's counts (``BEFORE_0027``), or by the UPDATE alone (before 0020)."""
+    """Sessions in turn: finished with their counts from the live counts
+    (head), from their raw rows (0027), or by the UPDATE alone (before 0020)."""
     from kickass_analysis.archive import KEEP_RAW_DAYS
     from kickass_db.study_store import _sessions
 
-    _install_before_0027(url)
     store = StudyStore(url)
     # The raw days a server keeps (keep_raw_days): the finish reads one
     # partition, but is planned over all of them.
@@ -220,15 +236,17 @@ def durable_counts(url: str, sessions: int, rng: random.Random) -> dict[str, Any
         for back in range(1, KEEP_RAW_DAYS["probe_outcomes"] + 1):
             partitions.ensure(conn, "probe_outcomes", today - timedelta(days=back))
         days = len(partitions.days(conn, "probe_outcomes"))
-    arms = ("now", "before_0027", "update_only")
+    arms = ("now", "raw_0027", "update_only")
     wall: dict[str, list[float]] = {arm: [] for arm in arms}
     cpu: dict[str, list[float]] = {arm: [] for arm in arms[:2]}
     counted: list[str] = []
+    live_bytes: list[int] = []
     try:
         for i in range(sessions):
             arm = arms[i % 3]
             sid = new_session(store, rng)
             record(store, sid, outcomes(FULL_PLAN, rng))
+            live_bytes.append(store.run(partial(_scalar, stmt=_live_bytes(sid))))
             pid = _backend(store)
             if arm == "update_only":
                 # finish_session's UPDATE alone: what it cost before 0020.
@@ -240,16 +258,18 @@ def durable_counts(url: str, sessions: int, rng: random.Random) -> dict[str, Any
                     .returning(_sessions.c.id)
                 )  # fmt: skip
                 t0 = time.perf_counter()
-                store.run(partial(_scalar, stmt=stmt))
+                pk = store.run(partial(_scalar, stmt=stmt))
                 wall[arm].append((time.perf_counter() - t0) * 1000)
+                store.run(partial(_scalar, stmt=_DROP_LIVE.bindparams(pk=pk)))
                 continue
-            function = "write_unit_counts" if arm == "now" else BEFORE_0027
-            with _counted_by(function):
+            with _counted_by(COUNTING[arm]):
                 c0, t0 = _cpu_s(pid), time.perf_counter()
                 assert store.apply(RunFinished(sid, "complete", "fragments-ok", "bench", None))
                 wall[arm].append((time.perf_counter() - t0) * 1000)
             if _backend(store) == pid:  # the pool's one connection: its CPU time
                 cpu[arm].append((_cpu_s(pid) - c0) * 1000)
+            if arm == "raw_0027":  # as the finish of the head leaves them: none
+                store.run(partial(_scalar, stmt=_DROP_LIVE.bindparams(pk=_pk(store, sid))))
             counted.append(sid)
         with store.engine.connect() as conn:
             sizes = conn.execute(
@@ -278,26 +298,22 @@ def durable_counts(url: str, sessions: int, rng: random.Random) -> dict[str, Any
         "index_bytes_per_session": sizes.idx / len(counted),
         "raw_bytes_per_session": sizes.raw / sessions,
         "unit_counts_rows": sizes.rows,
+        # A live full-plan session's live_counts rows (pg_column_size summed).
+        "live_counts_bytes_per_session": statistics.median(live_bytes),
         "update_only_ms": _stats(base),
         # Wall clock of the finish with its counts, and what that gains over
-        # the UPDATE alone, with the counting of the head and of 0026.
-        **{
-            f"finish{suffix}_ms": _stats(wall[arm])
-            for arm, suffix in (("now", ""), ("before_0027", "_before_0027"))
-        },
+        # the UPDATE alone, counting from the live counts (head) and from the raw rows (0027).
+        **{f"finish{suffix}_ms": _stats(wall[arm]) for arm, suffix in _ARMS},
         **{
             f"finish{suffix}_gains_ms": {
                 "p50": pct(wall[arm], 50) - pct(base, 50),
                 "p95": pct(wall[arm], 95) - pct(base, 95),
             }
-            for arm, suffix in (("now", ""), ("before_0027", "_before_0027"))
+            for arm, suffix in _ARMS
         },
         # The backend's CPU time of a finish with its counts: what it costs on
         # an idle core (the wall times above include waiting for one).
-        **{
-            f"finish{suffix}_backend_cpu_ms": _stats(cpu[arm])
-            for arm, suffix in (("now", ""), ("before_0027", "_before_0027"))
-        },
+        **{f"finish{suffix}_backend_cpu_ms": _stats(cpu[arm]) for arm, suffix in _ARMS},
         "fold": {
             "changes": folded,
             "seconds": fold_s,
@@ -312,7 +328,11 @@ _FLAT = """
 CREATE TABLE bench_flat (LIKE probe_outcomes INCLUDING DEFAULTS INCLUDING CONSTRAINTS);
 ALTER TABLE bench_flat ADD PRIMARY KEY (session_pk, seq, session_created_at);
 CREATE INDEX ON bench_flat (session_pk, phase, ip_len);
-"""
+""" + "".join(  # the same live counts (0029) kept for it: only the partitioning differs
+    f"CREATE TRIGGER bench_flat_{event} AFTER {event.upper()} ON bench_flat REFERENCING "
+    f"{tables} FOR EACH STATEMENT EXECUTE FUNCTION count_live_outcomes();\n"
+    for event, tables in _migration("0029").TRIGGERS.items()
+)
 _COLUMNS = ("session_pk", "session_created_at", "seq", "phase", "ip_len", "sent_at", "outcome",
             "acked_at", "rtt_ms", "ack_count", "received_len", "observed_frag_size",
             "reassembly_invalid")  # fmt: skip

@@ -20,11 +20,12 @@ them are counted while the session is live.
   to ``below`` added to ``live_counts``, and the mark moved there, when that
   is ``span`` (8,192 seqs) or more ahead; it locks the mark and returns
   it. ``StudyStore`` calls it before each batch of a live session, with the
-  batch's first seq: a fold every 29 or so
-  of the engine's batches of 280, one index range scan of the rows and one
-  update per size (366 for a full plan). Counting each batch as it came
-  would update about 280 rows per batch (a full plan goes round-robin over
-  its sizes): that made the store's write path 29% slower (bench/README.md).
+  batch's first seq: a fold every 29 or so of the engine's batches of 280,
+  one index range scan of the rows and one update per size (366 for a full
+  plan). Counting each batch as it came would update about 280 rows per
+  batch (a full plan goes round-robin over its sizes): with an insert
+  trigger doing it, the store's write path was 29% slower
+  (bench/README.md).
 - Two statement-level triggers on ``probe_outcomes`` (AFTER UPDATE and
   DELETE, with their transition tables) run ``count_live_outcomes()``: what
   a statement changed below a live session's mark (the counters of the rows
