@@ -123,7 +123,16 @@ class _Data:
         self.experiments = experiments
 
 
+# quiet: its claim is that every flow completes before its period's deadline
+# (3 s periods, 2.5 s gaps). On the legacy path a Kick-Ass flow follows the
+# edge router's 10 Mbit/s into the 5 Mbit/s link until its first loss (II-C3,
+# as the paper's §III-D2): 70-86 of a 300-packet flow's segments are resent
+# (kernel CUBIC: none; ka-transport's own CUBIC on simulated time: 48) and it
+# still ends in about 1 s; with the three test streams beside it one such flow
+# missed the deadline (CI rehearsal of 9f0df8c; 3 of 3 passed alone, and the
+# same with the transport before that commit).
 @pytest.mark.netns
+@pytest.mark.quiet
 def test_a_round_to_three_paths_completes_and_is_stored(database_url: str) -> None:
     """Three paths (5 ms; 60 ms behind a 5 Mbit/s legacy link; 200 ms) at
     10 Mbit/s access, one pair of 3 s periods each, small flows (mean 40
