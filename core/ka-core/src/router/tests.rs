@@ -644,6 +644,21 @@ fn kickass_traffic_above_the_threshold_waits_for_the_hold() {
     assert!(crossing.unmarkable_share < 0.05);
 }
 
+/// A Kick-Ass flow (flow 1, 8 Mbit/s) alone for 2 s, then for 2 s beside
+/// a legacy flow (flow 2, 6 Mbit/s, DF set): the router in TCP mode and the
+/// Kick-Ass flow too (DF on all but one packet per 100 ms).
+fn legacy_joins_a_kickass_flow() -> (Router, Nanos, Vec<Sample>) {
+    let mut r = Router::new(RouterConfig::with_capacity(10e6), 0);
+    let (mut now, mut samples) = (0, Vec::new());
+    let alone = [(1, 8e6, Df::Clear)];
+    offered_flows(&mut r, &mut now, 2 * SEC, &alone, &mut samples);
+    let t0 = now;
+    let both = [(1, 8e6, Df::SetButOnePer(100 * MS)), (2, 6e6, Df::Set)];
+    offered_flows(&mut r, &mut now, t0 + 2 * SEC, &both, &mut samples);
+    assert_eq!(r.mode(), Mode::Tcp);
+    (r, now, samples)
+}
+
 /// Kick-Ass endpoints in TCP mode set DF on all but one segment per RTT
 /// (wan-agents' transport): the router remembers their flows as its own, so
 /// once the traffic that was not Kick-Ass's leaves, the mode ends within a
@@ -651,20 +666,8 @@ fn kickass_traffic_above_the_threshold_waits_for_the_hold() {
 /// markable packet is still traffic that is not Kick-Ass's own.
 #[test]
 fn kickass_flows_in_tcp_mode_are_not_taken_for_legacy_traffic() {
-    let mut r = Router::new(RouterConfig::with_capacity(10e6), 0);
-    let (mut now, mut samples) = (0, Vec::new());
-    offered_flows(
-        &mut r,
-        &mut now,
-        2 * SEC,
-        &[(1, 8e6, Df::Clear)],
-        &mut samples,
-    );
     // A legacy flow joins: TCP mode; the Kick-Ass flow goes to TCP mode too.
-    let t0 = now;
-    let both = [(1, 8e6, Df::SetButOnePer(100 * MS)), (2, 6e6, Df::Set)];
-    offered_flows(&mut r, &mut now, t0 + 2 * SEC, &both, &mut samples);
-    assert_eq!(r.mode(), Mode::Tcp);
+    let (mut r, mut now, mut samples) = legacy_joins_a_kickass_flow();
     let legacy_share = samples.last().expect("samples").unmarkable_share;
     assert!(legacy_share > 0.3, "{legacy_share}");
     // The legacy flow leaves; the Kick-Ass flow (still in TCP mode, still
@@ -705,19 +708,7 @@ fn kickass_flows_in_tcp_mode_are_not_taken_for_legacy_traffic() {
 /// mode stays for as long as it lasts; Kick-Ass mode follows once it ends.
 #[test]
 fn a_markable_flood_after_legacy_traffic_keeps_tcp_mode() {
-    let mut r = Router::new(RouterConfig::with_capacity(10e6), 0);
-    let (mut now, mut samples) = (0, Vec::new());
-    offered_flows(
-        &mut r,
-        &mut now,
-        2 * SEC,
-        &[(1, 8e6, Df::Clear)],
-        &mut samples,
-    );
-    let t0 = now;
-    let legacy = [(1, 8e6, Df::SetButOnePer(100 * MS)), (2, 6e6, Df::Set)];
-    offered_flows(&mut r, &mut now, t0 + 2 * SEC, &legacy, &mut samples);
-    assert_eq!(r.mode(), Mode::Tcp);
+    let (mut r, mut now, mut samples) = legacy_joins_a_kickass_flow();
     let t1 = now;
     let flood = [(1, 3e6, Df::SetButOnePer(100 * MS)), (3, 30e6, Df::Clear)];
     offered_flows(&mut r, &mut now, t1 + 3 * SEC, &flood, &mut samples);
@@ -737,6 +728,14 @@ fn a_markable_flood_after_legacy_traffic_keeps_tcp_mode() {
     assert_eq!(r.mode(), Mode::KickAss);
 }
 
+/// A 10 Mbit/s router with its defaults, offered `streams` from 0 to `until`.
+fn fresh_router_offered(until: Nanos, streams: &[(u16, f64, Df)]) -> (Router, Nanos, Vec<Sample>) {
+    let mut r = Router::new(RouterConfig::with_capacity(10e6), 0);
+    let (mut now, mut samples) = (0, Vec::new());
+    offered_flows(&mut r, &mut now, until, streams, &mut samples);
+    (r, now, samples)
+}
+
 /// Kick-Ass's own overshoot held past the hold: TCP mode. Its flows obey
 /// (DF on all but one segment per RTT) but, more than the link in TCP mode
 /// too, keep the queue above half the buffer: the mode ends within a few
@@ -744,15 +743,7 @@ fn a_markable_flood_after_legacy_traffic_keeps_tcp_mode() {
 /// the queue alone would keep it for good.
 #[test]
 fn kickass_overshoot_that_obeyed_tcp_mode_ends_it() {
-    let mut r = Router::new(RouterConfig::with_capacity(10e6), 0);
-    let (mut now, mut samples) = (0, Vec::new());
-    offered_flows(
-        &mut r,
-        &mut now,
-        2 * SEC,
-        &[(1, 13e6, Df::Clear)],
-        &mut samples,
-    );
+    let (mut r, mut now, mut samples) = fresh_router_offered(2 * SEC, &[(1, 13e6, Df::Clear)]);
     let entered = samples
         .iter()
         .find(|s| s.marking_mode == "tcp")
@@ -779,15 +770,7 @@ fn kickass_overshoot_that_obeyed_tcp_mode_ends_it() {
         back.queue_bytes
     );
     // The same flow never obeying (a markable flood): TCP mode stays.
-    let mut r = Router::new(RouterConfig::with_capacity(10e6), 0);
-    let (mut now, mut samples) = (0, Vec::new());
-    offered_flows(
-        &mut r,
-        &mut now,
-        3 * SEC,
-        &[(1, 13e6, Df::Clear)],
-        &mut samples,
-    );
+    let (_, _, samples) = fresh_router_offered(3 * SEC, &[(1, 13e6, Df::Clear)]);
     let first = samples
         .iter()
         .position(|s| s.marking_mode == "tcp")

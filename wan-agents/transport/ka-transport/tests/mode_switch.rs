@@ -259,11 +259,10 @@ fn back_to_kickass_when_tcp_rate_reaches_the_last_advertised_rate() {
     assert_eq!(m.conn.pacing_rate(), Some(r * 1000.0));
 }
 
-#[test]
-fn immediate_return_when_rates_resume_after_no_rate() {
-    // II-C2: "On receipt of such rates, the endpoints immediately return
-    // to Kick-Ass mode": NewReno took over rate x SRTT, so the first ACK
-    // with the same rate brings the flow back.
+/// A Kick-Ass flow whose router fell silent: data sent for 20 ms, its first
+/// ACK without a rate, then one SRTT more (II-C2): TCP mode. Returns what
+/// was sent and the SRTT.
+fn in_tcp_mode_for_no_rate() -> (Manual, Vec<common::manual::Sent>, u64) {
     let mut m = ka();
     let sent = send_for(&mut m, ms(20));
     m.advance_to(ms(200));
@@ -271,6 +270,15 @@ fn immediate_return_when_rates_resume_after_no_rate() {
     let srtt = m.conn.rtt().srtt().expect("sampled");
     m.advance_to(ms(200) + srtt + 1);
     assert_eq!(m.conn.ka_mode(), Mode::Tcp);
+    (m, sent, srtt)
+}
+
+#[test]
+fn immediate_return_when_rates_resume_after_no_rate() {
+    // II-C2: "On receipt of such rates, the endpoints immediately return
+    // to Kick-Ass mode": NewReno took over rate x SRTT, so the first ACK
+    // with the same rate brings the flow back.
+    let (mut m, sent, _) = in_tcp_mode_for_no_rate();
     // An ACK that acknowledges nothing new (no RTT sample, no growth).
     m.ack(U, &[], sent[0].ts, Some(L_10MBIT));
     assert_eq!(m.conn.ka_mode(), Mode::KickAss);
@@ -286,13 +294,7 @@ fn immediate_return_after_no_rate_even_to_a_higher_rate() {
     // II-C2 again, the rate resuming at twice what it was: TCP's window
     // (rate x SRTT) is half of it, yet the flow returns on the first ACK
     // that carries it; the router's silence was the only reason to leave.
-    let mut m = ka();
-    let sent = send_for(&mut m, ms(20));
-    m.advance_to(ms(200));
-    m.ack(U, &[], sent[0].ts, None);
-    let srtt = m.conn.rtt().srtt().expect("sampled");
-    m.advance_to(ms(200) + srtt + 1);
-    assert_eq!(m.conn.ka_mode(), Mode::Tcp);
+    let (mut m, sent, srtt) = in_tcp_mode_for_no_rate();
     let twice = (L_10MBIT..=1480)
         .step_by(8)
         .find(|&l| advertised_rate(l as usize).unwrap() >= 2.0 * rate_10mbit())
@@ -313,13 +315,7 @@ fn a_loss_in_a_no_rate_tcp_mode_makes_the_return_wait_for_the_rate() {
     // mode: a congestion signal of its own (II-C3), which may come from a
     // router that advertises nothing, so back only once TCP's rate
     // reaches the advertised one.
-    let mut m = ka();
-    let sent = send_for(&mut m, ms(20));
-    m.advance_to(ms(200));
-    m.ack(U, &[], sent[0].ts, None);
-    let srtt = m.conn.rtt().srtt().expect("sampled");
-    m.advance_to(ms(200) + srtt + 1);
-    assert_eq!(m.conn.ka_mode(), Mode::Tcp);
+    let (mut m, sent, _) = in_tcp_mode_for_no_rate();
     // The second segment is lost: three duplicate ACKs (SACKs of 3..5).
     for k in 3..6u64 {
         m.ack(U, &[(2 * U, k * U)], sent[k as usize - 1].ts, None);
