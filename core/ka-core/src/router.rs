@@ -567,20 +567,18 @@ impl Router {
         // 2T/d): long enough to ignore a stray packet, short enough that
         // TCP mode ends within a few RTTs of the traffic that caused it.
         let gain = (2.0 * interval_s / m.rtt_s.max(1e-6)).min(1.0);
-        let share = if self.interval_arrived > 0 {
-            (self.interval_unmarkable as f64 / self.interval_arrived as f64).min(1.0)
-        } else {
-            0.0
+        let arrived = self.interval_arrived;
+        let share = |part: &mut u64| {
+            let s = if arrived > 0 {
+                (*part as f64 / arrived as f64).min(1.0)
+            } else {
+                0.0
+            };
+            *part = 0;
+            s
         };
-        self.unmarkable += gain * (share - self.unmarkable);
-        self.interval_unmarkable = 0;
-        let share = if self.interval_arrived > 0 {
-            (self.interval_markable as f64 / self.interval_arrived as f64).min(1.0)
-        } else {
-            0.0
-        };
-        self.markable += gain * (share - self.markable);
-        self.interval_markable = 0;
+        self.unmarkable += gain * (share(&mut self.interval_unmarkable) - self.unmarkable);
+        self.markable += gain * (share(&mut self.interval_markable) - self.markable);
         self.refresh_leading_fragment_len();
         let input = self.interval_arrived as f64 * 8.0 / interval_s;
         let output = self.interval_sent as f64 * 8.0 / interval_s;

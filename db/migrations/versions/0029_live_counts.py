@@ -175,6 +175,16 @@ def _live_of(table: str) -> str:
 # most this many rows and a batch.
 FOLD_SPAN = 8192
 
+# A session's rows from its mark up to ``below``; the rows of ``seqs``.
+_FOLDED = (
+    "SELECT 1 AS sign, r.* FROM probe_outcomes r WHERE r.session_pk = pk "
+    "AND r.session_created_at = created AND r.seq >= mark AND r.seq < below"
+)
+_NEW = (
+    "SELECT 1 AS sign, r.* FROM probe_outcomes r WHERE r.session_pk = pk "
+    "AND r.session_created_at = created AND r.seq = ANY(seqs)"
+)
+
 FOLD_LIVE_COUNTS = f"""
 CREATE FUNCTION fold_live_counts(pk bigint, below integer, span integer DEFAULT {FOLD_SPAN})
 RETURNS integer
@@ -192,7 +202,7 @@ IF below < mark::bigint + span THEN
     RETURN mark;
 END IF;
 SELECT s.created_at INTO created FROM sessions s WHERE s.id = pk;
-{{_add(_FOLDED, "true")}}
+{_add(_FOLDED, "true")}
 UPDATE live_count_marks m SET counted_below = below WHERE m.session_pk = pk;
 RETURN below;
 END
@@ -207,24 +217,13 @@ DECLARE
     created timestamptz;
 BEGIN
 SELECT s.created_at INTO created FROM sessions s WHERE s.id = pk;
-{{_add(_NEW, "true")}}
+{_add(_NEW, "true")}
 END
 $$;
 COMMENT ON FUNCTION count_new_live_rows(bigint, integer[]) IS
 'Adds rows just inserted below a live session''s mark (seqs, under its lock) to live_counts '
 '(migration 0029).';
 """
-_FOLDED = (
-    "SELECT 1 AS sign, r.* FROM probe_outcomes r WHERE r.session_pk = pk "
-    "AND r.session_created_at = created AND r.seq >= mark AND r.seq < below"
-)
-_NEW = (
-    "SELECT 1 AS sign, r.* FROM probe_outcomes r WHERE r.session_pk = pk "
-    "AND r.session_created_at = created AND r.seq = ANY(seqs)"
-)
-FOLD_LIVE_COUNTS = FOLD_LIVE_COUNTS.replace(
-    '{_add(_FOLDED, "true")}', _add(_FOLDED, "true")
-).replace('{_add(_NEW, "true")}', _add(_NEW, "true"))
 
 
 COUNT_LIVE_OUTCOMES = f"""
